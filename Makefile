@@ -1,0 +1,26 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test setup clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,tpu]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# A real training run of the tiny model on the embedded standard-library corpus,
+# across 8 virtual CPU devices with a (dp, fsdp, sp) = (1, 2, 4) mesh.
+demo: $(STAMP)
+	$(PY) scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf runs $(VENV)
