@@ -1,0 +1,170 @@
+"""longctx base config with presets.
+
+Run (the CPU demo, 8 virtual devices, mesh dp=1 x fsdp=2 x sp=4):
+  python scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
+
+Override anything from the command line:
+  python scripts/train.py --config=configs/base.py:tiny --workdir=runs/x \
+      --config.model.num_layers=4 --config.attention.sliding_window=256
+
+Ahead-of-time fit check of a Llama-3-8B-shaped model at 128K tokens on a v5p slice:
+  python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --topology=v5p:4x4x4
+
+Presets:
+  tiny             the CPU demo: 2 layers, d=128, 2K tokens, 8 virtual devices.
+  long_cpu         a few steps of a tiny model on one 65,536-token sequence over 8 CPU devices.
+  llama3_8b_128k   Llama-3-8B shape, 131,072 tokens per sequence, ring over sp=16 on v5p-128.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+# Placeholders keep the key (and its type) in the schema while its value is "unset", so
+# `--config.attention.sliding_window=512` type-checks and `validate` sees every key.
+_OPTIONAL_INT = config_dict.placeholder(int)
+_OPTIONAL_FLOAT = config_dict.placeholder(float)
+
+
+def _base() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    # Mesh: (dp, fsdp, sp) sizes within a slice; at most one may be -1 (= the rest).
+    # dcn_* are the sizes across slices (multi-slice over the data-centre network); 1 = one slice.
+    c.mesh = ml_collections.ConfigDict(dict(dp=1, fsdp=-1, sp=1, dcn_dp=1, dcn_fsdp=1, dcn_sp=1))
+    # Multi-process initialisation. Left empty, jax.distributed auto-detects on TPU pods and
+    # single-process runs skip it; loopback runs set these (launch/local.py does).
+    c.distributed = ml_collections.ConfigDict(
+        dict(coordinator_address="", num_processes=0, process_id=-1, local_device_count=0)
+    )
+
+    c.model = ml_collections.ConfigDict(
+        dict(
+            vocab_size=512,
+            d_model=256,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            mlp_dim=512,
+            rope_theta=500_000.0,
+            norm_eps=1e-5,
+            tie_embeddings=False,
+            final_logits_soft_cap=_OPTIONAL_FLOAT,
+            dtype="bfloat16",  # compute dtype
+            param_dtype="float32",
+            scan_layers=True,
+            remat_policy="nothing_saveable",  # none | nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable
+        )
+    )
+
+    c.attention = ml_collections.ConfigDict(
+        dict(
+            impl="splash",  # splash (Pallas TPU kernel; interpret mode off TPU) | xla
+            layout="auto",  # contiguous | zigzag | striped | auto (best schedule for the mask)
+            causal=True,
+            sliding_window=_OPTIONAL_INT,  # causal window: token i sees [i - w, i]
+            chunk_size=_OPTIONAL_INT,  # chunked causal
+            attention_sinks=False,  # one learned sink logit per head
+            logits_soft_cap=_OPTIONAL_FLOAT,
+            use_segment_ids=True,  # document masking: attend only within a packed document
+            block_size=512,  # splash q/kv block
+        )
+    )
+
+    c.data = ml_collections.ConfigDict(
+        dict(
+            path="",  # directory written by scripts/prepare_data.py; "" = embedded stdlib corpus
+            cache_dir="",  # where the embedded corpus is prepared; "" = ~/.cache/longctx
+            seq_len=2048,
+            global_batch_size=8,
+            packer="best_fit",  # first_fit | best_fit | concat_then_split
+            shuffle_seed=0,
+            num_workers=0,
+            prefetch_buffer_size=2,
+        )
+    )
+
+    c.optimizer = ml_collections.ConfigDict(
+        dict(
+            learning_rate=3e-4,
+            min_learning_rate_ratio=0.1,
+            warmup_steps=100,
+            weight_decay=0.1,
+            b1=0.9,
+            b2=0.95,
+            eps=1e-8,
+            grad_clip_norm=1.0,
+        )
+    )
+
+    c.train = ml_collections.ConfigDict(
+        dict(
+            num_steps=1000,
+            log_every=10,
+            eval_every=200,
+            eval_steps=4,
+            loss_chunk_size=512,  # tokens per chunk of the output projection + cross-entropy
+            on_nonfinite="stop",  # stop | skip
+            profile_start=_OPTIONAL_INT,
+            profile_steps=3,
+            peak_tflops_override=_OPTIONAL_FLOAT,  # for MFU on chips not in longctx's table
+        )
+    )
+
+    c.checkpoint = ml_collections.ConfigDict(
+        dict(
+            every_steps=500,
+            max_to_keep=3,
+            keep_period=_OPTIONAL_INT,  # also keep every keep_period-th step permanently
+            init_from="",  # checkpoint directory to take parameters from on a fresh start
+            async_save=True,
+        )
+    )
+    return c
+
+
+def _tiny(c):
+    c.mesh.update(dp=1, fsdp=2, sp=4)
+    c.model.update(vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=32, mlp_dim=384, dtype="float32")
+    c.attention.update(impl="xla", block_size=128)
+    c.data.update(seq_len=2048, global_batch_size=4)
+    c.optimizer.update(learning_rate=3e-3, warmup_steps=10)
+    c.train.update(num_steps=120, log_every=10, eval_every=60, eval_steps=2, loss_chunk_size=256)
+    c.checkpoint.update(every_steps=60)
+    return c
+
+
+def _long_cpu(c):
+    c = _tiny(c)
+    c.mesh.update(dp=1, fsdp=1, sp=8)
+    c.attention.update(impl="xla", block_size=512)
+    c.data.update(seq_len=65_536, global_batch_size=1)
+    c.train.update(num_steps=4, log_every=1, eval_every=0, eval_steps=1, loss_chunk_size=1024)
+    c.checkpoint.update(every_steps=0)
+    return c
+
+
+def _llama3_8b_128k(c):
+    c.mesh.update(dp=1, fsdp=-1, sp=16)
+    c.model.update(vocab_size=128_256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                   head_dim=128, mlp_dim=14_336, dtype="bfloat16")
+    c.attention.update(impl="splash", block_size=512)
+    c.data.update(seq_len=131_072, global_batch_size=4)
+    c.optimizer.update(learning_rate=3e-4, warmup_steps=2000)
+    c.train.update(num_steps=100_000, log_every=10, eval_every=1000, loss_chunk_size=1024)
+    c.checkpoint.update(every_steps=1000, keep_period=10_000)
+    return c
+
+
+PRESETS = {"": lambda c: c, "base": lambda c: c, "tiny": _tiny, "long_cpu": _long_cpu,
+           "llama3_8b_128k": _llama3_8b_128k}
+
+
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
+    if arg not in PRESETS:
+        raise ValueError(f"configs/base.py: unknown preset {arg!r}; choose one of {sorted(k for k in PRESETS if k)}.")
+    c = PRESETS[arg](_base())
+    c.lock()  # unknown keys in overrides fail loudly instead of being silently added
+    return c

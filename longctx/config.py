@@ -1,0 +1,131 @@
+"""`validate(config)`: every cross-field rule of a longctx config, checked before anything compiles.
+
+Each rule raises `ConfigError` with one sentence that names the offending key and its value, so a
+bad launch fails in seconds with a message a person can act on, not minutes later inside XLA.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from longctx import mesh as mesh_lib
+
+IMPLS = ("splash", "xla")
+LAYOUTS = ("contiguous", "zigzag", "striped", "auto")
+PACKERS = ("first_fit", "best_fit", "concat_then_split")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
+NONFINITE_ACTIONS = ("stop", "skip")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _one_of(config, key: str, choices) -> None:
+    section, name = key.split(".")
+    value = config[section][name]
+    _require(value in choices, f"{key}={value!r} is not one of {', '.join(map(repr, choices))}.")
+
+
+def _positive(config, *keys: str) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = config[section][name]
+        _require(value is not None and value > 0, f"{key}={value!r} must be positive.")
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> dict[str, int]:
+    """Checks `config` against itself and the devices; returns the resolved mesh sizes.
+
+    `num_devices` defaults to `jax.device_count()` (after distributed start-up, all processes).
+    """
+    if num_devices is None:
+        import jax
+
+        num_devices = jax.device_count()
+
+    m, a, d, o, t, c = (config.model, config.attention, config.data, config.optimizer,
+                        config.train, config.checkpoint)
+
+    for key, choices in (("attention.impl", IMPLS), ("attention.layout", LAYOUTS),
+                         ("data.packer", PACKERS), ("model.dtype", DTYPES),
+                         ("model.param_dtype", DTYPES), ("model.remat_policy", REMAT_POLICIES),
+                         ("train.on_nonfinite", NONFINITE_ACTIONS)):
+        _one_of(config, key, choices)
+    _positive(config, "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
+              "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "attention.block_size",
+              "data.seq_len", "data.global_batch_size", "optimizer.learning_rate",
+              "train.num_steps", "train.log_every", "train.loss_chunk_size")
+
+    # Mesh against the devices (raises ValueError with its own sentence).
+    try:
+        sizes = mesh_lib.resolve_mesh_shape(config.mesh, num_devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    dcn = {ax: config.mesh[f"dcn_{ax}"] for ax in mesh_lib.MESH_AXES}
+    dp, fsdp, sp = (sizes[ax] * dcn[ax] for ax in mesh_lib.MESH_AXES)
+
+    # Model shape.
+    _require(m.num_heads % m.num_kv_heads == 0,
+             f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}.")
+    _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE.")
+    _require(m.d_model % fsdp == 0,
+             f"model.d_model={m.d_model} is not divisible by the fsdp mesh size {fsdp}.")
+
+    # Attention mask.
+    if a.sliding_window is not None:
+        _require(a.sliding_window > 0, f"attention.sliding_window={a.sliding_window} must be positive.")
+    if a.chunk_size is not None:
+        _require(a.chunk_size > 0, f"attention.chunk_size={a.chunk_size} must be positive.")
+        _require(a.causal, "attention.chunk_size is chunked *causal* attention and needs attention.causal=True.")
+    if a.logits_soft_cap is not None:
+        _require(a.logits_soft_cap > 0, f"attention.logits_soft_cap={a.logits_soft_cap} must be positive.")
+
+    # Sequence against the ring and the kernel blocks.
+    seq_divisor = 2 * sp if a.layout == "zigzag" else sp
+    _require(d.seq_len % seq_divisor == 0,
+             f"data.seq_len={d.seq_len} is not divisible by {seq_divisor} "
+             f"({'2*sp for the zigzag layout' if a.layout == 'zigzag' else 'the sp mesh size'}).")
+    shard_len = d.seq_len // sp
+    _require(shard_len % a.block_size == 0,
+             f"attention.block_size={a.block_size} does not divide the per-device shard of "
+             f"data.seq_len/sp = {d.seq_len}/{sp} = {shard_len} tokens.")
+    _require(shard_len % t.loss_chunk_size == 0,
+             f"train.loss_chunk_size={t.loss_chunk_size} does not divide the per-device shard of "
+             f"{shard_len} tokens.")
+
+    # Batch against data parallelism.
+    _require(d.global_batch_size % (dp * fsdp) == 0,
+             f"data.global_batch_size={d.global_batch_size} is not divisible by dp*fsdp = {dp}*{fsdp} = {dp * fsdp}.")
+
+    # Optimiser and loop.
+    _require(o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")
+    _require(0.0 <= o.min_learning_rate_ratio <= 1.0,
+             f"optimizer.min_learning_rate_ratio={o.min_learning_rate_ratio} must be in [0, 1].")
+    _require(o.grad_clip_norm is None or o.grad_clip_norm > 0,
+             f"optimizer.grad_clip_norm={o.grad_clip_norm} must be positive (or None to disable).")
+    _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0 disables eval).")
+    _require(t.eval_every == 0 or t.eval_steps > 0,
+             f"train.eval_steps={t.eval_steps} must be positive when train.eval_every > 0.")
+    _require(c.every_steps >= 0, f"checkpoint.every_steps={c.every_steps} must be >= 0 (0 = only at the end).")
+    _require(c.max_to_keep >= 1, f"checkpoint.max_to_keep={c.max_to_keep} must be at least 1.")
+    _require(c.keep_period is None or c.keep_period > 0,
+             f"checkpoint.keep_period={c.keep_period} must be positive.")
+    return {mesh_lib.DP: dp, mesh_lib.FSDP: fsdp, mesh_lib.SP: sp}
+
+
+def num_params_estimate(config) -> int:
+    """Parameter count of the decoder described by `config.model` (for logs and FLOPs)."""
+    m = config.model
+    attn = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+    mlp = 3 * m.d_model * m.mlp_dim
+    per_layer = attn + mlp + 2 * m.d_model
+    embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+    return m.num_layers * per_layer + embed + m.d_model + (m.num_heads * m.num_layers if config.attention.attention_sinks else 0)
+

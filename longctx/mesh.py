@@ -1,0 +1,152 @@
+"""The device mesh: distributed start-up, the (dp, fsdp, sp) mesh, and logical-axis sharding rules.
+
+Model code names the axes of every parameter and activation with *logical* names ("embed",
+"heads", "activation_batch", ...). `LOGICAL_RULES` maps each logical name to mesh axes, and
+`logical_to_spec` turns a tuple of logical names into a `PartitionSpec`. This is the only module
+that knows which mesh axis shards what.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# Mesh axis names: data parallel, fully-sharded data parallel, sequence parallel (the ring).
+DP, FSDP, SP = "dp", "fsdp", "sp"
+MESH_AXES = (DP, FSDP, SP)
+BATCH_AXES = (DP, FSDP)  # the batch is split over every data-parallel axis
+
+# Logical axis -> mesh axes (None = replicated).
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    # parameters: FSDP shards the larger dimension of every weight
+    "vocab": None,
+    "embed": FSDP,
+    "mlp": None,
+    "heads": None,
+    "kv_heads": None,
+    "head_dim": None,
+    "layers": None,
+    "norm": None,
+    # activations
+    "activation_batch": BATCH_AXES,
+    "activation_length": SP,
+    "activation_embed": None,
+    "activation_heads": None,
+    "activation_kv_heads": None,
+    "activation_head_dim": None,
+    "activation_vocab": None,
+    "activation_mlp": None,
+}
+
+
+def logical_to_spec(logical_axes: Sequence[str | None] | None) -> PartitionSpec:
+    """PartitionSpec for a tuple of logical axis names, by `LOGICAL_RULES`."""
+    if logical_axes is None:
+        return PartitionSpec()
+    specs = []
+    for name in logical_axes:
+        if name is not None and name not in LOGICAL_RULES:
+            raise ValueError(f"logical axis {name!r} has no sharding rule in longctx.mesh.LOGICAL_RULES.")
+        specs.append(None if name is None else LOGICAL_RULES[name])
+    return PartitionSpec(*specs)
+
+
+def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None] | None) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical_axes))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[batch, seq] arrays: batch over (dp, fsdp), sequence over the sp ring."""
+    return logical_sharding(mesh, ("activation_batch", "activation_length"))
+
+
+def maybe_initialize_distributed(dist_config) -> None:
+    """Starts jax.distributed when this run has several processes.
+
+    Explicit coordinator settings (or the LONGCTX_COORDINATOR/... environment that launch/local.py
+    sets) start a loopback or cluster job; on a TPU pod jax.distributed auto-detects everything;
+    a single process on CPU skips it.
+    """
+    if jax.distributed.is_initialized():
+        return
+    address = dist_config.coordinator_address or os.environ.get("LONGCTX_COORDINATOR", "")
+    num_processes = dist_config.num_processes or int(os.environ.get("LONGCTX_NUM_PROCESSES", "0"))
+    process_id = dist_config.process_id
+    if process_id < 0:
+        process_id = int(os.environ.get("LONGCTX_PROCESS_ID", "-1"))
+    if address:
+        if num_processes <= 0 or process_id < 0:
+            raise ValueError(
+                "distributed.coordinator_address is set, so distributed.num_processes and "
+                "distributed.process_id must be set too."
+            )
+        if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+            # Cross-process collectives on CPU need an implementation; gloo ships with jaxlib.
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        local = dist_config.local_device_count or None
+        jax.distributed.initialize(
+            coordinator_address=address,
+            num_processes=num_processes,
+            process_id=process_id,
+            local_device_ids=list(range(local)) if local else None,
+        )
+    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize()  # TPU pod: everything is auto-detected
+
+
+def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
+    """Within-slice (dp, fsdp, sp) sizes with the single -1 filled in; raises on a bad fit."""
+    dcn = {a: int(mesh_config[f"dcn_{a}"]) for a in MESH_AXES}
+    num_slices = math.prod(dcn.values())
+    if num_devices % num_slices:
+        raise ValueError(
+            f"mesh: {num_devices} devices cannot be split into {num_slices} slices "
+            f"(dcn_dp*dcn_fsdp*dcn_sp = {num_slices})."
+        )
+    per_slice = num_devices // num_slices
+    sizes = {a: int(mesh_config[a]) for a in MESH_AXES}
+    unknown = [a for a, s in sizes.items() if s == -1]
+    if len(unknown) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {unknown}.")
+    bad = [a for a, s in sizes.items() if s == 0 or s < -1]
+    if bad:
+        raise ValueError(f"mesh.{bad[0]}={sizes[bad[0]]} must be a positive size or -1.")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if unknown:
+        if per_slice % known:
+            raise ValueError(
+                f"mesh: {per_slice} devices per slice are not divisible by the fixed axes "
+                f"({' x '.join(f'{a}={s}' for a, s in sizes.items() if s != -1)} = {known})."
+            )
+        sizes[unknown[0]] = per_slice // known
+    elif known != per_slice:
+        raise ValueError(
+            f"mesh: dp*fsdp*sp = {sizes[DP]}*{sizes[FSDP]}*{sizes[SP]} = {known} does not match "
+            f"the {per_slice} devices per slice available."
+        )
+    return sizes
+
+
+def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The (dp, fsdp, sp) mesh; multi-slice via DCN sizes when any dcn_* > 1.
+
+    The sp axis is the innermost (fastest-varying) one so the ring's neighbours are physical
+    neighbours (ICI) and, with several processes per sp group, the ring spans hosts last.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = resolve_mesh_shape(mesh_config, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    dcn_shape = tuple(int(mesh_config[f"dcn_{a}"]) for a in MESH_AXES)
+    if math.prod(dcn_shape) > 1:
+        device_array = mesh_utils.create_hybrid_device_mesh(shape, dcn_shape, devices=devices)
+    elif devices[0].platform == "tpu":
+        device_array = mesh_utils.create_device_mesh(shape, devices=devices)
+    else:
+        device_array = np.asarray(devices).reshape(shape)
+    return Mesh(device_array, MESH_AXES)
