@@ -1,0 +1,57 @@
+"""Model FLOPs per step and the chips' peak, for MFU.
+
+Attention FLOPs count only the (query, key) pairs the mask keeps — a causal or sliding-window run
+must not look better than it is by being credited for blocks it never computes. Document masking is
+data-dependent and is not subtracted (the kernel still visits those blocks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Dense bf16 peak per chip, TFLOP/s (vendor figures).
+PEAK_TFLOPS_BY_CHIP = {
+    "TPU v4": 275.0,
+    "TPU v5 lite": 197.0,  # v5e
+    "TPU v5e": 197.0,
+    "TPU v5": 459.0,  # v5p reports its device_kind as "TPU v5"
+    "TPU v5p": 459.0,
+    "TPU v6 lite": 918.0,  # v6e (Trillium)
+    "TPU v6e": 918.0,
+    "NVIDIA H100 80GB HBM3": 989.0,
+    "NVIDIA H200": 989.0,
+}
+
+
+def peak_tflops(device_kind: str, override: float | None = None) -> float | None:
+    """The chip's peak, or None where it is unknown (MFU then reads "n/a")."""
+    if override:
+        return float(override)
+    return PEAK_TFLOPS_BY_CHIP.get(device_kind)
+
+
+def kept_pairs(seq_len: int, *, causal: bool, sliding_window: int | None, chunk_size: int | None) -> int:
+    """Number of (i, j) pairs the mask keeps in one sequence, counted row by row in O(S)."""
+    i = np.arange(seq_len, dtype=np.int64)
+    lo = np.zeros_like(i)
+    hi = i.copy() if causal else np.full_like(i, seq_len - 1)
+    if sliding_window is not None:
+        lo = np.maximum(lo, i - sliding_window)
+        if not causal:
+            hi = np.minimum(hi, i + sliding_window)
+    if chunk_size is not None:
+        lo = np.maximum(lo, (i // chunk_size) * chunk_size)
+    return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+def flops_per_step(config) -> float:
+    """Training FLOPs of one step (forward + backward = 3x forward), for the global batch."""
+    m, a, d = config.model, config.attention, config.data
+    tokens = d.global_batch_size * d.seq_len
+    # Matmul parameters touched per token: attention projections, MLP, output projection.
+    per_layer = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim
+    dense = 2 * tokens * (m.num_layers * per_layer + m.d_model * m.vocab_size)
+    pairs = kept_pairs(d.seq_len, causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
+    # QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add, per head, per kept pair.
+    attention = 4 * d.global_batch_size * m.num_layers * m.num_heads * m.head_dim * pairs
+    return 3.0 * (dense + attention)

@@ -1,0 +1,225 @@
+"""A Llama-style decoder in Flax NNX whose attention runs around the sp ring.
+
+Einsum legend:
+  b batch            t token (this shard's positions, in layout order)
+  d model width      f MLP width           v vocabulary
+  n query heads      k key/value heads     h head dim
+
+Every parameter carries logical axis names (`out_sharding` metadata); `longctx.mesh` maps them to
+mesh axes, so nothing here names a mesh axis. Layers are stacked along a leading "layers" axis and
+run under `lax.scan` with a configurable remat policy, so compile time does not grow with depth.
+The model is called under `jax.set_mesh(mesh)`: attention is a `shard_map` over that mesh that
+calls `longctx.ops.ring_attention` on each device's shard of the sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from longctx import mesh as mesh_lib
+from longctx import ops
+
+# Parameters are created abstractly and sharded by the trainer (eval_shape -> shardings -> jit),
+# so flax must not try to place them eagerly at construction time.
+nnx.use_eager_sharding(False)
+
+REMAT_POLICIES = {
+    "none": None,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+_ATTN_ACTIVATION = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
+_TOKEN_ACTIVATION = ("activation_batch", "activation_length")
+_EMBED_ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
+
+
+def _param(rngs: nnx.Rngs, shape, logical_axes, scale: float | None = None, init: str = "normal"):
+    if init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    elif init == "zeros":
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        # Truncated-normal fan-in init, the Llama/MaxText default.
+        value = jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32) * scale
+    return nnx.Param(value, out_sharding=tuple(logical_axes))
+
+
+def _constrain(x, logical_axes):
+    return jax.lax.with_sharding_constraint(x, mesh_lib.logical_to_spec(logical_axes))
+
+
+def rms_norm(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (x32 * scale).astype(x.dtype)
+
+
+def apply_rope(x, positions, theta: float):
+    """Rotary embedding from each token's own position: packed documents restart at 0."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, h/2]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def ring_attention_over_mesh(q, k, v, segment_ids, sinks, attention_config, layout: str):
+    """Global [b, t, n, h] arrays in, ring attention on each device's sequence shard, global out."""
+    a = attention_config
+    qkv_spec = mesh_lib.logical_to_spec(_ATTN_ACTIVATION)
+    token_spec = mesh_lib.logical_to_spec(_TOKEN_ACTIVATION)
+    attend = functools.partial(
+        ops.ring_attention,
+        causal=a.causal,
+        sliding_window=(a.sliding_window, 0) if a.sliding_window is not None else None,
+        chunk_size=a.chunk_size,
+        logits_soft_cap=a.logits_soft_cap,
+        axis_name=mesh_lib.SP,
+        layout=layout,
+        impl=a.impl,
+        block_sizes=a.block_size,
+    )
+
+    def per_shard(q, k, v, segment_ids, sinks):
+        return attend(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, softmax_aux=sinks)
+
+    in_specs = (qkv_spec, qkv_spec, qkv_spec,
+                None if segment_ids is None else token_spec,
+                None if sinks is None else mesh_lib.logical_to_spec(None))
+    return jax.shard_map(per_shard, in_specs=in_specs, out_specs=qkv_spec, check_vma=False)(
+        q, k, v, segment_ids, sinks)
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm block: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs):
+        m = config.model
+        d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+        self.attn_norm = _param(rngs, (d,), ("norm",), init="ones")
+        self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), d ** -0.5)
+        self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
+        self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
+        self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), (n * h) ** -0.5)
+        self.sinks = (_param(rngs, (n,), ("heads",), init="zeros")
+                      if config.attention.attention_sinks else None)
+        self.mlp_norm = _param(rngs, (d,), ("norm",), init="ones")
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), d ** -0.5)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), d ** -0.5)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), f ** -0.5)
+
+    def __call__(self, x, positions, segment_ids, *, config, layout):
+        m = config.model
+        dtype = jnp.dtype(m.dtype)
+        w = lambda p: p[...].astype(dtype)  # noqa: E731  (float32 params, low-precision compute)
+
+        y = rms_norm(x, self.attn_norm[...], m.norm_eps)
+        q = jnp.einsum("btd,dnh->btnh", y, w(self.wq))
+        k = jnp.einsum("btd,dkh->btkh", y, w(self.wk))
+        v = jnp.einsum("btd,dkh->btkh", y, w(self.wv))
+        q = _constrain(apply_rope(q, positions, m.rope_theta), _ATTN_ACTIVATION)
+        k = _constrain(apply_rope(k, positions, m.rope_theta), _ATTN_ACTIVATION)
+        sinks = None if self.sinks is None else self.sinks[...]
+        out = ring_attention_over_mesh(q, k, v, segment_ids, sinks, config.attention, layout)
+        x = x + _constrain(jnp.einsum("btnh,nhd->btd", out, w(self.wo)), _EMBED_ACTIVATION)
+
+        y = rms_norm(x, self.mlp_norm[...], m.norm_eps)
+        gate = jax.nn.silu(jnp.einsum("btd,df->btf", y, w(self.w_gate)))
+        up = jnp.einsum("btd,df->btf", y, w(self.w_up))
+        return x + _constrain(jnp.einsum("btf,fd->btd", gate * up, w(self.w_down)), _EMBED_ACTIVATION)
+
+
+class Decoder(nnx.Module):
+    """Token embedding -> scanned DecoderBlocks -> RMSNorm. `__call__` returns the final hidden
+    states; `unembedding()` gives the output projection, applied chunk by chunk by the loss."""
+
+    def __init__(self, config, *, layout: str, rngs: nnx.Rngs):
+        m = config.model
+        self.config = config
+        self.layout = layout  # the concrete sequence layout the data pipeline used
+        self.embed = _param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"), 1.0)
+
+        @nnx.split_rngs(splits=m.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return DecoderBlock(config, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = _param(rngs, (m.d_model,), ("norm",), init="ones")
+        self.unembed = (None if m.tie_embeddings
+                        else _param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.d_model ** -0.5))
+
+    def unembedding(self):
+        """[d, v] output projection (the transposed embedding when tied)."""
+        return self.embed[...].T if self.unembed is None else self.unembed[...]
+
+    def __call__(self, tokens, positions, segment_ids):
+        m, config = self.config.model, self.config
+        x = self.embed[...].astype(jnp.dtype(m.dtype))[tokens]
+        x = _constrain(x, _EMBED_ACTIVATION)
+        if not config.attention.use_segment_ids:
+            segment_ids = None  # the "no document masking" ablation: attend across documents
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x, block_state):
+            block = nnx.merge(graphdef, block_state)
+            return block(x, positions, segment_ids, config=config, layout=self.layout), None
+
+        policy = REMAT_POLICIES[m.remat_policy]
+        if m.remat_policy != "none":
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=not m.scan_layers)
+        if m.scan_layers:
+            x, _ = jax.lax.scan(layer, x, stacked)
+        else:
+            for i in range(m.num_layers):
+                x, _ = layer(x, jax.tree.map(lambda p: p[i], stacked))
+        return rms_norm(x, self.final_norm[...], m.norm_eps)
+
+
+def token_nll(hidden, unembedding, targets, *, chunk_size: int, soft_cap: float | None, dtype: Any):
+    """Per-token negative log-likelihood [b, S] in float32, computed `chunk_size` tokens of every
+    sequence shard at a time, so the [b, S, vocab] logits are never held at once (also not in the
+    backward pass: each chunk's logits are recomputed)."""
+    b, seq_len, d = hidden.shape
+    sp = jax.sharding.get_abstract_mesh().shape.get(mesh_lib.SP, 1)
+    per_shard = seq_len // sp
+    n_chunks = per_shard // chunk_size
+    # [b, S, d] -> [chunks, b, sp, chunk, d]: the S axis splits as (sp, chunks, chunk), which keeps
+    # every chunk on the device that already holds it.
+    h = hidden.reshape(b, sp, n_chunks, chunk_size, d)
+    h = jnp.moveaxis(h, 2, 0)
+    y = jnp.moveaxis(targets.reshape(b, sp, n_chunks, chunk_size), 2, 0)
+    chunk_spec = mesh_lib.logical_to_spec((None, "activation_batch", "activation_length", None, None))
+    h = jax.lax.with_sharding_constraint(h, chunk_spec)
+    w = unembedding.astype(dtype)
+
+    @jax.checkpoint
+    def chunk_nll(h_chunk, y_chunk):
+        logits = jnp.einsum("bpcd,dv->bpcv", h_chunk, w).astype(jnp.float32)
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, y_chunk[..., None], axis=-1)[..., 0]
+        return logz - picked
+
+    _, nll = jax.lax.scan(lambda c, xs: (c, chunk_nll(*xs)), None, (h, y))
+    return jnp.moveaxis(nll, 0, 2).reshape(b, seq_len)
+
+
+def model_nll(model: Decoder, batch) -> jax.Array:
+    """Per-token NLL [b, S] of a packed, layout-ordered batch."""
+    m = model.config.model
+    hidden = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    return token_nll(hidden, model.unembedding(), batch["targets"],
+                     chunk_size=model.config.train.loss_chunk_size,
+                     soft_cap=m.final_logits_soft_cap, dtype=jnp.dtype(m.dtype))

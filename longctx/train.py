@@ -1,0 +1,364 @@
+"""Training: the train state, a pure `train_step`, evaluation, and `train_and_evaluate`.
+
+Shapes: every batch array is int32 [global_batch, seq_len], batch sharded over (dp, fsdp) and the
+sequence over sp, tokens already in the ring layout (the data pipeline permuted them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from longctx import checkpoint as checkpoint_lib
+from longctx import config as config_lib
+from longctx import data as data_lib
+from longctx import flops as flops_lib
+from longctx import mesh as mesh_lib
+from longctx import ops
+from longctx.metrics import MetricsWriter
+from longctx.model import Decoder, model_nll
+
+BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: jax.Array  # per-step randomness is fold_in(rng, step), so a resumed run is the same run
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def learning_rate_schedule(config) -> optax.Schedule:
+    o, steps = config.optimizer, config.train.num_steps
+    warmup = min(o.warmup_steps, steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.learning_rate, warmup_steps=warmup,
+        decay_steps=max(steps, warmup + 1), end_value=o.learning_rate * o.min_learning_rate_ratio)
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+    o = config.optimizer
+    adamw = optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
+                        weight_decay=o.weight_decay,
+                        # No decay on norms and sinks (1-D parameters), as in Llama/MaxText.
+                        mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params))
+    if o.grad_clip_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
+
+
+# ----------------------------------------------------------------------------- state & shardings
+
+
+def resolve_layout(config, sp: int) -> str:
+    """The concrete sequence layout for this run (resolves "auto" by schedule efficiency)."""
+    a = config.attention
+    return ops.resolve_layout(a.layout, seq_len=config.data.seq_len, num_shards=sp,
+                              block_size=a.block_size, causal=a.causal,
+                              sliding_window=a.sliding_window, chunk_size=a.chunk_size)
+
+
+def _logical_shardings(mesh, tree):
+    """NamedShardings for a tree that holds nnx Variables (parameters carry logical axis names)."""
+    specs = nnx.get_partition_spec(tree)  # logical names, e.g. P('layers', 'embed', 'mlp')
+    return jax.tree.map(lambda spec: NamedSharding(mesh, mesh_lib.logical_to_spec(tuple(spec))), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything static about a run's state: how to rebuild the model and how it is sharded."""
+
+    graphdef: Any
+    abstract_state: TrainState
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    optimizer: optax.GradientTransformation
+    init: Callable[[jax.Array], TrainState]  # jitted, parameters born sharded
+
+
+def make_setup(config, mesh, layout: str) -> Setup:
+    """eval_shape -> shardings -> jit(init, out_shardings=...): no full copy ever on one device."""
+    optimizer = make_optimizer(config)
+
+    def init(rng):
+        model = Decoder(config, layout=layout, rngs=nnx.Rngs(params=rng))
+        _, params = nnx.split(model, nnx.Param)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=optimizer.init(params), rng=rng)
+
+    with jax.set_mesh(mesh):
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(config, layout=layout, rngs=nnx.Rngs(0))),
+                                nnx.Param)
+        abstract_state = jax.eval_shape(init, jax.random.PRNGKey(0))
+    shardings = _logical_shardings(mesh, abstract_state)
+    return Setup(graphdef=graphdef, abstract_state=abstract_state, state_shardings=shardings,
+                 batch_sharding=mesh_lib.batch_sharding(mesh), optimizer=optimizer,
+                 init=jax.jit(init, out_shardings=shardings))
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _masked_loss(graphdef, params, batch):
+    nll = model_nll(nnx.merge(graphdef, params), batch)
+    weights = batch["loss_mask"].astype(jnp.float32)
+    total, count = jnp.sum(nll * weights), jnp.sum(weights)
+    return total / jnp.maximum(count, 1.0), (nll, count)
+
+
+def make_train_step(config, setup: Setup):
+    """The pure `train_step(state, batch) -> (state, metrics)`."""
+    schedule = learning_rate_schedule(config)
+    skip_nonfinite = config.train.on_nonfinite == "skip"
+
+    def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
+        grad_fn = jax.value_and_grad(_masked_loss, argnums=1, has_aux=True)
+        (loss, (_, count)), grads = grad_fn(setup.graphdef, state.params, batch)
+        updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.global_norm(grads)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        if skip_nonfinite:
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+            new_state = kept.replace(step=state.step + 1)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
+                   "loss_tokens": count}
+        return new_state, metrics
+
+    return train_step
+
+
+def num_position_buckets(seq_len: int) -> int:
+    """Log-spaced buckets of in-document position: [0,1), [1,3), [3,7), ... up to seq_len."""
+    return int(math.ceil(math.log2(seq_len + 1)))
+
+
+def make_eval_step(config, setup: Setup):
+    """`eval_step(params, batch)` -> summed NLL and counts, overall and by position bucket."""
+    n_buckets = num_position_buckets(config.data.seq_len)
+
+    def eval_step(params, batch):
+        _, (nll, count) = _masked_loss(setup.graphdef, params, batch)
+        weights = batch["loss_mask"].astype(jnp.float32)
+        bucket = jnp.floor(jnp.log2(batch["positions"].astype(jnp.float32) + 1.0)).astype(jnp.int32)
+        bucket = jnp.clip(bucket, 0, n_buckets - 1).reshape(-1)
+        by_position = jax.ops.segment_sum((nll * weights).reshape(-1), bucket, n_buckets)
+        by_position_count = jax.ops.segment_sum(weights.reshape(-1), bucket, n_buckets)
+        return {"nll_sum": jnp.sum(nll * weights), "count": count,
+                "nll_by_position": by_position, "count_by_position": by_position_count}
+
+    return eval_step
+
+
+def jit_steps(config, setup: Setup):
+    """The train step jitted once with explicit shardings and the state donated; and the eval step."""
+    replicated = NamedSharding(setup.batch_sharding.mesh, PartitionSpec())
+    batch_shardings = {k: setup.batch_sharding for k in BATCH_KEYS}
+    train_step = jax.jit(make_train_step(config, setup),
+                         in_shardings=(setup.state_shardings, batch_shardings),
+                         out_shardings=(setup.state_shardings, replicated), donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(config, setup),
+                        in_shardings=(setup.state_shardings.params, batch_shardings),
+                        out_shardings=replicated)
+    return train_step, eval_step
+
+
+def evaluate(config, eval_step, params, make_iterator) -> dict:
+    """Validation loss over the first `eval_steps` batches, and loss by in-document position."""
+    totals = None
+    iterator = make_iterator()
+    for _ in range(config.train.eval_steps):
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        out = jax.device_get(eval_step(params, batch))
+        totals = out if totals is None else jax.tree.map(np.add, totals, out)
+    if totals is None:
+        return {}
+    counts = np.maximum(totals["count_by_position"], 1.0)
+    by_position = np.where(totals["count_by_position"] > 0, totals["nll_by_position"] / counts, np.nan)
+    return {"loss": float(totals["nll_sum"] / max(totals["count"], 1.0)),
+            "loss_by_position": [None if np.isnan(x) else float(x) for x in by_position],
+            "position_bucket_starts": [2 ** i - 1 for i in range(len(by_position))]}
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class _StopRequest:
+    """SIGTERM/SIGINT set a flag; the loop finishes the current step, saves and exits cleanly.
+    With several processes the decision is agreed (any process asked -> all stop at the same step)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def agreed(self) -> bool:
+        if jax.process_count() == 1:
+            return self.requested
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.array([self.requested], np.int32))
+        return bool(np.any(flags))
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def check_workdir(workdir: str) -> None:
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f".write_probe_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {e.strerror or e}.") from None
+
+
+def _host_metrics(metrics, step_time: float, config, peak: float | None) -> dict:
+    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    tokens = config.data.global_batch_size * config.data.seq_len
+    out["step_time_s"] = step_time
+    out["tokens_per_s"] = tokens / step_time
+    model_tflops = flops_lib.flops_per_step(config) / step_time / 1e12 / jax.device_count()
+    out["model_tflops_per_device"] = model_tflops
+    out["mfu"] = model_tflops / peak if peak else "n/a"
+    return out
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains (resuming if `workdir` holds a checkpoint) and returns the last logged metrics."""
+    mesh_lib.maybe_initialize_distributed(config.distributed)
+    sizes = config_lib.validate(config)
+    check_workdir(workdir)
+    data_dir = data_lib.resolve_dataset(config)
+    metadata = data_lib.load_metadata(data_dir)
+    if metadata["vocab_size"] > config.model.vocab_size:
+        raise config_lib.ConfigError(
+            f"model.vocab_size={config.model.vocab_size} is smaller than the dataset's tokenizer "
+            f"vocabulary ({metadata['vocab_size']} in {data_dir}/metadata.json).")
+    checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
+
+    mesh = mesh_lib.make_mesh(config.mesh)
+    layout = resolve_layout(config, sizes[mesh_lib.SP])
+    writer = MetricsWriter(workdir)
+    if jax.process_index() == 0:
+        print(f"longctx: {jax.process_count()} process(es), {jax.device_count()} {jax.devices()[0].platform} "
+              f"devices, mesh {dict(mesh.shape)}, layout {layout}, attention impl {config.attention.impl}, "
+              f"~{config_lib.num_params_estimate(config) / 1e6:.1f}M params, data {data_dir}", flush=True)
+
+    def make_train_iterator():
+        return data_lib.make_batch_iterator(config, mesh, split="train", layout=layout, data_dir=data_dir)
+
+    def make_eval_iterator():
+        return data_lib.make_batch_iterator(config, mesh, split="validation", layout=layout, data_dir=data_dir)
+
+    with jax.set_mesh(mesh):
+        setup = make_setup(config, mesh, layout)
+        train_iter = make_train_iterator()
+        state, resumed_from = checkpointer.restore_or_init(setup, train_iter, mesh)
+        if jax.process_index() == 0:
+            print(f"longctx: {resumed_from}", flush=True)
+        train_step, eval_step = jit_steps(config, setup)
+        result = _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_iterator,
+                       checkpointer, writer)
+    writer.close()
+    checkpointer.close()
+    return result
+
+
+def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_iterator, checkpointer,
+          writer) -> dict:
+    t = config.train
+    peak = flops_lib.peak_tflops(jax.devices()[0].device_kind, t.peak_tflops_override)
+    first_step = int(jax.device_get(state.step))
+    is_chief = jax.process_index() == 0
+    stop = _StopRequest()
+    last: dict = {}
+    progress = None
+    if is_chief:
+        from tqdm import tqdm
+
+        progress = tqdm(total=t.num_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
+    say = progress.write if progress is not None else (lambda _: None)
+    # Step time is measured over the steps since the last log line, excluding compilation (the
+    # first step of this process) and evaluation.
+    window_step, window_time = first_step, time.perf_counter()
+    try:
+        for step in range(first_step, t.num_steps):
+            if t.profile_start is not None and step == t.profile_start:
+                jax.profiler.start_trace(os.path.join(workdir, "profile"))
+            batch = next(train_iter)
+            state, metrics = train_step(state, batch)
+            done = step + 1
+            if step == first_step:
+                jax.block_until_ready(metrics)
+                say(f"step {done}: compiled and ran the first step in {time.perf_counter() - window_time:.1f}s")
+                window_step, window_time = done, time.perf_counter()
+            if t.profile_start is not None and done == t.profile_start + t.profile_steps:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+            if (done % t.log_every == 0 or done == t.num_steps) and done > window_step:
+                jax.block_until_ready(metrics)
+                now = time.perf_counter()
+                last = _host_metrics(metrics, (now - window_time) / (done - window_step), config, peak)
+                window_step, window_time = done, now
+                if not math.isfinite(last["loss"]) and t.on_nonfinite == "stop":
+                    raise FloatingPointError(
+                        f"non-finite loss {last['loss']} at step {done}; stopping "
+                        "(set train.on_nonfinite=skip to skip such steps instead).")
+                writer.write(done, last, echo=False, prefix="train/")
+                mfu = last["mfu"] if isinstance(last["mfu"], str) else f"{last['mfu']:.3f}"
+                say(f"step {done}: loss={last['loss']:.4f} grad_norm={last['grad_norm']:.3g} "
+                    f"lr={last['learning_rate']:.3g} step_time={last['step_time_s']:.3f}s "
+                    f"tokens/s={last['tokens_per_s']:.0f} mfu={mfu}")
+            if t.eval_every and (done % t.eval_every == 0 or done == t.num_steps):
+                val = evaluate(config, eval_step, state.params, make_eval_iterator)
+                if val:
+                    writer.write(done, val, echo=False, prefix="val/")
+                    say(f"step {done}: val_loss={val['loss']:.4f}")
+                    last.update({f"val_{k}": v for k, v in val.items()})
+                window_step, window_time = done, time.perf_counter()
+            if progress is not None:
+                progress.update(1)
+            stopping = stop.agreed()
+            checkpointer.maybe_save(done, state, train_iter, force=stopping or done == t.num_steps)
+            if stopping:
+                checkpointer.wait()
+                if is_chief:
+                    print(f"longctx: stop requested; saved step {done} to {checkpointer.directory}; exiting.",
+                          flush=True)
+                break
+    finally:
+        stop.restore()
+        if progress is not None:
+            progress.close()
+        checkpointer.wait()
+    return last
