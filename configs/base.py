@@ -19,10 +19,17 @@ Presets:
 import ml_collections
 from ml_collections import config_dict
 
+
+
 # Placeholders keep the key (and its type) in the schema while its value is "unset", so
-# `--config.attention.sliding_window=512` type-checks and `validate` sees every key.
-_OPTIONAL_INT = config_dict.placeholder(int)
-_OPTIONAL_FLOAT = config_dict.placeholder(float)
+# `--config.attention.sliding_window=512` type-checks and `validate` sees every key. Each call makes
+# a new reference: a shared one would tie every optional field to the same value.
+def _optional_int():
+    return config_dict.placeholder(int)
+
+
+def _optional_float():
+    return config_dict.placeholder(float)
 
 
 def _base() -> ml_collections.ConfigDict:
@@ -50,7 +57,7 @@ def _base() -> ml_collections.ConfigDict:
             rope_theta=500_000.0,
             norm_eps=1e-5,
             tie_embeddings=False,
-            final_logits_soft_cap=_OPTIONAL_FLOAT,
+            final_logits_soft_cap=_optional_float(),
             dtype="bfloat16",  # compute dtype
             param_dtype="float32",
             scan_layers=True,
@@ -63,10 +70,10 @@ def _base() -> ml_collections.ConfigDict:
             impl="splash",  # splash (Pallas TPU kernel; interpret mode off TPU) | xla
             layout="auto",  # contiguous | zigzag | striped | auto (best schedule for the mask)
             causal=True,
-            sliding_window=_OPTIONAL_INT,  # causal window: token i sees [i - w, i]
-            chunk_size=_OPTIONAL_INT,  # chunked causal
+            sliding_window=_optional_int(),  # causal window: token i sees [i - w, i]
+            chunk_size=_optional_int(),  # chunked causal
             attention_sinks=False,  # one learned sink logit per head
-            logits_soft_cap=_OPTIONAL_FLOAT,
+            logits_soft_cap=_optional_float(),
             use_segment_ids=True,  # document masking: attend only within a packed document
             block_size=512,  # splash q/kv block
         )
@@ -106,9 +113,9 @@ def _base() -> ml_collections.ConfigDict:
             eval_steps=4,
             loss_chunk_size=512,  # tokens per chunk of the output projection + cross-entropy
             on_nonfinite="stop",  # stop | skip
-            profile_start=_OPTIONAL_INT,
+            profile_start=_optional_int(),
             profile_steps=3,
-            peak_tflops_override=_OPTIONAL_FLOAT,  # for MFU on chips not in longctx's table
+            peak_tflops_override=_optional_float(),  # for MFU on chips not in longctx's table
         )
     )
 
@@ -116,7 +123,7 @@ def _base() -> ml_collections.ConfigDict:
         dict(
             every_steps=500,
             max_to_keep=3,
-            keep_period=_OPTIONAL_INT,  # also keep every keep_period-th step permanently
+            keep_period=_optional_int(),  # also keep every keep_period-th step permanently
             init_from="",  # checkpoint directory to take parameters from on a fresh start
             async_save=True,
         )
