@@ -1,0 +1,252 @@
+"""The Grain pipeline: ArrayRecord documents -> packed, laid-out, globally sharded batches.
+
+  ArrayRecord source (one document per record)
+  -> shuffle (seeded, reshuffled every epoch) -> repeat
+  -> this data shard's documents: [shard_index::shard_count] (only those records are ever read)
+  -> to_iter_dataset (threaded reads)
+  -> split each document into (input, target) pieces of <= seq_len     (packing.SplitDocument)
+  -> Grain packer: first_fit | best_fit | concat_then_split           (packing.pack)
+  -> tokens, segment_ids, positions, targets, loss_mask per row       (packing.RowFeatures)
+  -> batch of local rows -> permute the sequence axis into the sp layout
+  -> Grain worker processes (mp_prefetch) or a prefetch thread
+  -> BatchIterator: global jax.Arrays, rows over (dp, fsdp), sequence over sp.
+
+Checkpointing the iterator with Orbax (grain 0.2.18 + orbax-checkpoint 0.12.8): the state lives
+entirely in the Grain iterator, `batch_iterator.grain_iterator`, and BatchIterator holds nothing
+of its own (no prefetch of device arrays), so that state is exactly "the next batch to yield".
+In a CheckpointManager composite use grain's own handler args:
+
+    import grain
+    mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(train_state),
+        data_iter=grain.checkpoint.CheckpointSave(batch_iterator.grain_iterator)))
+    mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        data_iter=grain.checkpoint.CheckpointRestore(batch_iterator.grain_iterator)))
+
+(`grain.python.PyGrainCheckpointSave/Restore` are the same classes under their old names.) The
+handler writes `process_<i>-of-<n>.json` per process, each with that process's iterator state,
+and restores in place. A restored iterator continues exactly where the saved one stopped, given
+the same data directory, config (seq_len, batch, packer, seeds, num_workers) and process count.
+`BatchIterator.get_state()/set_state()` give the same JSON-serializable dict for other uses.
+
+Validation uses the same packing with no shuffle and fixed seeds, repeated without end, so every
+fresh iterator yields the same batches and an eval loop can take any number of them (all
+processes agree on the count). Training order depends on data.shuffle_seed (+ seed_offset) only,
+not on config.seed, so runs that differ in model seed see the same data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import os
+
+import grain
+from grain import experimental as gx
+import numpy as np
+
+from longctx.data import packing
+from longctx.data import prepare as prepare_lib
+from longctx.data import sharding as sharding_lib
+
+_SPLIT_NAMES = {"train": "train", "validation": "validation", "eval": "validation"}
+_REQUIRED_META = ("tokenizer", "vocab_size", "bos_id", "eos_id", "pad_id", "splits")
+
+
+def resolve_dataset(config) -> str:
+    """The data directory: `config.data.path`, or the embedded stdlib corpus (prepared once)."""
+    path = config.data.path
+    if path:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"data.path={path} does not exist.")
+        load_metadata(path)  # fails here, with the file named, rather than inside a worker
+        return path
+    cache = config.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "longctx")
+    return prepare_lib.prepare_stdlib(cache)
+
+
+def load_metadata(data_dir: str) -> dict:
+    path = os.path.join(data_dir, prepare_lib.METADATA)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist; prepare the data with scripts/prepare_data.py.")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg}).") from None
+    for key in _REQUIRED_META:
+        if key not in meta:
+            raise ValueError(f"{path} has no key {key!r}.")
+    return meta
+
+
+class TokenSource(grain.sources.RandomAccessDataSource):
+    """One split's documents as int32 arrays; checks each file and each record it reads."""
+
+    def __init__(self, data_dir: str, split: str, meta: dict):
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        info = meta["splits"].get(split)
+        if not info or not info["files"]:
+            raise ValueError(f"{data_dir} has no {split!r} documents (metadata.json splits.{split}).")
+        self._paths, counts = [], []
+        for entry in info["files"]:
+            p = os.path.join(data_dir, entry["path"])
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"{p} is listed in metadata.json but does not exist.")
+            try:
+                reader = ArrayRecordReader(p)
+                n = reader.num_records()
+                reader.close()
+            except Exception as e:  # the reader raises assorted status errors
+                raise ValueError(f"{p} is not a readable ArrayRecord file ({e}).") from None
+            if n != entry["num_documents"]:
+                raise ValueError(f"{p} is corrupt: it holds {n} records but metadata.json lists "
+                                 f"{entry['num_documents']}.")
+            self._paths.append(p)
+            counts.append(n)
+        self._starts = np.cumsum([0] + counts).tolist()
+        self._vocab = int(meta["vocab_size"])
+        self._src = grain.sources.ArrayRecordDataSource(self._paths)
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _where(self, index: int) -> str:
+        f = bisect.bisect_right(self._starts, index) - 1
+        return f"{self._paths[f]} record {index - self._starts[f]}"
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        try:
+            record = self._src[index]
+        except Exception as e:
+            raise ValueError(f"{self._where(index)} is corrupt ({e}).") from None
+        if len(record) % 4 or len(record) < 8:
+            raise ValueError(f"{self._where(index)} is corrupt: {len(record)} bytes is not a "
+                             "document of int32 ids.")
+        ids = np.frombuffer(record, dtype="<i4")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self._vocab:
+            raise ValueError(f"{self._where(index)} has token id {hi if hi >= self._vocab else lo} "
+                             f"outside the vocabulary [0, {self._vocab}).")
+        return ids
+
+    def __repr__(self) -> str:
+        return f"TokenSource({len(self)} documents in {len(self._paths)} files)"
+
+
+def packed_rows(data_dir: str, split: str, *, seq_len: int, packer: str, seed: int,
+                shard_index: int = 0, shard_count: int = 1, num_epochs: int | None = None,
+                shuffle: bool = True, batch_size: int = 1, read_threads: int = 8,
+                meta: dict | None = None) -> grain.IterDataset:
+    """Packed rows (dicts of `[seq_len]` int32, natural order) for one data shard."""
+    meta = meta or load_metadata(data_dir)
+    split = _SPLIT_NAMES.get(split, split)
+    if split not in prepare_lib.SPLITS:
+        raise ValueError(f"split={split!r} must be 'train' or 'validation'.")
+    if seq_len <= 0:
+        raise ValueError(f"data.seq_len={seq_len} must be positive.")
+    source = TokenSource(data_dir, split, meta)
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"data shard {shard_index} is out of range for {shard_count} shards.")
+    if len(source) < shard_count:
+        raise ValueError(f"{data_dir} has {len(source)} {split} documents, fewer than the "
+                         f"{shard_count} data shards that read it.")
+    seed = int(seed) % 2**32
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)  # a different permutation every epoch (seed + epoch)
+    ds = ds.repeat(num_epochs)
+    # Strided over the (repeated) global order: shards are disjoint, together cover each epoch,
+    # and a shard only ever touches the records it keeps.
+    ds = ds[shard_index::shard_count]
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
+    it = gx.FlatMapIterDataset(it, packing.SplitDocument(seq_len))
+    it = packing.pack(it, packer, seq_len, batch_size=batch_size, pad_id=int(meta["pad_id"]),
+                      seed=seed)
+    return it.map(packing.RowFeatures(int(meta["pad_id"])))
+
+
+
+@functools.lru_cache(maxsize=16)
+def layout_permutation(layout: str, seq_len: int, num_shards: int) -> np.ndarray | None:
+    """`longctx.layout.permutation`, or None when it is the identity (nothing to move)."""
+    from longctx import layout as layout_lib
+
+    perm = np.asarray(layout_lib.permutation(layout, seq_len, num_shards))
+    return None if np.array_equal(perm, np.arange(seq_len)) else perm
+
+
+def batched(rows: grain.IterDataset, batch_size: int, perm: np.ndarray | None, *,
+            num_workers: int = 0, prefetch_buffer_size: int = 2) -> grain.IterDataset:
+    ds = rows.batch(batch_size, drop_remainder=True).map(packing.PermuteLayout(perm))
+    if num_workers > 0:
+        # Each worker packs its own slice of the documents; the output is deterministic for a
+        # given num_workers (and a checkpoint must be restored with the same num_workers).
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(
+            num_workers=num_workers, per_worker_buffer_size=max(1, prefetch_buffer_size)))
+    elif prefetch_buffer_size > 0:
+        ds = gx.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch_buffer_size)
+    return ds
+
+
+class BatchIterator:
+    """Yields dicts of global `jax.Array`s `[global_batch, seq_len]` (see packing.KEYS)."""
+
+    def __init__(self, ds: grain.IterDataset, mesh, shard: sharding_lib.DataShard,
+                 global_batch_size: int, seq_len: int, metadata: dict):
+        self.grain_iterator = iter(ds)
+        self.mesh, self.shard, self.metadata = mesh, shard, metadata
+        self.global_batch_size, self.seq_len = global_batch_size, seq_len
+
+    def __iter__(self):
+        return self
+
+    def next_local(self) -> dict[str, np.ndarray]:
+        """This process's rows `[local_batch, seq_len]` as numpy, already in the sp layout."""
+        return next(self.grain_iterator)
+
+    def __next__(self):
+        local = self.next_local()
+        return sharding_lib.make_global_batch(local, self.mesh, self.global_batch_size,
+                                              self.seq_len)
+
+    def get_state(self) -> dict:
+        return self.grain_iterator.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self.grain_iterator.set_state(state)
+
+    def close(self) -> None:
+        close = getattr(self.grain_iterator, "close", None)
+        if close is not None:
+            close()
+
+
+def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data_dir: str,
+                        seed_offset: int = 0, num_epochs: int | None = None) -> BatchIterator:
+    """The iterator the train loop consumes; `layout` is a concrete layout name (not "auto")."""
+    d = config.data
+    meta = load_metadata(data_dir)
+    if int(config.model.vocab_size) < int(meta["vocab_size"]):
+        raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
+                         f"tokenizer's vocabulary ({meta['vocab_size']}, {data_dir}/metadata.json).")
+    if d.packer not in packing.PACKERS:
+        raise ValueError(f"data.packer={d.packer!r} is not one of {packing.PACKERS}.")
+    if layout == "auto":
+        raise ValueError("make_batch_iterator needs a concrete layout; resolve attention.layout='auto' first.")
+    sp = mesh.shape["sp"]
+    if d.seq_len % sp:
+        raise ValueError(f"data.seq_len={d.seq_len} is not divisible by the sp mesh size {sp}.")
+    shard = sharding_lib.data_shard(mesh, d.global_batch_size, d.seq_len)
+    train = _SPLIT_NAMES.get(split, split) == "train"
+    seed = (d.shuffle_seed + seed_offset) if train else 0
+    rows = packed_rows(data_dir, split, seq_len=d.seq_len, packer=d.packer, seed=seed,
+                       shard_index=shard.index, shard_count=shard.count, num_epochs=num_epochs,
+                       shuffle=train, batch_size=shard.local_batch_size, meta=meta)
+    perm = layout_permutation(layout, d.seq_len, sp)
+    ds = batched(rows, shard.local_batch_size, perm, num_workers=d.num_workers,
+                 prefetch_buffer_size=d.prefetch_buffer_size)
+    return BatchIterator(ds, mesh, shard, d.global_batch_size, d.seq_len, meta)

@@ -1,0 +1,318 @@
+"""Corpus -> ArrayRecord shards of int32 token ids + metadata.json.
+
+Output directory layout (what `scripts/prepare_data.py` writes and the pipeline reads):
+
+  metadata.json                  tokenizer spec, vocab_size, bos/eos/pad ids, per-split files and
+                                 document/token counts, the input sources
+  train-00000.array_record ...   one record per document: little-endian int32 ids, BOS ... EOS
+  validation-00000.array_record
+  tokenizer.model                only for SentencePiece (copied or trained), so the directory is
+                                 self-contained
+
+Inputs: plain files (one document each, raw bytes), `.jsonl` (one document per non-blank line,
+taken from `text_field`), and directories (every file below that matches `glob`, walked in sorted
+order). Empty documents are skipped. Each document goes to validation when a hash of its key
+(relative path, plus `:line` for jsonl) falls below `val_fraction`; if that leaves validation
+empty the document with the smallest hash is moved there, so a small corpus still has a
+validation split. Nothing depends on time, file-system order or randomness, so re-running on the
+same input writes byte-identical files.
+
+The embedded default corpus (`prepare_stdlib`) is the running Python's standard-library `.py`
+sources, without `site-packages` and test directories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from longctx.data import tokenizer as tokenizer_lib
+
+METADATA = "metadata.json"
+FORMAT = "longctx.tokens.v1"
+SPLITS = ("train", "validation")
+TOKENIZER_FILE = "tokenizer.model"
+# A shard is closed once it holds this many token bytes; ~256 MiB keeps per-file reads parallel
+# across hosts without creating thousands of tiny files.
+DEFAULT_SHARD_BYTES = 256 << 20
+# Standard-library directories that are not ordinary source: vendored packages and test suites
+# (the latter include deliberately malformed files).
+STDLIB_EXCLUDE_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test",
+                                 "__pycache__"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One input file: its path on disk and the stable key used for hashing and metadata."""
+
+    path: str
+    key: str
+
+
+def list_sources(inputs: Sequence[str], glob: str = "*",
+                 exclude_dirs: frozenset = frozenset()) -> list[Source]:
+    """Expands files and directory trees (sorted walk, pruning `exclude_dirs`) into input files."""
+    if not inputs:
+        raise ValueError("no --input given.")
+    out: list[Source] = []
+    for inp in inputs:
+        if os.path.isdir(inp):
+            found = []
+            for d, dirs, files in os.walk(inp):
+                dirs[:] = sorted(x for x in dirs if x not in exclude_dirs)
+                for f in sorted(files):
+                    if fnmatch.fnmatch(f, glob):
+                        full = os.path.join(d, f)
+                        found.append(Source(full, os.path.relpath(full, inp).replace(os.sep, "/")))
+            if not found:
+                raise ValueError(f"input directory {inp} has no files matching --glob {glob!r}.")
+            out.extend(found)
+        elif os.path.isfile(inp):
+            out.append(Source(inp, os.path.basename(inp)))
+        else:
+            raise FileNotFoundError(f"input {inp} does not exist.")
+    return out
+
+
+def iter_documents(src: Source, text_field: str = "text") -> Iterator[tuple[str, bytes]]:
+    """(key, utf-8 bytes) for every non-empty document in one input file."""
+    if src.path.endswith(".jsonl"):
+        with open(src.path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{src.path}:{lineno} is not valid JSON ({e.msg}).") from None
+                if not isinstance(obj, dict) or text_field not in obj:
+                    raise ValueError(f"{src.path}:{lineno} has no field {text_field!r} "
+                                     "(choose it with --text-field).")
+                text = obj[text_field]
+                if not isinstance(text, str):
+                    raise ValueError(f"{src.path}:{lineno} field {text_field!r} is not a string.")
+                if text:
+                    yield f"{src.key}:{lineno}", text.encode("utf-8")
+    else:
+        with open(src.path, "rb") as f:
+            data = f.read()
+        if data:
+            yield src.key, data
+
+
+def split_hash(key: str) -> float:
+    """Uniform in [0, 1), a pure function of the document key."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2.0**64
+
+
+class _ShardWriter:
+    """Writes one split's records into numbered ArrayRecord files of bounded size."""
+
+    def __init__(self, out_dir: str, split: str, shard_bytes: int):
+        self.out_dir, self.split, self.shard_bytes = out_dir, split, shard_bytes
+        self.files: list[dict] = []
+        self._writer = None
+
+    def write(self, ids: np.ndarray) -> None:
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        if self._writer is None:
+            name = f"{self.split}-{len(self.files):05d}.array_record"
+            # group_size:1 = one record per chunk, the setting for random access by index.
+            self._writer = ArrayRecordWriter(os.path.join(self.out_dir, name), "group_size:1")
+            self.files.append({"path": name, "num_documents": 0, "num_tokens": 0})
+        self._writer.write(ids.astype("<i4", copy=False).tobytes())
+        entry = self.files[-1]
+        entry["num_documents"] += 1
+        entry["num_tokens"] += int(ids.size)
+        if entry["num_tokens"] * 4 >= self.shard_bytes:
+            self.close()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _write_splits(sources, tok, out_dir, *, text_field, val_fraction, shard_bytes, force_val,
+                  progress):
+    """One pass over the inputs; returns (per-split stats, key of the smallest-hash document)."""
+    from tqdm import tqdm
+
+    writers = {s: _ShardWriter(out_dir, s, shard_bytes) for s in SPLITS}
+    max_len = {s: 0 for s in SPLITS}
+    min_key, min_h = None, 2.0
+    tokens = 0
+    bar = tqdm(sources, unit="file", desc="prepare", disable=not progress, dynamic_ncols=True)
+    for src in bar:
+        for key, data in iter_documents(src, text_field):
+            h = split_hash(key)
+            if h < min_h:
+                min_key, min_h = key, h
+            split = "validation" if (h < val_fraction or key == force_val) else "train"
+            ids = tok.encode_document(data)
+            if ids.size and int(ids.max()) >= tok.vocab_size:
+                raise ValueError(f"{src.path}: token id {int(ids.max())} >= vocab size {tok.vocab_size}.")
+            writers[split].write(ids)
+            max_len[split] = max(max_len[split], int(ids.size))
+            tokens += int(ids.size)
+        bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
+    bar.close()
+    stats = {}
+    for s, w in writers.items():
+        w.close()
+        stats[s] = {
+            "files": w.files,
+            "num_documents": sum(f["num_documents"] for f in w.files),
+            "num_tokens": sum(f["num_tokens"] for f in w.files),
+            "max_document_tokens": max_len[s],
+        }
+    return stats, min_key
+
+
+def _sentencepiece_texts(sources, text_field):
+    for src in sources:
+        for _, data in iter_documents(src, text_field):
+            yield data.decode("utf-8", errors="replace")
+
+
+def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte",
+                  text_field: str = "text", glob: str = "*", val_fraction: float = 0.01,
+                  train_sentencepiece: int | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                  progress: bool = True, sources_label: Sequence[str] | None = None,
+                  exclude_dirs: frozenset = frozenset()) -> dict:
+    """Tokenizes `inputs` into the (existing, empty) directory `out_dir`; returns the metadata."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"--val-fraction={val_fraction} must be in [0, 1).")
+    sources = list_sources(inputs, glob, exclude_dirs)
+
+    if train_sentencepiece:
+        if tokenizer != "byte":
+            raise ValueError("--train-sentencepiece trains a new model; do not also pass --tokenizer.")
+        prefix = os.path.join(out_dir, "tokenizer")
+        tokenizer_lib.train_sentencepiece(_sentencepiece_texts(sources, text_field),
+                                          int(train_sentencepiece), prefix)
+        os.remove(prefix + ".vocab")
+        tok = tokenizer_lib.sentencepiece_tokenizer(prefix + ".model")
+    elif tokenizer.startswith("sentencepiece:"):
+        model = tokenizer.split(":", 1)[1]
+        tok = tokenizer_lib.sentencepiece_tokenizer(model)  # validates before copying
+        shutil.copyfile(model, os.path.join(out_dir, TOKENIZER_FILE))
+        tok = tokenizer_lib.sentencepiece_tokenizer(os.path.join(out_dir, TOKENIZER_FILE))
+    else:
+        tok = tokenizer_lib.load_tokenizer(tokenizer)
+    spec = f"sentencepiece:{TOKENIZER_FILE}" if tok.name.startswith("sentencepiece:") else tok.name
+
+    kw = dict(text_field=text_field, val_fraction=val_fraction, shard_bytes=shard_bytes,
+              progress=progress)
+    stats, min_key = _write_splits(sources, tok, out_dir, force_val=None, **kw)
+    n_docs = sum(s["num_documents"] for s in stats.values())
+    if n_docs == 0:
+        raise ValueError(f"no documents found in {', '.join(inputs)} (all inputs are empty).")
+    if val_fraction > 0 and stats["validation"]["num_documents"] == 0 and n_docs >= 2:
+        # Rare on real corpora; a second pass keeps the split a pure function of the input.
+        for f in os.listdir(out_dir):
+            if f.endswith(".array_record"):
+                os.remove(os.path.join(out_dir, f))
+        stats, _ = _write_splits(sources, tok, out_dir, force_val=min_key, **kw)
+
+    meta = {
+        "format": FORMAT,
+        "record": "one document per record: little-endian int32 token ids, BOS ... EOS",
+        "tokenizer": spec,
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "pad_id": tok.pad_id,
+        "num_documents": n_docs,
+        "num_tokens": sum(s["num_tokens"] for s in stats.values()),
+        "splits": stats,
+        "sources": list(sources_label if sources_label is not None else inputs),
+        "num_source_files": len(sources),
+        "glob": glob,
+        "text_field": text_field,
+        "val_fraction": val_fraction,
+    }
+    with open(os.path.join(out_dir, METADATA), "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return meta
+
+
+def prepare(inputs: Sequence[str], output: str, **kwargs) -> dict:
+    """`write_dataset` into a temporary sibling, then swapped into `output` in one rename.
+
+    A reader never sees a half-written directory, and an interrupted run leaves `output` as it
+    was. An existing `output` is replaced only if it is a dataset (has metadata.json) or empty.
+    """
+    output = os.path.abspath(output)
+    if os.path.exists(output):
+        if not os.path.isdir(output) or (os.listdir(output)
+                                         and not os.path.exists(os.path.join(output, METADATA))):
+            raise ValueError(f"--output {output} exists and is not a longctx dataset directory.")
+    parent = os.path.dirname(output)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(output) + ".tmp-", dir=parent)
+    try:
+        meta = write_dataset(inputs, tmp, **kwargs)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700
+        if os.path.exists(output):
+            old = tempfile.mkdtemp(prefix=os.path.basename(output) + ".old-", dir=parent)
+            os.rename(output, os.path.join(old, "d"))
+            os.rename(tmp, output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, output)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def stdlib_cache_name() -> str:
+    """Directory name for the embedded corpus: changes with the Python build and the format."""
+    import sys
+
+    root = stdlib_root()
+    tag = hashlib.sha256(f"{root}|{sys.version}|{FORMAT}".encode()).hexdigest()[:10]
+    return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-byte-{tag}"
+
+
+def prepare_stdlib(cache_dir: str, progress: bool = False) -> str:
+    """Prepares the standard-library corpus under `cache_dir` once; returns its directory.
+
+    Safe when several processes race: each writes a private temporary directory and renames it
+    into place; the rename of a directory onto an existing non-empty one fails, so the first
+    finisher wins and the others discard their copy (identical anyway).
+    """
+    final = os.path.join(os.path.abspath(cache_dir), stdlib_cache_name())
+    if os.path.exists(os.path.join(final, METADATA)):
+        return final
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp-", dir=os.path.dirname(final))
+    try:
+        write_dataset([stdlib_root()], tmp, glob="*.py", val_fraction=0.01, progress=progress,
+                      sources_label=["python-stdlib"], exclude_dirs=STDLIB_EXCLUDE_DIRS)
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.exists(os.path.join(final, METADATA)):
+                raise
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
