@@ -15,12 +15,11 @@ from longctx.data.pipeline import (
     packed_rows,
     resolve_dataset,
 )
-from longctx.data.prepare import prepare, prepare_stdlib
 from longctx.data.sharding import DataShard, data_shard
 from longctx.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "KEYS", "PACKERS", "BatchIterator", "DataShard", "Tokenizer", "data_shard", "load_metadata",
-    "load_tokenizer", "make_batch_iterator", "packed_rows", "prepare", "prepare_stdlib",
+    "load_tokenizer", "make_batch_iterator", "packed_rows",
     "resolve_dataset",
 ]
