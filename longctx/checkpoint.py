@@ -86,27 +86,29 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
-    def restore_or_init(self, setup, data_iterator, mesh) -> tuple[Any, str]:
-        """Returns (state, a sentence saying where it came from)."""
+    def restore_or_init(self, setup, make_data_iterator) -> tuple[Any, Any, str]:
+        """Returns (state, data iterator, a sentence saying where they came from).
+
+        `make_data_iterator(seed_offset=0)` builds a fresh training iterator.
+        """
         target = _abstract_with_shardings(setup.abstract_state, setup.state_shardings)
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                state, data_note = self._restore_step(step, target, data_iterator)
+                state, data_iterator, data_note = self._restore_step(step, target, make_data_iterator)
             except Exception as e:  # noqa: BLE001  (any failure means: this step is unusable)
                 self._set_aside(step, e)
                 continue
-            return state, f"resumed from {self.directory}/{step} (step {step}){data_note}"
+            return state, data_iterator, f"resumed from {self.directory}/{step} (step {step}){data_note}"
 
-        rng = jax.random.PRNGKey(self.config.seed)
-        state = setup.init(rng)
+        state = setup.init(jax.random.PRNGKey(self.config.seed))
         init_from = self.config.checkpoint.init_from
         if init_from:
             params, step = self._params_from(init_from, target)
-            return state.replace(params=params), (
-                f"fresh optimizer state; parameters from {init_from} (step {step})")
-        return state, "fresh start"
+            return state.replace(params=params), make_data_iterator(), (
+                f"fresh start with parameters from {init_from} (step {step}) and a fresh optimizer state")
+        return state, make_data_iterator(), "fresh start"
 
-    def _restore_step(self, step: int, target, data_iterator):
+    def _restore_step(self, step: int, target, make_data_iterator):
         restored = self.manager.restore(step, args=ocp.args.Composite(**{
             _STATE: ocp.args.StandardRestore(target),
             _METADATA: ocp.args.JsonRestore(),
@@ -116,13 +118,13 @@ class Checkpointer:
             # Each process's iterator state describes its own share of the data; with another
             # process count those shares no longer exist. Start the data stream afresh, reshuffled
             # by the step so the resumed run does not repeat the first batches it saw.
-            data_iterator.reseed(step)
-            return restored[_STATE], (
+            return restored[_STATE], make_data_iterator(seed_offset=step), (
                 f"; the data iterator was saved by {saved_processes} process(es) and this run has "
                 f"{jax.process_count()}, so data restarts from a fresh shuffle seeded with step {step}")
+        data_iterator = make_data_iterator()
         self.manager.restore(step, args=ocp.args.Composite(**{
             _DATA: grain.checkpoint.CheckpointRestore(data_iterator.grain_iterator)}))
-        return restored[_STATE], ", data iterator included"
+        return restored[_STATE], data_iterator, ", data iterator included"
 
     def _set_aside(self, step: int, error: Exception) -> None:
         """Moves an unreadable step out of Orbax's sight (never deletes it) and says so."""

@@ -95,7 +95,7 @@ def ring_attention_over_mesh(q, k, v, segment_ids, sinks, attention_config, layo
     in_specs = (qkv_spec, qkv_spec, qkv_spec,
                 None if segment_ids is None else token_spec,
                 None if sinks is None else mesh_lib.logical_to_spec(None))
-    return jax.shard_map(per_shard, in_specs=in_specs, out_specs=qkv_spec, check_vma=False)(
+    return jax.shard_map(per_shard, in_specs=in_specs, out_specs=qkv_spec)(
         q, k, v, segment_ids, sinks)
 
 

@@ -7,6 +7,7 @@ sequence over sp, tokens already in the ring layout (the data pipeline permuted 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -258,8 +259,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     mesh_lib.maybe_initialize_distributed(config.distributed)
     sizes = config_lib.validate(config)
     check_workdir(workdir)
-    data_dir = data_lib.resolve_dataset(config)
-    metadata = data_lib.load_metadata(data_dir)
+    try:
+        data_dir = data_lib.resolve_dataset(config)
+        metadata = data_lib.load_metadata(data_dir)
+    except (OSError, ValueError) as e:  # the data module's messages name the file or key
+        raise config_lib.ConfigError(str(e)) from None
     if metadata["vocab_size"] > config.model.vocab_size:
         raise config_lib.ConfigError(
             f"model.vocab_size={config.model.vocab_size} is smaller than the dataset's tokenizer "
@@ -269,21 +273,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     mesh = mesh_lib.make_mesh(config.mesh)
     layout = resolve_layout(config, sizes[mesh_lib.SP])
     writer = MetricsWriter(workdir)
+    _write_run_info(config, workdir, mesh, layout, data_dir)
     if jax.process_index() == 0:
         print(f"longctx: {jax.process_count()} process(es), {jax.device_count()} {jax.devices()[0].platform} "
               f"devices, mesh {dict(mesh.shape)}, layout {layout}, attention impl {config.attention.impl}, "
               f"~{config_lib.num_params_estimate(config) / 1e6:.1f}M params, data {data_dir}", flush=True)
 
-    def make_train_iterator():
-        return data_lib.make_batch_iterator(config, mesh, split="train", layout=layout, data_dir=data_dir)
+    def make_train_iterator(seed_offset: int = 0):
+        return data_lib.make_batch_iterator(config, mesh, split="train", layout=layout, data_dir=data_dir,
+                                            seed_offset=seed_offset)
 
     def make_eval_iterator():
         return data_lib.make_batch_iterator(config, mesh, split="validation", layout=layout, data_dir=data_dir)
 
     with jax.set_mesh(mesh):
         setup = make_setup(config, mesh, layout)
-        train_iter = make_train_iterator()
-        state, resumed_from = checkpointer.restore_or_init(setup, train_iter, mesh)
+        state, train_iter, resumed_from = checkpointer.restore_or_init(setup, make_train_iterator)
         if jax.process_index() == 0:
             print(f"longctx: {resumed_from}", flush=True)
         train_step, eval_step = jit_steps(config, setup)
@@ -292,6 +297,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer.close()
     checkpointer.close()
     return result
+
+
+def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str) -> None:
+    """`workdir/run_info.json`: what this run is, for reports that compare runs (scripts/ablate.py)."""
+    if jax.process_index() != 0:
+        return
+    a = config.attention
+    schedule = ops.ring_schedule(config.data.seq_len, mesh.shape[mesh_lib.SP], a.block_size, layout=layout,
+                                 causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
+    info = {
+        "mesh": {k: int(v) for k, v in mesh.shape.items()},
+        "process_count": jax.process_count(),
+        "platform": jax.devices()[0].platform,
+        "layout": layout,
+        "ring_steps_run": int(len(schedule.run_steps)),
+        "ring_schedule_efficiency": float(schedule.efficiency),
+        "params": config_lib.num_params_estimate(config),
+        "tokens_per_step": config.data.global_batch_size * config.data.seq_len,
+        "data_dir": data_dir,
+        "config": config.to_dict(),
+    }
+    with open(os.path.join(workdir, "run_info.json"), "w") as f:
+        json.dump(info, f, indent=1)
 
 
 def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_iterator, checkpointer,
