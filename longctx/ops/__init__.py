@@ -1,0 +1,29 @@
+"""Ring attention and its backends.
+
+Public API:
+  ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None,
+                 *, causal=False, sliding_window=None, chunk_size=None, logits_soft_cap=None,
+                 softmax_scale=None, axis_name="sp", layout="contiguous", impl="splash",
+                 block_sizes=None) -> [batch, L, heads, head_dim]
+      Call inside jax.shard_map with `axis_name` bound, on this device's shard in layout order.
+  reference_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, *,
+                      causal, sliding_window, chunk_size, logits_soft_cap, softmax_scale)
+      Dense oracle on whole natural-order sequences (tests).
+  resolve_layout(layout, seq_len, num_shards, *, causal=False, sliding_window=None,
+                 chunk_size=None) -> str
+      The concrete layout ring_attention uses for `layout` ("auto" -> the layout whose ring
+      finishes first for the mask). The data pipeline permutes every row with
+      `longctx.layout.permutation(resolve_layout(...), seq_len, sp)` so that tokens arrive in
+      the order the attention expects; call it with the same mask keywords as the model.
+  ring_schedule_efficiency(seq_len, num_shards, block_size=None, layout="contiguous",
+                           causal=False, sliding_window=None, chunk_size=None) -> float
+      useful blocks / (sp * sum over run steps of max over devices of computed blocks), for a
+      concrete layout (benchmarks, configs). `ring_schedule(...)` returns the full Schedule:
+      computed_blocks [device, step], run_steps, efficiency, steps, critical_path.
+"""
+from longctx.masks import resolve_layout, ring_schedule, ring_schedule_efficiency
+from longctx.ops.reference import reference_attention
+from longctx.ops.ring import ring_attention
+
+__all__ = ["ring_attention", "reference_attention", "resolve_layout", "ring_schedule",
+           "ring_schedule_efficiency"]

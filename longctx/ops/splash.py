@@ -1,0 +1,92 @@
+"""The ring step on JAX's Pallas TPU splash-attention kernels (interpret mode off TPU).
+
+Per (device, run step) the host-computed MaskInfo (masks.RingTables) is picked with
+lax.axis_index and handed to splash's own forward (save_residuals: out + logsumexp), dq and
+dkv kernels, which skip empty blocks and apply partial blocks, segment ids and the soft cap.
+Splash's public `make_splash_mha` builds its MaskInfo from one static mask for the whole
+sequence; a ring needs a different one per (device, step), so we call the kernel functions
+below that layer (`_splash_attention_forward`, `_splash_attention_bwd_dq`, `_splash_attention_
+bwd_dkv`) with our own tables. Sinks are *not* given to the kernel: they enter once, in the
+ring's float32 merge. Shapes: see ring.py. Kernels work per batch row (vmap over b), on
+[heads, L, head_dim].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
+
+from longctx.ops.ring import pick
+
+MASK_VALUE = sk.DEFAULT_MASK_VALUE
+_HEAD_MINOR = sk.QKVLayout.HEAD_DIM_MINOR
+
+
+def _mask_info(cfg, d, t, kind):
+  tb = cfg.tables
+  if kind == "fwd":  # forward and dq kernels: rows = q blocks
+    data, block, nxt = tb.fwd_data_next, tb.fwd_block_mask, tb.fwd_mask_next
+    partial = tb.partial
+  else:  # dkv kernel: columns = kv blocks, partial blocks stored [kv, q]
+    data, block, nxt = tb.dkv_data_next, tb.dkv_block_mask, tb.dkv_mask_next
+    partial = None if tb.partial is None else tb.partial.swapaxes(1, 2)
+  return mi.MaskInfo(
+      data_next=pick(data, d, t), block_mask=pick(block, d, t),
+      mask_next=None if nxt is None else pick(nxt, d, t),
+      partial_mask_blocks=None if partial is None else jnp.asarray(partial),
+      q_sequence=None)
+
+
+def _segments(qs, ks):
+  return None if qs is None else sk.SegmentIds(q=qs, kv=ks)
+
+
+def _heads_major(x):
+  return jnp.swapaxes(x, 1, 2)  # [b, L, heads, h] <-> [b, heads, L, h]
+
+
+def fwd_step(cfg, q, k, v, qs, ks, d, t):
+  info = _mask_info(cfg, d, t, "fwd")
+  sizes = sk.BlockSizes(block_q=cfg.bq, block_kv=cfg.bkv, block_kv_compute=cfg.bkv_compute)
+
+  def one_row(q1, k1, v1, seg):
+    out, (lse,) = sk._splash_attention_forward(  # pylint: disable=protected-access
+        info, q1, k1, v1, seg, None, mask_value=MASK_VALUE, is_mqa=False,
+        block_sizes=sizes, residual_checkpoint_name=None, save_residuals=True,
+        mask_function=None, attn_logits_soft_cap=cfg.soft_cap, interpret=cfg.interpret)
+    return out, lse
+
+  out, lse = jax.vmap(one_row)(_heads_major(q), _heads_major(k), _heads_major(v),
+                               _segments(qs, ks))
+  out = _heads_major(out).astype(jnp.float32)
+  lse = jnp.swapaxes(lse, 1, 2)  # [b, L, n]
+  # A row with no allowed key in this step gets lse ~ MASK_VALUE (masked logits inside a
+  # computed block) or -inf with a NaN output (q block with no block at all). Either way it
+  # is empty here: -inf lse and zero output, so the merge gives it exactly zero weight.
+  valid = lse > 0.5 * MASK_VALUE
+  return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
+
+
+def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, d, t):
+  fwd_info = _mask_info(cfg, d, t, "fwd")
+  dkv_info = _mask_info(cfg, d, t, "dkv")
+  layouts = dict(q_layout=_HEAD_MINOR, k_layout=_HEAD_MINOR, v_layout=_HEAD_MINOR)
+  common = dict(is_mqa=False, mask_value=MASK_VALUE, attn_logits_soft_cap=cfg.soft_cap,
+                mask_function=None, interpret=cfg.interpret, **layouts)
+
+  def one_row(q1, k1, v1, seg, lse1, do1, di1):
+    dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
+        q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
+        mask_info=fwd_info, **common)
+    _, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
+        q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
+        bkv_compute=cfg.bkv_dkv_compute, mask_info=dkv_info, use_fused_bwd_kernel=False,
+        **common)
+    return dq, dk, dv
+
+  dq, dk, dv = jax.vmap(one_row)(
+      _heads_major(q), _heads_major(k), _heads_major(v), _segments(qs, ks),
+      jnp.swapaxes(lse, 1, 2), _heads_major(do), jnp.swapaxes(di, 1, 2))
+  f = lambda x: _heads_major(x).astype(jnp.float32)
+  return f(dq), f(dk), f(dv)
