@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
 
-from longctx.ops.ring import pick
+from jax._src import config as jax_config  # pylint: disable=g-direct-jax-import
+
+from longctx.ops.ring import pick, vary_like
 
 MASK_VALUE = sk.DEFAULT_MASK_VALUE
 _HEAD_MINOR = sk.QKVLayout.HEAD_DIM_MINOR
@@ -38,6 +41,19 @@ def _mask_info(cfg, d, t, kind):
       q_sequence=None)
 
 
+def _kernel(fn, ref, *args):
+  """Runs a splash kernel function on shard-local data.
+
+  Splash's pallas_calls declare outputs with plain ShapeDtypeStructs, which shard_map's
+  varying-axes typing (check_vma=True, the default) rejects. The kernel is purely local, so we
+  trace it with the check off, as shard_map(check_vma=False) would, and type its outputs as
+  varying like `ref` (this device's query shard).
+  """
+  with jax_config._check_vma(False):  # pylint: disable=protected-access
+    out = fn(*args)
+  return vary_like(out, ref)
+
+
 def _segments(qs, ks):
   return None if qs is None else sk.SegmentIds(q=qs, kv=ks)
 
@@ -47,7 +63,9 @@ def _heads_major(x):
 
 
 def fwd_step(cfg, q, k, v, qs, ks, d, t):
-  info = _mask_info(cfg, d, t, "fwd")
+  with jax_config._check_vma(False):  # pylint: disable=protected-access
+    d = lax.axis_index(cfg.axis_name)
+    info = _mask_info(cfg, d, t, "fwd")
   sizes = sk.BlockSizes(block_q=cfg.bq, block_kv=cfg.bkv, block_kv_compute=cfg.bkv_compute)
 
   def one_row(q1, k1, v1, seg):
@@ -57,8 +75,8 @@ def fwd_step(cfg, q, k, v, qs, ks, d, t):
         mask_function=None, attn_logits_soft_cap=cfg.soft_cap, interpret=cfg.interpret)
     return out, lse
 
-  out, lse = jax.vmap(one_row)(_heads_major(q), _heads_major(k), _heads_major(v),
-                               _segments(qs, ks))
+  out, lse = _kernel(jax.vmap(one_row), q, _heads_major(q), _heads_major(k),
+                     _heads_major(v), _segments(qs, ks))
   out = _heads_major(out).astype(jnp.float32)
   lse = jnp.swapaxes(lse, 1, 2)  # [b, L, n]
   # A row with no allowed key in this step gets lse ~ MASK_VALUE (masked logits inside a
@@ -69,8 +87,10 @@ def fwd_step(cfg, q, k, v, qs, ks, d, t):
 
 
 def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, d, t):
-  fwd_info = _mask_info(cfg, d, t, "fwd")
-  dkv_info = _mask_info(cfg, d, t, "dkv")
+  with jax_config._check_vma(False):  # pylint: disable=protected-access
+    d = lax.axis_index(cfg.axis_name)
+    fwd_info = _mask_info(cfg, d, t, "fwd")
+    dkv_info = _mask_info(cfg, d, t, "dkv")
   layouts = dict(q_layout=_HEAD_MINOR, k_layout=_HEAD_MINOR, v_layout=_HEAD_MINOR)
   common = dict(is_mqa=False, mask_value=MASK_VALUE, attn_logits_soft_cap=cfg.soft_cap,
                 mask_function=None, interpret=cfg.interpret, **layouts)
@@ -85,8 +105,8 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, d, t):
         **common)
     return dq, dk, dv
 
-  dq, dk, dv = jax.vmap(one_row)(
-      _heads_major(q), _heads_major(k), _heads_major(v), _segments(qs, ks),
+  dq, dk, dv = _kernel(
+      jax.vmap(one_row), q, _heads_major(q), _heads_major(k), _heads_major(v), _segments(qs, ks),
       jnp.swapaxes(lse, 1, 2), _heads_major(do), jnp.swapaxes(di, 1, 2))
   f = lambda x: _heads_major(x).astype(jnp.float32)
   return f(dq), f(dk), f(dv)
