@@ -430,7 +430,7 @@ def test_gke_dcn_axis_choice_and_single_slice():
 @pytest.mark.parametrize("args, message", [
     (["--slices", "0"], "--slices must be at least 1"),
     (["--topology", "4x4xq"], "--topology"),
-    (["--topology", "3x4x4"], "not a multiple of the 4 chips per host"),
+    (["--topology", "3x3x3"], "not a multiple of the 4 chips per host"),
     (["--workdir", "/tmp/x"], "must be a gs:// path"),
     (["--name", "Bad_Name"], "--name"),
 ])
