@@ -129,3 +129,17 @@ def num_params_estimate(config) -> int:
     embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
     return m.num_layers * per_layer + embed + m.d_model + (m.num_heads * m.num_layers if config.attention.attention_sinks else 0)
 
+
+
+def mask_kwargs(attention_config) -> dict:
+    """The mask keywords of `ring_attention` / `resolve_layout` for `config.attention`.
+
+    The config's `sliding_window=w` is a causal window (token i sees [i - w, i]); the ring takes
+    (left, right) so that two-sided windows are expressible too.
+    """
+    a = attention_config
+    return {
+        "causal": bool(a.causal),
+        "sliding_window": None if a.sliding_window is None else (int(a.sliding_window), 0),
+        "chunk_size": None if a.chunk_size is None else int(a.chunk_size),
+    }

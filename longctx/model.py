@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from longctx import config as config_lib
 from longctx import mesh as mesh_lib
 from longctx import ops
 
@@ -79,9 +80,7 @@ def ring_attention_over_mesh(q, k, v, segment_ids, sinks, attention_config, layo
     token_spec = mesh_lib.logical_to_spec(_TOKEN_ACTIVATION)
     attend = functools.partial(
         ops.ring_attention,
-        causal=a.causal,
-        sliding_window=(a.sliding_window, 0) if a.sliding_window is not None else None,
-        chunk_size=a.chunk_size,
+        **config_lib.mask_kwargs(a),
         logits_soft_cap=a.logits_soft_cap,
         axis_name=mesh_lib.SP,
         layout=layout,

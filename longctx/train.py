@@ -70,10 +70,8 @@ def make_optimizer(config) -> optax.GradientTransformation:
 
 def resolve_layout(config, sp: int) -> str:
     """The concrete sequence layout for this run (resolves "auto" by schedule efficiency)."""
-    a = config.attention
-    return ops.resolve_layout(a.layout, seq_len=config.data.seq_len, num_shards=sp,
-                              block_size=a.block_size, causal=a.causal,
-                              sliding_window=a.sliding_window, chunk_size=a.chunk_size)
+    return ops.resolve_layout(config.attention.layout, config.data.seq_len, sp,
+                              **config_lib.mask_kwargs(config.attention))
 
 
 def _logical_shardings(mesh, tree):
@@ -98,17 +96,17 @@ class Setup:
 def make_setup(config, mesh, layout: str) -> Setup:
     """eval_shape -> shardings -> jit(init, out_shardings=...): no full copy ever on one device."""
     optimizer = make_optimizer(config)
+    graphdefs = []  # the model's static structure, captured while tracing init
 
     def init(rng):
         model = Decoder(config, layout=layout, rngs=nnx.Rngs(params=rng))
-        _, params = nnx.split(model, nnx.Param)
+        graphdef, params = nnx.split(model, nnx.Param)
+        graphdefs.append(graphdef)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=optimizer.init(params), rng=rng)
 
-    with jax.set_mesh(mesh):
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(config, layout=layout, rngs=nnx.Rngs(0))),
-                                nnx.Param)
-        abstract_state = jax.eval_shape(init, jax.random.PRNGKey(0))
+    abstract_state = jax.eval_shape(init, jax.random.PRNGKey(0))
+    graphdef = graphdefs[0]
     shardings = _logical_shardings(mesh, abstract_state)
     return Setup(graphdef=graphdef, abstract_state=abstract_state, state_shardings=shardings,
                  batch_sharding=mesh_lib.batch_sharding(mesh), optimizer=optimizer,
@@ -305,7 +303,7 @@ def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str) -> N
         return
     a = config.attention
     schedule = ops.ring_schedule(config.data.seq_len, mesh.shape[mesh_lib.SP], a.block_size, layout=layout,
-                                 causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
+                                 **config_lib.mask_kwargs(a))
     info = {
         "mesh": {k: int(v) for k, v in mesh.shape.items()},
         "process_count": jax.process_count(),
