@@ -49,13 +49,13 @@ def num_packing_bins(packer: str, seq_len: int, batch_size: int) -> int:
     """Bins the first/best-fit packers fill before emitting them all as rows.
 
     Grain emits every bin as soon as one piece fits in none, so more bins = less padding, at the
-    cost of a bigger buffer (16 bytes per position: the pair, segment id, position) and more
-    documents read before the first row. Calibrated on the stdlib corpus with
-    scripts/bench_data.py: 8 Mi positions (128 MiB) give best-fit >= 0.99 non-padding at 8K and
-    32K (4 Mi gave 0.988).
+    cost of buffer memory (16 bytes per position: the pair, segment id, position), documents read
+    before the first row, and per-document search time (linear in bins). Calibrated on the
+    stdlib corpus with scripts/bench_data.py: 1024 bins give best-fit >= 0.99 non-padding at 8K
+    and 32K (512 gave 0.988); the budget of 8 Mi positions (128 MiB) caps very long rows.
     """
     del packer
-    return max(8, batch_size, (8 << 20) // seq_len)
+    return max(8, batch_size, min(1024, (8 << 20) // seq_len))
 
 
 def pack(ds: grain.IterDataset, packer: str, seq_len: int, *, batch_size: int, pad_id: int,

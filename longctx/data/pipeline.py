@@ -101,7 +101,8 @@ class TokenSource(grain.sources.RandomAccessDataSource):
                 n = reader.num_records()
                 reader.close()
             except Exception as e:  # the reader raises assorted status errors
-                raise ValueError(f"{p} is not a readable ArrayRecord file ({e}).") from None
+                raise ValueError(f"{p} is corrupt: not a readable ArrayRecord file "
+                                 f"({type(e).__name__}: {e}).") from None
             if n != entry["num_documents"]:
                 raise ValueError(f"{p} is corrupt: it holds {n} records but metadata.json lists "
                                  f"{entry['num_documents']}.")
@@ -183,6 +184,12 @@ def batched(rows: grain.IterDataset, batch_size: int, perm: np.ndarray | None, *
             num_workers: int = 0, prefetch_buffer_size: int = 2) -> grain.IterDataset:
     ds = rows.batch(batch_size, drop_remainder=True).map(packing.PermuteLayout(perm))
     if num_workers > 0:
+        # Grain's workers read absl flags; outside an absl app (pytest, notebooks) they are
+        # unparsed and reading one raises, so accept the defaults.
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
         # Each worker packs its own slice of the documents; the output is deterministic for a
         # given num_workers (and a checkpoint must be restored with the same num_workers).
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(

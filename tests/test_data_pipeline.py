@@ -1,0 +1,179 @@
+"""make_batch_iterator: global sharded batches, determinism, save/restore, bad input."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from configs import base
+from longctx import layout as layout_lib
+from longctx import mesh as mesh_lib
+from longctx.data import make_batch_iterator, load_metadata, prepare, resolve_dataset
+from tests.test_data_packing import make_corpus
+
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    out = root / "data"
+    prepare.prepare([str(make_corpus(root))], str(out), val_fraction=0.1, progress=False)
+    return str(out)
+
+
+def tiny_config(**data):
+    c = base.get_config("tiny")
+    c.data.update(dict(seq_len=SEQ, global_batch_size=4, packer="best_fit", num_workers=0,
+                       prefetch_buffer_size=2), **data)
+    return c
+
+
+def mesh_of(config):
+    return mesh_lib.make_mesh(config.mesh)  # tiny: dp=1, fsdp=2, sp=4 on 8 CPU devices
+
+
+def take(it, n):
+    return [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(n)]
+
+
+def same(a, b):
+    return all(np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+
+
+def test_global_batches_sharded_and_laid_out(data_dir):
+    c = tiny_config()
+    mesh = mesh_of(c)
+    it = make_batch_iterator(c, mesh, split="train", layout="zigzag", data_dir=data_dir)
+    batch = next(it)
+    assert set(batch) == {"tokens", "segment_ids", "positions", "targets", "loss_mask"}
+    want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("dp", "fsdp"), "sp"))
+    for v in batch.values():
+        assert v.shape == (4, SEQ) and v.dtype == np.int32
+        assert v.sharding.is_equivalent_to(want, 2)
+    # The same seed in the contiguous layout gives the same rows, permuted.
+    nat = next(make_batch_iterator(c, mesh, split="train", layout="contiguous", data_dir=data_dir))
+    perm = layout_lib.permutation("zigzag", SEQ, 4)
+    for k in batch:
+        assert np.array_equal(np.asarray(batch[k]), np.asarray(nat[k])[:, perm])
+    # Device (fsdp=f, sp=d) holds rows [2f, 2f+2) and the global positions perm[d*16:(d+1)*16].
+    shard = batch["positions"].addressable_shards[0]
+    assert shard.data.shape == (2, SEQ // 4)
+    it.close()
+
+
+def test_same_seed_same_batches_and_seed_offset_changes_order(data_dir):
+    c = tiny_config()
+    mesh = mesh_of(c)
+    run = lambda **kw: take(make_batch_iterator(c, mesh, layout="contiguous", data_dir=data_dir,
+                                                **kw), 3)
+    a, b, other = run(), run(), run(seed_offset=1)
+    assert same(a, b)
+    assert not same(a, other)
+
+
+def test_validation_is_repeatable(data_dir):
+    c = tiny_config()
+    mesh = mesh_of(c)
+    run = lambda: take(make_batch_iterator(c, mesh, split="validation", layout="striped",
+                                           data_dir=data_dir), 4)
+    assert same(run(), run())
+
+
+@pytest.mark.parametrize("packer,workers", [("best_fit", 0), ("concat_then_split", 0),
+                                            ("first_fit", 2)])
+def test_restore_mid_epoch_yields_identical_next_batches(data_dir, packer, workers):
+    c = tiny_config(packer=packer, num_workers=workers)
+    mesh = mesh_of(c)
+    it = make_batch_iterator(c, mesh, layout="zigzag", data_dir=data_dir)
+    take(it, 3)
+    state = json.loads(json.dumps(it.get_state()))  # must survive JSON (Orbax writes it so)
+    expected = take(it, 5)
+    it.close()
+    fresh = make_batch_iterator(c, mesh, layout="zigzag", data_dir=data_dir)
+    fresh.set_state(state)
+    assert same(take(fresh, 5), expected)
+    fresh.close()
+
+
+def test_orbax_checkpoint_of_grain_iterator(data_dir, tmp_path):
+    import grain
+    import orbax.checkpoint as ocp
+
+    c = tiny_config()
+    mesh = mesh_of(c)
+    it = make_batch_iterator(c, mesh, layout="contiguous", data_dir=data_dir)
+    take(it, 2)
+    mngr = ocp.CheckpointManager(str(tmp_path / "ckpt"))
+    mngr.save(2, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it.grain_iterator)))
+    mngr.wait_until_finished()
+    expected = take(it, 5)
+    fresh = make_batch_iterator(c, mesh, layout="contiguous", data_dir=data_dir)
+    mngr.restore(2, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh.grain_iterator)))
+    assert same(take(fresh, 5), expected)
+    mngr.close()
+
+
+def test_bad_config_fails_with_one_sentence(data_dir):
+    mesh = mesh_of(tiny_config())
+    with pytest.raises(ValueError, match="model.vocab_size=100"):
+        c = tiny_config()
+        c.model.vocab_size = 100
+        make_batch_iterator(c, mesh, layout="contiguous", data_dir=data_dir)
+    with pytest.raises(ValueError, match="seq_len=66"):
+        make_batch_iterator(tiny_config(seq_len=66), mesh, layout="contiguous", data_dir=data_dir)
+    with pytest.raises(ValueError, match="global_batch_size=3"):
+        make_batch_iterator(tiny_config(global_batch_size=3), mesh, layout="contiguous",
+                            data_dir=data_dir)
+    with pytest.raises(ValueError, match="concrete layout"):
+        make_batch_iterator(tiny_config(), mesh, layout="auto", data_dir=data_dir)
+    c = tiny_config()
+    c.data.path = os.path.join(data_dir, "nope")
+    with pytest.raises(FileNotFoundError, match="data.path="):
+        resolve_dataset(c)
+
+
+def copy_of(data_dir, tmp_path):
+    d = str(tmp_path / "copy")
+    shutil.copytree(data_dir, d)
+    return d, load_metadata(d)
+
+
+def test_corrupt_array_record_is_named(data_dir, tmp_path):
+    d, meta = copy_of(data_dir, tmp_path)
+    name = meta["splits"]["train"]["files"][0]["path"]
+    with open(os.path.join(d, name), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(d, name)) // 2)
+    with pytest.raises(ValueError, match=f"{name}.*corrupt"):
+        make_batch_iterator(tiny_config(), mesh_of(tiny_config()), layout="contiguous", data_dir=d)
+
+
+def test_token_ids_beyond_vocab_are_named(data_dir, tmp_path):
+    d, meta = copy_of(data_dir, tmp_path)
+    meta["vocab_size"] = 128  # the stored BOS (256) is now out of range
+    with open(os.path.join(d, "metadata.json"), "w") as f:
+        json.dump(meta, f)
+    it = make_batch_iterator(tiny_config(), mesh_of(tiny_config()), layout="contiguous", data_dir=d)
+    with pytest.raises(ValueError, match=r"train-00000.array_record record \d+ has token id 25[67] outside"):
+        next(it)
+
+
+def test_missing_metadata_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="metadata.json does not exist"):
+        load_metadata(str(tmp_path))
+
+
+def test_embedded_corpus_prepared_once_and_cached(tmp_path):
+    c = tiny_config()
+    c.data.cache_dir = str(tmp_path)
+    d = resolve_dataset(c)
+    meta = load_metadata(d)
+    assert meta["splits"]["validation"]["num_documents"] > 0
+    assert meta["splits"]["train"]["num_documents"] > 100
+    assert meta["vocab_size"] == 259 and meta["tokenizer"] == "byte"
+    stamp = os.path.getmtime(os.path.join(d, "metadata.json"))
+    assert resolve_dataset(c) == d and os.path.getmtime(os.path.join(d, "metadata.json")) == stamp
+    assert [p for p in os.listdir(tmp_path) if ".tmp-" in p] == []
