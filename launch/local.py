@@ -37,6 +37,7 @@ import ctypes
 import errno
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -222,6 +223,8 @@ class _Pump(threading.Thread):
             if cut >= 0:
                 head, pending = pending[:cut + 1], pending[cut + 1:]
                 for piece in re.findall(rb"[^\r\n]*(?:\r\n|\n|\r)", head):
+                    if piece.endswith(b"\r") and not piece.strip():
+                        continue  # a progress bar clearing its line: nothing worth a prefix
                     self._emit(piece)
         if pending:
             self._emit(pending + b"\n")
@@ -271,7 +274,7 @@ class Job:
     def start(self) -> None:
         a = self.args
         self.say(f"{a.num_processes} process(es) x {a.devices_per_process} CPU device(s), "
-                 f"coordinator 127.0.0.1:{self.port}: {' '.join(a.command)}")
+                 f"coordinator 127.0.0.1:{self.port}: {shlex.join(a.command)}")
         for i in range(a.num_processes):
             env = child_env(os.environ, self.port, a.num_processes, i, a.devices_per_process)
             try:
