@@ -151,16 +151,24 @@ CREATE=(gcloud compute tpus tpu-vm create "$NAME" "${GCLOUD_COMMON[@]}" --accele
 ((SPOT)) && CREATE+=(--spot)
 DESCRIBE=(gcloud compute tpus tpu-vm describe "$NAME" "${GCLOUD_COMMON[@]}" --format 'value(state)')
 if ((DRY_RUN)); then
-  echo "# if this prints a state, reuse the slice (start it if STOPPED); otherwise create it:"
+  echo "# if this prints a state, reuse the slice (start it if STOPPED; delete and recreate it if PREEMPTED),"
+  echo "# otherwise create it:"
   run "${DESCRIBE[@]}"
   run "${CREATE[@]}"
 else
   command -v gcloud >/dev/null || die "gcloud is not installed (https://cloud.google.com/sdk/docs/install)."
   if STATE="$("${DESCRIBE[@]}" 2>/dev/null)" && [[ -n "$STATE" ]]; then
-    note "reusing TPU VM ${NAME} (state ${STATE})."
-    if [[ "$STATE" == STOPPED ]]; then
-      run gcloud compute tpus tpu-vm start "$NAME" "${GCLOUD_COMMON[@]}"
-    fi
+    case "$STATE" in
+      PREEMPTED|TERMINATED)
+        note "TPU VM ${NAME} was ${STATE}; deleting and recreating it (the workdir keeps the checkpoints)."
+        run gcloud compute tpus tpu-vm delete "$NAME" "${GCLOUD_COMMON[@]}" --quiet
+        run "${CREATE[@]}" ;;
+      STOPPED)
+        note "starting stopped TPU VM ${NAME}."
+        run gcloud compute tpus tpu-vm start "$NAME" "${GCLOUD_COMMON[@]}" ;;
+      *)
+        note "reusing TPU VM ${NAME} (state ${STATE})." ;;
+    esac
   else
     run "${CREATE[@]}"
   fi
