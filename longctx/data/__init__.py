@@ -5,21 +5,24 @@ The train loop's interface:
   load_metadata(data_dir) -> dict
   make_batch_iterator(config, mesh, *, split, layout, data_dir, seed_offset=0) -> BatchIterator
 See pipeline.py for the batch format and the Orbax checkpoint recipe for the iterator.
+
+Names are imported lazily so that `longctx.data.prepare` (the data-preparation CLI) starts
+without importing grain and jax.
 """
 
-from longctx.data.packing import KEYS, PACKERS
-from longctx.data.pipeline import (
-    BatchIterator,
-    load_metadata,
-    make_batch_iterator,
-    packed_rows,
-    resolve_dataset,
-)
-from longctx.data.sharding import DataShard, data_shard
-from longctx.data.tokenizer import Tokenizer, load_tokenizer
+import importlib
 
-__all__ = [
-    "KEYS", "PACKERS", "BatchIterator", "DataShard", "Tokenizer", "data_shard", "load_metadata",
-    "load_tokenizer", "make_batch_iterator", "packed_rows",
-    "resolve_dataset",
-]
+_EXPORTS = {
+    "KEYS": "packing", "PACKERS": "packing",
+    "BatchIterator": "pipeline", "load_metadata": "pipeline", "make_batch_iterator": "pipeline",
+    "packed_rows": "pipeline", "resolve_dataset": "pipeline",
+    "DataShard": "sharding", "data_shard": "sharding",
+    "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"longctx.data.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'longctx.data' has no attribute {name!r}")

@@ -198,11 +198,10 @@ def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte
     if train_sentencepiece:
         if tokenizer != "byte":
             raise ValueError("--train-sentencepiece trains a new model; do not also pass --tokenizer.")
-        prefix = os.path.join(out_dir, "tokenizer")
+        model = os.path.join(out_dir, TOKENIZER_FILE)
         tokenizer_lib.train_sentencepiece(_sentencepiece_texts(sources, text_field),
-                                          int(train_sentencepiece), prefix)
-        os.remove(prefix + ".vocab")
-        tok = tokenizer_lib.sentencepiece_tokenizer(prefix + ".model")
+                                          int(train_sentencepiece), model)
+        tok = tokenizer_lib.sentencepiece_tokenizer(model)
     elif tokenizer.startswith("sentencepiece:"):
         model = tokenizer.split(":", 1)[1]
         tok = tokenizer_lib.sentencepiece_tokenizer(model)  # validates before copying

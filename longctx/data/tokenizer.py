@@ -75,30 +75,43 @@ def sentencepiece_tokenizer(model_path: str) -> Tokenizer:
     return Tokenizer(name, sp.GetPieceSize(), bos, eos, pad, sp)
 
 
-def train_sentencepiece(texts, vocab_size: int, model_prefix: str) -> str:
-    """Trains a BPE SentencePiece model on an iterable of strings; returns the .model path.
+def train_sentencepiece(texts, vocab_size: int, model_path: str) -> str:
+    """Trains a BPE SentencePiece model on an iterable of strings into `model_path`.
 
-    Ids 0..3 are fixed as UNK, BOS, EOS, PAD. Training is single-threaded with a fixed seed
-    so that re-running prepare_data on the same input gives the same model, byte for byte.
+    Ids 0..3 are fixed as UNK, BOS, EOS, PAD. Training is single-threaded with a fixed seed, and
+    the model is written from memory (a file prefix would be recorded inside the model), so
+    re-running prepare_data on the same input gives the same model, byte for byte.
     """
+    import io
+
     import sentencepiece as spm
 
-    spm.SentencePieceTrainer.Train(
-        sentence_iterator=iter(texts),
-        model_prefix=model_prefix,
-        vocab_size=vocab_size,
-        model_type="bpe",
-        character_coverage=1.0,
-        byte_fallback=True,  # any byte sequence stays encodable
-        unk_id=0, bos_id=1, eos_id=2, pad_id=3,
-        num_threads=1,
-        random_seed=0,
-        input_sentence_size=0,
-        shuffle_input_sentence=False,
-        max_sentence_length=1 << 16,
-        minloglevel=2,
-    )
-    return model_prefix + ".model"
+    if hasattr(spm, "set_random_generator_seed"):
+        spm.set_random_generator_seed(0)
+    buf = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.Train(
+            sentence_iterator=iter(texts),
+            model_writer=buf,
+            vocab_size=vocab_size,
+            model_type="bpe",
+            character_coverage=1.0,
+            byte_fallback=True,  # any byte sequence stays encodable
+            normalization_rule_name="identity",  # lossless: decode(encode(text)) == text
+            remove_extra_whitespaces=False,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=3,
+            num_threads=1,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            max_sentence_length=1 << 16,
+            minloglevel=2,
+        )
+    except RuntimeError as e:  # e.g. vocab_size too large for the corpus
+        raise ValueError(f"--train-sentencepiece {vocab_size}: SentencePiece training failed "
+                         f"({str(e).strip()}).") from None
+    with open(model_path, "wb") as f:
+        f.write(buf.getvalue())
+    return model_path
 
 
 def load_tokenizer(spec: str, data_dir: str | None = None) -> Tokenizer:

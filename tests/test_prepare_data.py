@@ -1,0 +1,128 @@
+"""scripts/prepare_data.py on small generated corpora: text + jsonl, byte + SentencePiece."""
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from longctx.data import load_metadata, packed_rows
+from longctx.data.pipeline import TokenSource
+from longctx.data.tokenizer import load_tokenizer
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "prepare_data.py")
+WORDS = "the of and to in is was for on that with as by at from long context ring attention".split()
+
+
+def sentence(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n)) + ".\n"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A directory of .txt files (one nested) and a .jsonl file, with one empty document each."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    (root / "txt" / "sub").mkdir(parents=True)
+    for i in range(12):
+        (root / "txt" / ("sub" if i % 3 == 0 else "") / f"doc{i:02d}.txt").write_text(
+            sentence(rng, rng.randint(5, 300)))
+    (root / "txt" / "empty.txt").write_text("")
+    (root / "txt" / "skip.md").write_text("not matched by the glob")
+    lines = [json.dumps({"text": sentence(rng, rng.randint(3, 200)), "id": i}) for i in range(40)]
+    lines.insert(5, json.dumps({"text": ""}))
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n\n")
+    return root
+
+
+def run(*args):
+    return subprocess.run([sys.executable, SCRIPT, "--quiet", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def digest(d):
+    return {f: hashlib.sha256((d / f).read_bytes()).hexdigest() for f in sorted(os.listdir(d))}
+
+
+def check_dataset(d, num_docs, texts=None):
+    meta = load_metadata(str(d))
+    assert meta["num_documents"] == num_docs
+    assert meta["splits"]["validation"]["num_documents"] >= 1
+    tok = load_tokenizer(meta["tokenizer"], str(d))
+    assert tok.vocab_size == meta["vocab_size"]
+    docs = [x for s in ("train", "validation") for x in TokenSource(str(d), s, meta)]
+    assert sum(len(x) for x in docs) == meta["num_tokens"]
+    assert all(x[0] == meta["bos_id"] and x[-1] == meta["eos_id"] for x in docs)
+    assert max(int(x.max()) for x in docs) < meta["vocab_size"]
+    if texts is not None:  # lossless round trip
+        assert sorted(tok.decode(x) for x in docs) == sorted(texts)
+    # The pipeline packs it.
+    row = next(iter(packed_rows(str(d), "train", seq_len=128, packer="best_fit", seed=0)))
+    assert row["loss_mask"].sum() > 0
+    return meta
+
+
+def texts_of(corpus):
+    txt = [p.read_text() for p in sorted((corpus / "txt").rglob("*.txt")) if p.stat().st_size]
+    js = [json.loads(l)["text"] for l in (corpus / "docs.jsonl").read_text().splitlines() if l]
+    return txt + [t for t in js if t]
+
+
+def test_byte_text_and_jsonl_byte_identical_reruns(corpus, tmp_path):
+    out_a, out_b = tmp_path / "a", tmp_path / "b"
+    for out in (out_a, out_b):
+        r = run("--input", corpus / "txt", corpus / "docs.jsonl", "--glob", "*.txt",
+                "--output", out, "--val-fraction", "0.1")
+        assert r.returncode == 0, r.stderr
+    assert "52 documents" in r.stdout
+    meta = check_dataset(out_a, 52, texts_of(corpus))
+    assert meta["tokenizer"] == "byte" and meta["vocab_size"] == 259
+    assert (meta["bos_id"], meta["eos_id"], meta["pad_id"]) == (256, 257, 258)
+    assert digest(out_a) == digest(out_b)
+    # Re-running into an existing output replaces it with the same bytes.
+    assert run("--input", corpus / "txt", corpus / "docs.jsonl", "--glob", "*.txt",
+               "--output", out_a, "--val-fraction", "0.1").returncode == 0
+    assert digest(out_a) == digest(out_b)
+
+
+def test_train_then_use_sentencepiece(corpus, tmp_path):
+    out_a, out_b = tmp_path / "a", tmp_path / "b"
+    for out in (out_a, out_b):
+        r = run("--input", corpus / "docs.jsonl", "--output", out, "--train-sentencepiece", 300)
+        assert r.returncode == 0, r.stderr
+    assert digest(out_a) == digest(out_b)
+    meta = check_dataset(out_a, 40, [t for t in texts_of(corpus)[12:]])
+    assert meta["tokenizer"] == "sentencepiece:tokenizer.model" and meta["vocab_size"] == 300
+    # The trained model is then usable as --tokenizer for another corpus (text files).
+    out_c = tmp_path / "c"
+    r = run("--input", corpus / "txt", "--glob", "*.txt", "--output", out_c,
+            "--tokenizer", f"sentencepiece:{out_a / 'tokenizer.model'}")
+    assert r.returncode == 0, r.stderr
+    check_dataset(out_c, 12, texts_of(corpus)[:12])
+    assert (out_c / "tokenizer.model").read_bytes() == (out_a / "tokenizer.model").read_bytes()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--input", "{root}/missing.txt"], "missing.txt does not exist"),
+    (["--input", "{root}/txt/empty.txt"], "no documents found"),
+    (["--input", "{root}/txt", "--glob", "*.rst"], "has no files matching --glob"),
+    (["--input", "{root}/docs.jsonl", "--text-field", "body"], "docs.jsonl:1 has no field 'body'"),
+    (["--input", "{root}/docs.jsonl", "--tokenizer", "sentencepiece:{root}/none.model"],
+     "none.model does not exist"),
+])
+def test_bad_input_is_one_clear_sentence(corpus, tmp_path, args, message):
+    r = run(*[a.format(root=corpus) for a in args], "--output", tmp_path / "out")
+    assert r.returncode == 2
+    assert message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_byte_tokenizer_round_trip():
+    tok = load_tokenizer("byte")
+    ids = tok.encode_document("naïve — ok".encode())
+    assert ids[0] == 256 and ids[-1] == 257 and ids.dtype == np.int32
+    assert tok.decode(ids) == "naïve — ok"
