@@ -11,7 +11,7 @@ Ahead-of-time fit check of a Llama-3-8B-shaped model at 128K tokens on a v5p sli
   python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --topology=v5p:4x4x4
 
 Presets:
-  tiny             the CPU demo: 2 layers, d=128, 2K tokens, 8 virtual devices.
+  tiny             the CPU demo: 2 layers, d=128, 1K-token sequences, 8 virtual devices.
   long_cpu         a few steps of a tiny model on one 65,536-token sequence over 8 CPU devices.
   llama3_8b_128k   Llama-3-8B shape, 131,072 tokens per sequence, ring over sp=16 on v5p-128.
 """
@@ -133,13 +133,15 @@ def _base() -> ml_collections.ConfigDict:
 
 def _tiny(c):
     c.mesh.update(dp=1, fsdp=2, sp=4)
+    # CPU attention is bound by elementwise work on [batch, heads, L, S] scores, so the demo keeps
+    # batch x seq^2 small; no remat (memory is plentiful at this size, recomputation is not free).
     c.model.update(vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=32, mlp_dim=384, dtype="float32")
+                   head_dim=32, mlp_dim=384, dtype="float32", remat_policy="none")
     c.attention.update(impl="xla", block_size=128)
-    c.data.update(seq_len=2048, global_batch_size=4)
+    c.data.update(seq_len=1024, global_batch_size=2)
     c.optimizer.update(learning_rate=3e-3, warmup_steps=10)
-    c.train.update(num_steps=120, log_every=10, eval_every=60, eval_steps=2, loss_chunk_size=256)
-    c.checkpoint.update(every_steps=60)
+    c.train.update(num_steps=100, log_every=10, eval_every=50, eval_steps=2, loss_chunk_size=256)
+    c.checkpoint.update(every_steps=50)
     return c
 
 

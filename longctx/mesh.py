@@ -86,9 +86,10 @@ def maybe_initialize_distributed(dist_config) -> None:
                 "distributed.coordinator_address is set, so distributed.num_processes and "
                 "distributed.process_id must be set too."
             )
-        if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
-            # Cross-process collectives on CPU need an implementation; gloo ships with jaxlib.
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # Cross-process collectives on CPU need an implementation; gloo ships with jaxlib. This
+        # only affects the CPU client, and must not ask which backend is in use: that would start
+        # the backend before jax.distributed.initialize, which then refuses to run.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         local = dist_config.local_device_count or None
         jax.distributed.initialize(
             coordinator_address=address,

@@ -16,7 +16,7 @@ from longctx import platform  # noqa: E402  (sets XLA_FLAGS before jax is import
 
 platform.configure_cpu_devices()
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from longctx import config as config_lib  # noqa: E402
@@ -30,6 +30,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     try:
         train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except config_lib.ConfigError as e:
