@@ -59,13 +59,13 @@ def num_packing_bins(packer: str, seq_len: int, batch_size: int) -> int:
 
 
 def pack(ds: grain.IterDataset, packer: str, seq_len: int, *, batch_size: int, pad_id: int,
-         seed: int) -> grain.IterDataset:
+         seed: int, num_bins: int | None = None) -> grain.IterDataset:
     """Packs `{FEATURE: [n<=seq_len, 2]}` elements into `seq_len` rows with grain's packers."""
     length = {FEATURE: seq_len}
     if packer in ("first_fit", "best_fit"):
         cls = gx.FirstFitPackIterDataset if packer == "first_fit" else gx.BestFitPackIterDataset
         return cls(ds, length_struct=length,
-                   num_packing_bins=num_packing_bins(packer, seq_len, batch_size),
+                   num_packing_bins=num_bins or num_packing_bins(packer, seq_len, batch_size),
                    seed=seed, shuffle_bins=True, padding_struct={FEATURE: pad_id})
     if packer == "concat_then_split":
         # Full-length pieces pass straight through instead of being cut at an arbitrary offset.

@@ -30,9 +30,10 @@ and restores in place. A restored iterator continues exactly where the saved one
 the same data directory, config (seq_len, batch, packer, seeds, num_workers) and process count.
 `BatchIterator.get_state()/set_state()` give the same JSON-serializable dict for other uses.
 
-Validation uses the same packing with no shuffle and fixed seeds, repeated without end, so every
-fresh iterator yields the same batches and an eval loop can take any number of them (all
-processes agree on the count). Training order depends on data.shuffle_seed (+ seed_offset) only,
+Validation uses the same packer with no shuffle, fixed seeds, few bins and no worker processes,
+repeated without end, so every fresh iterator yields the same batches, starting with the first
+documents of the split, and an eval loop can take any number of them (all processes agree on
+the count; past one pass the documents repeat). Training order depends on data.shuffle_seed (+ seed_offset) only,
 not on config.seed, so runs that differ in model seed see the same data.
 """
 
@@ -141,8 +142,11 @@ class TokenSource(grain.sources.RandomAccessDataSource):
 def packed_rows(data_dir: str, split: str, *, seq_len: int, packer: str, seed: int,
                 shard_index: int = 0, shard_count: int = 1, num_epochs: int | None = None,
                 shuffle: bool = True, batch_size: int = 1, read_threads: int = 8,
-                meta: dict | None = None) -> grain.IterDataset:
-    """Packed rows (dicts of `[seq_len]` int32, natural order) for one data shard."""
+                num_bins: int | None = None, meta: dict | None = None) -> grain.IterDataset:
+    """Packed rows (dicts of `[seq_len]` int32, natural order) for one data shard.
+
+    `num_bins` overrides the first/best-fit bin count (default: `packing.num_packing_bins`).
+    """
     meta = meta or load_metadata(data_dir)
     split = _SPLIT_NAMES.get(split, split)
     if split not in prepare_lib.SPLITS:
@@ -166,7 +170,7 @@ def packed_rows(data_dir: str, split: str, *, seq_len: int, packer: str, seed: i
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
     it = gx.FlatMapIterDataset(it, packing.SplitDocument(seq_len))
     it = packing.pack(it, packer, seq_len, batch_size=batch_size, pad_id=int(meta["pad_id"]),
-                      seed=seed)
+                      seed=seed, num_bins=num_bins)
     return it.map(packing.RowFeatures(int(meta["pad_id"])))
 
 
@@ -250,10 +254,15 @@ def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data
     shard = sharding_lib.data_shard(mesh, d.global_batch_size, d.seq_len)
     train = _SPLIT_NAMES.get(split, split) == "train"
     seed = (d.shuffle_seed + seed_offset) if train else 0
+    # Validation packs into few bins, so the first batches hold the first documents of the
+    # split (not bins filled from many repeats of a small split), and runs in-process: an eval
+    # builds a fresh iterator each time, and starting worker processes would cost more than the
+    # few batches it reads.
     rows = packed_rows(data_dir, split, seq_len=d.seq_len, packer=d.packer, seed=seed,
                        shard_index=shard.index, shard_count=shard.count, num_epochs=num_epochs,
-                       shuffle=train, batch_size=shard.local_batch_size, meta=meta)
+                       shuffle=train, batch_size=shard.local_batch_size,
+                       num_bins=None if train else max(8, shard.local_batch_size), meta=meta)
     perm = layout_permutation(layout, d.seq_len, sp)
-    ds = batched(rows, shard.local_batch_size, perm, num_workers=d.num_workers,
+    ds = batched(rows, shard.local_batch_size, perm, num_workers=d.num_workers if train else 0,
                  prefetch_buffer_size=d.prefetch_buffer_size)
     return BatchIterator(ds, mesh, shard, d.global_batch_size, d.seq_len, meta)
