@@ -140,8 +140,8 @@ def _tiny(c):
     c.attention.update(impl="xla", block_size=128)
     c.data.update(seq_len=1024, global_batch_size=2)
     c.optimizer.update(learning_rate=3e-3, warmup_steps=10)
-    c.train.update(num_steps=100, log_every=10, eval_every=50, eval_steps=2, loss_chunk_size=256)
-    c.checkpoint.update(every_steps=50)
+    c.train.update(num_steps=200, log_every=10, eval_every=100, eval_steps=4, loss_chunk_size=256)
+    c.checkpoint.update(every_steps=100)
     return c
 
 

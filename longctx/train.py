@@ -345,8 +345,11 @@ def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_i
             state, metrics = train_step(state, batch)
             done = step + 1
             if step == first_step:
-                jax.block_until_ready(metrics)
-                say(f"step {done}: compiled and ran the first step in {time.perf_counter() - window_time:.1f}s")
+                # Logged without timings: this step includes compilation.
+                first = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                writer.write(done, first, echo=False, prefix="train/")
+                say(f"step {done}: loss={first['loss']:.4f} (compiled and ran the first step in "
+                    f"{time.perf_counter() - window_time:.1f}s)")
                 window_step, window_time = done, time.perf_counter()
             if t.profile_start is not None and done == t.profile_start + t.profile_steps:
                 jax.block_until_ready(state)
