@@ -122,7 +122,7 @@ def summarize(variants: list[Variant], workdir: str) -> list[dict]:
         val = [r for r in records if "val/loss" in r]
         info_path = os.path.join(run_dir, "run_info.json")
         info = json.load(open(info_path)) if os.path.isfile(info_path) else {}
-        speeds = sorted(r["train/tokens_per_s"] for r in train)
+        speeds = sorted(r["train/tokens_per_s"] for r in train if "train/tokens_per_s" in r)
         rows.append({
             "variant": variant.name,
             "steps": train[-1]["step"] if train else 0,

@@ -8,7 +8,13 @@ compiler (Mosaic kernels included) here, and `memory_analysis()` says whether it
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+
+# libtpu takes a machine-wide lock file when it loads; a second process that only wants abstract
+# topologies for ahead-of-time compiles (tests, estimate.py, another engineer's job) would fail
+# with "Internal error when accessing libtpu multi-process lockfile". No TPU is opened here.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax
 import ml_collections
@@ -59,6 +65,7 @@ class CompiledStep:
     temp_bytes: int
     alias_bytes: int  # donated state: counted in both arguments and outputs, held once
     compile_seconds: float
+    cores_per_chip: int = 1  # libtpu's v4 topologies give one device per TensorCore (2 per chip)
 
     @property
     def total_bytes(self) -> int:
@@ -66,7 +73,9 @@ class CompiledStep:
 
     @property
     def hbm_bytes(self) -> int | None:
-        return HBM_BYTES_BY_CHIP.get(self.device_kind)
+        """HBM per device: the chip's, shared by its devices when each TensorCore is one."""
+        chip = HBM_BYTES_BY_CHIP.get(self.device_kind)
+        return None if chip is None else chip // self.cores_per_chip
 
     @property
     def fits(self) -> bool | None:
@@ -79,8 +88,11 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str) -> Comp
     sizes = config_lib.validate(config, num_devices=len(devices))
     mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
     layout = train.resolve_layout(config, sizes[mesh_lib.SP])
-    with jax.set_mesh(mesh):
+    # make_setup builds a concrete PRNG key; under set_mesh of abstract TPU devices that would
+    # try to run on them. Its shardings name the mesh explicitly, so it needs no mesh context.
+    with jax.default_device(jax.devices("cpu")[0]):
         setup = train.make_setup(config, mesh, layout)
+    with jax.set_mesh(mesh):
         train_step, _ = train.jit_steps(config, setup)
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                              setup.abstract_state, setup.state_shardings)
@@ -95,4 +107,86 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str) -> Comp
         topology=topology, device_kind=devices[0].device_kind, num_devices=len(devices),
         mesh_shape=dict(mesh.shape), argument_bytes=memory.argument_size_in_bytes,
         output_bytes=memory.output_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
-        alias_bytes=memory.alias_size_in_bytes, compile_seconds=seconds)
+        alias_bytes=memory.alias_size_in_bytes, compile_seconds=seconds,
+        cores_per_chip=cores_per_chip(devices))
+
+
+def cores_per_chip(devices) -> int:
+    chips = {tuple(getattr(d, "coords", (i,))) for i, d in enumerate(devices)}
+    return max(1, len(devices) // len(chips))
+
+
+def per_device_batch(config, mesh_shape: dict) -> int:
+    return config.data.global_batch_size // (mesh_shape[mesh_lib.DP] * mesh_shape[mesh_lib.FSDP]
+                                             * config.mesh.dcn_dp * config.mesh.dcn_fsdp)
+
+
+def suggest_remedies(config: ml_collections.ConfigDict, result: CompiledStep) -> list[str]:
+    """Overrides that should bring a step that does not fit under HBM, most effective first.
+
+    A first-order model of the compiled numbers: arguments (parameters + optimizer state) shrink
+    with fsdp; temporaries (activations) grow with per-device tokens = batch/(dp*fsdp) * seq/sp.
+    Each line names the override and the estimated per-device total; verify with estimate.py.
+    """
+    hbm = result.hbm_bytes
+    if hbm is None or result.fits:
+        return []
+    shape = result.mesh_shape
+    dp, fsdp, sp = shape[mesh_lib.DP], shape[mesh_lib.FSDP], shape[mesh_lib.SP]
+    args = result.argument_bytes
+    temp = result.temp_bytes + result.output_bytes - result.alias_bytes
+    est = []
+    policy = config.model.remat_policy
+    if policy != "nothing_saveable":
+        # Saved per-layer activations dominate temporaries without full remat; nothing_saveable
+        # keeps only each layer's input. Rough factor from Llama-shaped blocks: ~1/4.
+        est.append((f"--config.model.remat_policy=nothing_saveable (now {policy!r})", args + temp / 4))
+    # Larger sp at the same chip count: per-device tokens halve, fsdp halves (arguments double).
+    if fsdp % 2 == 0 and config.data.seq_len % (2 * sp * config.attention.block_size) == 0:
+        est.append((f"--config.mesh.sp={2 * sp} --config.mesh.fsdp={fsdp // 2} (ring over {2 * sp} chips)",
+                    args * 2 + temp / 2))
+    elif dp % 2 == 0 and config.data.seq_len % (2 * sp * config.attention.block_size) == 0:
+        est.append((f"--config.mesh.sp={2 * sp} --config.mesh.dp={dp // 2}", args + temp / 2))
+    b = per_device_batch(config, shape)
+    if b > 1:
+        est.append((f"--config.data.global_batch_size={config.data.global_batch_size // 2} "
+                    f"(per-device batch {b} -> {b // 2})", args + temp / 2))
+    est.append((f"a topology with 2x the chips and --config.mesh.sp={2 * sp} (same per-chip "
+                "parameters, half the tokens per chip)", args + temp / 2))
+    if config.data.seq_len >= 2 * sp * config.attention.block_size:
+        est.append((f"--config.data.seq_len={config.data.seq_len // 2}", args + temp / 2))
+    lines = []
+    for text, total in sorted(est, key=lambda e: e[1]):
+        verdict = "fits" if total <= hbm else "still over"
+        lines.append(f"{text}: ~{total / GIB:.1f} GiB per chip, {verdict} (estimate)")
+    return lines
+
+
+def format_report(config, result: CompiledStep) -> str:
+    """The human-readable memory report estimate.py prints."""
+    g = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
+    shape = " x ".join(f"{k}={v}" for k, v in result.mesh_shape.items())
+    lines = [
+        f"topology   {result.topology} ({result.num_devices} x {result.device_kind}), mesh {shape}",
+        f"sequence   {config.data.seq_len} tokens x batch {config.data.global_batch_size} "
+        f"({config.data.seq_len // result.mesh_shape[mesh_lib.SP]} tokens per chip on the ring), "
+        f"attention {config.attention.impl}, remat {config.model.remat_policy}",
+        f"compiled   in {result.compile_seconds:.1f}s",
+        "per-device memory:",
+        f"  arguments    {g(result.argument_bytes)}   (parameters, optimizer state, batch)",
+        f"  outputs      {g(result.output_bytes)}   ({result.alias_bytes / GIB:.2f} GiB of them "
+        "aliased to donated arguments)",
+        f"  temporaries  {g(result.temp_bytes)}",
+        f"  total        {g(result.total_bytes)}",
+    ]
+    if result.hbm_bytes is None:
+        lines.append(f"chip HBM     unknown for {result.device_kind!r}: cannot say whether it fits")
+        return "\n".join(lines)
+    lines.append(f"chip HBM     {g(result.hbm_bytes)}")
+    pct = 100 * result.total_bytes / result.hbm_bytes
+    lines.append(f"fits         {'yes' if result.fits else 'NO'} ({pct:.0f}% of HBM)")
+    remedies = suggest_remedies(config, result)
+    if remedies:
+        lines.append("suggested remedies (first-order estimates, most effective first):")
+        lines += [f"  {r}" for r in remedies]
+    return "\n".join(lines)

@@ -201,8 +201,8 @@ class RingTables:
   run_steps: tuple[int, ...]
   active: np.ndarray           # bool [device, t]: any block to compute
   kv_block_active: np.ndarray  # bool [device, t, kv_blocks]: kv block touched by some q block
-  kv_positions: np.ndarray     # int32 [device, t, L]: global positions of the visiting K/V
-  q_positions: np.ndarray      # int32 [device, L]
+  kv_source: np.ndarray        # int32 [device, t]: device the visiting K/V started on
+  q_positions: np.ndarray      # int32 [device, L]: global positions of each device's tokens
   fwd_data_next: np.ndarray
   fwd_block_mask: np.ndarray
   fwd_mask_next: np.ndarray | None
@@ -270,7 +270,7 @@ def ring_tables(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
       run_steps=run,
       active=(cls > 0).any(axis=(2, 3)),
       kv_block_active=(cls > 0).any(axis=2),
-      kv_positions=kv_pos.astype(np.int32),
+      kv_source=np.array([[(d - s) % sp for s in run] for d in range(sp)], np.int32),
       q_positions=pos.astype(np.int32),
       fwd_data_next=fwd[0], fwd_block_mask=fwd[1],
       fwd_mask_next=fwd[2] if blocks else None,

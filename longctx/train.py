@@ -297,6 +297,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return result
 
 
+def _check_finite(loss: float, step: int, train_config) -> None:
+    if not math.isfinite(loss) and train_config.on_nonfinite == "stop":
+        raise FloatingPointError(f"non-finite loss {loss} at step {step}; stopping "
+                                 "(set train.on_nonfinite=skip to skip such steps instead).")
+
+
 def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str) -> None:
     """`workdir/run_info.json`: what this run is, for reports that compare runs (scripts/ablate.py)."""
     if jax.process_index() != 0:
@@ -347,6 +353,7 @@ def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_i
             if step == first_step:
                 # Logged without timings: this step includes compilation.
                 first = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                _check_finite(first["loss"], done, t)
                 writer.write(done, first, echo=False, prefix="train/")
                 say(f"step {done}: loss={first['loss']:.4f} (compiled and ran the first step in "
                     f"{time.perf_counter() - window_time:.1f}s)")
@@ -359,10 +366,7 @@ def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_i
                 now = time.perf_counter()
                 last = _host_metrics(metrics, (now - window_time) / (done - window_step), config, peak)
                 window_step, window_time = done, now
-                if not math.isfinite(last["loss"]) and t.on_nonfinite == "stop":
-                    raise FloatingPointError(
-                        f"non-finite loss {last['loss']} at step {done}; stopping "
-                        "(set train.on_nonfinite=skip to skip such steps instead).")
+                _check_finite(last["loss"], done, t)
                 writer.write(done, last, echo=False, prefix="train/")
                 mfu = last["mfu"] if isinstance(last["mfu"], str) else f"{last['mfu']:.3f}"
                 say(f"step {done}: loss={last['loss']:.4f} grad_norm={last['grad_norm']:.3g} "

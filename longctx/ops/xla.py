@@ -31,8 +31,9 @@ def _setup(cfg, q, k, v, ks, d, t):
   b, L, n, h = q.shape
   kvh = k.shape[2]
   q5 = q.reshape(b, L, kvh, n // kvh, h)
-  qpos = jnp.asarray(tables.q_positions)[d]
-  xs = (_chunked(k, c), _chunked(v, c), pick(tables.kv_positions, d, t).reshape(-1, c),
+  positions = jnp.asarray(tables.q_positions)  # [device, L], S int32 in all
+  qpos, kpos = positions[d], positions[pick(tables.kv_source, d, t)]
+  xs = (_chunked(k, c), _chunked(v, c), kpos.reshape(-1, c),
         _chunked(ks, c), pick(tables.kv_block_active, d, t))
   return q5, qpos, xs
 
