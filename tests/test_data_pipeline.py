@@ -177,3 +177,20 @@ def test_embedded_corpus_prepared_once_and_cached(tmp_path):
     stamp = os.path.getmtime(os.path.join(d, "metadata.json"))
     assert resolve_dataset(c) == d and os.path.getmtime(os.path.join(d, "metadata.json")) == stamp
     assert [p for p in os.listdir(tmp_path) if ".tmp-" in p] == []
+
+
+def test_embedded_corpus_survives_a_race(tmp_path):
+    """Two processes preparing the same cache at once both end with the same complete dataset."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from longctx.data import prepare; "
+            "print(prepare.prepare_stdlib(sys.argv[1]))")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), root],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs[0] == outs[1] and os.path.isdir(outs[0])
+    assert load_metadata(outs[0])["splits"]["train"]["num_documents"] > 100
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(outs[0])]  # no temporaries left
