@@ -33,8 +33,13 @@ the same data directory, config (seq_len, batch, packer, seeds, num_workers) and
 Validation uses the same packer with no shuffle, fixed seeds, few bins and no worker processes,
 repeated without end, so every fresh iterator yields the same batches, starting with the first
 documents of the split, and an eval loop can take any number of them (all processes agree on
-the count; past one pass the documents repeat). Training order depends on data.shuffle_seed (+ seed_offset) only,
-not on config.seed, so runs that differ in model seed see the same data.
+the count; past one pass the documents repeat). Training order depends on data.shuffle_seed
+(+ seed_offset) only, not on config.seed, so runs that differ in model seed see the same data.
+
+Batch format (packing.py has the details): int32 `[global_batch, seq_len]` arrays `tokens`,
+`segment_ids` (1, 2, ... per document in a row; 0 = padding), `positions` (restart at 0 per
+segment), `targets` (next token of the same document), `loss_mask` (1 on real tokens, 0 on
+padding), all permuted along the sequence by `longctx.layout.permutation(layout, seq_len, sp)`.
 """
 
 from __future__ import annotations
