@@ -195,3 +195,84 @@ def test_bfloat16_inputs(impl):
     err = np.abs(np.asarray(x, np.float32) - np.asarray(r))
     scale = np.abs(np.asarray(r)).max()
     assert err.max() <= 0.02 * scale, (name, err.max(), scale)
+
+
+def _jaxpr(sp, impl="xla", seq_len=None, **mask):
+  """Jaxpr of the ring (forward + backward) on a sp-device mesh, traced only."""
+  seq_len = seq_len or SHARD * sp
+  mesh = _mesh(sp, 1)
+  data = P(None, "sp")
+  q = jax.ShapeDtypeStruct((1, seq_len, HEADS, HEAD_DIM), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, seq_len, 2, HEAD_DIM), jnp.float32)
+  f = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, impl=impl, block_sizes=BLOCK, **mask),
+                    mesh=mesh, in_specs=(data,) * 3, out_specs=data)
+  return jax.make_jaxpr(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2)))(q, kv, kv)
+
+
+def _count(jaxpr, prim=None):
+  """Equations in a jaxpr and all its sub-jaxprs (optionally only those of one primitive)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += prim is None or eqn.primitive.name == prim
+    for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _subs(eqn):
+      n += _count(sub, prim)
+  return n
+
+
+def _subs(eqn):
+  for v in eqn.params.values():
+    for x in (v if isinstance(v, (tuple, list)) else (v,)):
+      if hasattr(x, "jaxpr"):
+        yield x.jaxpr if hasattr(x.jaxpr, "eqns") else x.jaxpr.jaxpr
+      elif hasattr(x, "eqns"):
+        yield x
+
+
+def test_ring_is_a_loop_program_size_does_not_grow_with_sp():
+  sizes = {sp: _count(_jaxpr(sp, causal=True).jaxpr) for sp in (2, 4, 8)}
+  assert sizes[2] == sizes[4] == sizes[8], sizes
+
+
+def test_pruned_rings_send_nothing_they_do_not_need():
+  # chunks that never cross a shard: one ring step, no K/V transfer at all
+  assert _count(_jaxpr(4, chunk_size=SHARD).jaxpr, "ppermute") == 0
+  full = _count(_jaxpr(4, causal=True).jaxpr, "ppermute")
+  window = _count(_jaxpr(4, causal=True, sliding_window=SHARD // 2).jaxpr, "ppermute")
+  assert 0 < window <= full
+
+
+def _trace(q_shape=(2, 1024, 4, 32), kv_shape=(2, 1024, 2, 32), sp=4, seg_shape=None,
+           aux_shape=None, **kw):
+  mesh = _mesh(sp, 1)
+  data = P(None, "sp")
+  sds = lambda s, dt=jnp.float32: None if s is None else jax.ShapeDtypeStruct(s, dt)
+  args = (sds(q_shape), sds(kv_shape), sds(kv_shape), sds(seg_shape, jnp.int32), sds(aux_shape))
+  specs = (data, data, data, None if seg_shape is None else data,
+           None if aux_shape is None else P())
+  f = jax.shard_map(lambda q, k, v, s, a: ring_attention(q, k, v, s, None, a, **kw),
+                    mesh=mesh, in_specs=specs, out_specs=data)
+  return jax.eval_shape(f, *args)
+
+
+def test_bad_input_names_the_argument_and_the_numbers():
+  with pytest.raises(ValueError, match=r"heads=4 is not divisible by .*kv_heads=3"):
+    _trace(kv_shape=(2, 1024, 3, 32))
+  with pytest.raises(ValueError, match=r"impl='cuda'"):
+    _trace(impl="cuda")
+  with pytest.raises(ValueError, match=r"layout='spiral'"):
+    _trace(layout="spiral")
+  with pytest.raises(ValueError, match=r"sliding_window=-5 must be non-negative"):
+    _trace(sliding_window=-5)
+  with pytest.raises(ValueError, match=r"q_segment_ids has shape \(2, 100\), expected .*\(2, 256\)"):
+    _trace(seg_shape=(2, 400))
+  with pytest.raises(ValueError, match=r"softmax_aux has shape \(3,\), expected \(heads,\) = \(4,\)"):
+    _trace(aux_shape=(3,))
+  with pytest.raises(ValueError, match=r"block_q=96 does not divide the shard length L=256"):
+    _trace(block_sizes=96, impl="xla")
+  with pytest.raises(ValueError, match=r"block_q=64 must be a multiple of 128 for impl='splash'"):
+    _trace(block_sizes=64)
+  with pytest.raises(ValueError, match=r"seq_len=1004 is not divisible by 8 \(2\*num_shards"):
+    _trace(q_shape=(2, 1004, 4, 32), kv_shape=(2, 1004, 2, 32), layout="zigzag", impl="xla",
+           block_sizes=251)
+  with pytest.raises(ValueError, match=r"axis_name='ring' is not bound"):
+    _trace(axis_name="ring")
