@@ -177,6 +177,11 @@ def test_embedded_corpus_prepared_once_and_cached(tmp_path):
     stamp = os.path.getmtime(os.path.join(d, "metadata.json"))
     assert resolve_dataset(c) == d and os.path.getmtime(os.path.join(d, "metadata.json")) == stamp
     assert [p for p in os.listdir(tmp_path) if ".tmp-" in p] == []
+    # Byte-identical when prepared again elsewhere.
+    again = prepare.prepare_stdlib(str(tmp_path / "again"))
+    for f in os.listdir(d):
+        with open(os.path.join(d, f), "rb") as a, open(os.path.join(again, f), "rb") as b:
+            assert a.read() == b.read(), f
 
 
 def test_embedded_corpus_survives_a_race(tmp_path):
