@@ -21,7 +21,6 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numpy as np  # noqa: E402
 
 from longctx.data import packing, pipeline, prepare  # noqa: E402
 

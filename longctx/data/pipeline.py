@@ -236,6 +236,7 @@ class BatchIterator:
         self.grain_iterator.set_state(state)
 
     def close(self) -> None:
+        """Stops Grain's worker processes / prefetch thread (else they go at garbage collection)."""
         close = getattr(self.grain_iterator, "close", None)
         if close is not None:
             close()
