@@ -7,7 +7,7 @@ BASE = "configs/base.py:tiny"
 
 COMMON = {
     "model.num_layers": 1,
-    "data.seq_len": 1024,
+    "data.seq_len": 512,
     "attention.block_size": 128,
     "train.loss_chunk_size": 128,
     "train.num_steps": 4,
