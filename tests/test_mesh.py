@@ -29,3 +29,16 @@ def test_logical_rules():
     assert mesh_lib.logical_to_spec(("layers", "embed", "mlp")) == P(None, "fsdp", None)
     with pytest.raises(ValueError, match="no sharding rule"):
         mesh_lib.logical_to_spec(("not_an_axis",))
+
+
+@pytest.mark.skipif(not __import__("longctx.aot", fromlist=["x"]).libtpu_available(), reason="libtpu is not installed")
+def test_multi_slice_mesh_puts_dcn_axis_across_slices():
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1", num_slices=2).devices
+    config = ml_collections.ConfigDict(dict(dp=1, fsdp=2, sp=2, dcn_dp=2, dcn_fsdp=1, dcn_sp=1))
+    mesh = mesh_lib.make_mesh(config, devices=devices)
+    assert dict(mesh.shape) == {"dp": 2, "fsdp": 2, "sp": 2}
+    # dp crosses the data-centre network; fsdp and sp (the ring) stay inside one slice
+    for dp_index in range(2):
+        assert {d.slice_index for d in mesh.devices[dp_index].flat} == {dp_index}
