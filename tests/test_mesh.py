@@ -5,6 +5,7 @@ import ml_collections
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from longctx import aot
 from longctx import mesh as mesh_lib
 
 
@@ -31,7 +32,7 @@ def test_logical_rules():
         mesh_lib.logical_to_spec(("not_an_axis",))
 
 
-@pytest.mark.skipif(not __import__("longctx.aot", fromlist=["x"]).libtpu_available(), reason="libtpu is not installed")
+@pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed")
 def test_multi_slice_mesh_puts_dcn_axis_across_slices():
     from jax.experimental import topologies
 
