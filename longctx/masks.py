@@ -93,9 +93,21 @@ def _block_classes(spec: MaskSpec, qpos, kpos, bq: int, bkv: int) -> np.ndarray:
   """int8 [q_blocks, kv_blocks]: 0 empty, 1 partial, 2 full (splash's block_mask values)."""
   lo, hi = spec.bounds(qpos)
   kb = np.sort(np.asarray(kpos, np.int64).reshape(-1, bkv), axis=1)
-  counts = np.empty((len(qpos), kb.shape[0]), np.int64)
-  for j, ks in enumerate(kb):  # keys of one block, sorted: count those inside [lo, hi]
-    counts[:, j] = np.searchsorted(ks, hi, "right") - np.searchsorted(ks, lo, "left")
+  step = kb[:, 1:2] - kb[:, :1] if bkv > 1 else np.ones((len(kb), 1), np.int64)
+  if bkv == 1 or (np.diff(kb, axis=1) == step).all() and (step > 0).all():
+    # Every layout here gives arithmetic progressions (stride 1, or sp for striped): the keys
+    # start + stride*m inside [lo, hi] are m in [ceil((lo-start)/stride), floor((hi-start)/
+    # stride)] clipped to [0, bkv-1]; counted for all rows and blocks at once.
+    start, stride = kb[:, 0][None, :], step[:, 0][None, :]
+    if (stride == 1).all():  # contiguous runs (no integer division: ~5x faster)
+      first, last = lo[:, None] - start, hi[:, None] - start
+    else:
+      first, last = -((start - lo[:, None]) // stride), (hi[:, None] - start) // stride
+    counts = np.minimum(last, bkv - 1) - np.maximum(first, 0) + 1
+  else:  # general sets of positions: count with a binary search per block
+    counts = np.empty((len(qpos), kb.shape[0]), np.int64)
+    for j, ks in enumerate(kb):
+      counts[:, j] = np.searchsorted(ks, hi, "right") - np.searchsorted(ks, lo, "left")
   counts = np.maximum(counts, 0).reshape(-1, bq, kb.shape[0])
   empty = (counts == 0).all(axis=1)
   full = (counts == bkv).all(axis=1)
