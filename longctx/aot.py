@@ -8,7 +8,9 @@ compiler (Mosaic kernels included) here, and `memory_analysis()` says whether it
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import time
 
 # libtpu takes a machine-wide lock file when it loads; a second process that only wants abstract
@@ -66,6 +68,8 @@ class CompiledStep:
     alias_bytes: int  # donated state: counted in both arguments and outputs, held once
     compile_seconds: float
     cores_per_chip: int = 1  # libtpu's v4 topologies give one device per TensorCore (2 per chip)
+    oom_at_compile: bool = False  # the TPU compiler refused it: temporaries alone exceed HBM
+    hlo: str | None = dataclasses.field(default=None, repr=False)  # compiled HLO (keep_hlo=True)
 
     @property
     def total_bytes(self) -> int:
@@ -79,12 +83,45 @@ class CompiledStep:
 
     @property
     def fits(self) -> bool | None:
+        if self.oom_at_compile:
+            return False
         return None if self.hbm_bytes is None else self.total_bytes <= self.hbm_bytes
 
 
-def compile_train_step(config: ml_collections.ConfigDict, topology: str) -> CompiledStep:
-    """Compiles one train step of `config` for `topology` and reports per-device memory."""
-    devices = topology_devices(topology)
+def _shard_bytes(tree) -> int:
+    """Bytes of one device's shards of a tree of sharded ShapeDtypeStructs."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape)
+        total += math.prod(shape) * jax.numpy.dtype(x.dtype).itemsize
+    return total
+
+
+_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\).*?available HBM \(([\d.]+)([KMGT])\)", re.S)
+
+
+def _oom_bytes(message: str):
+    """(temporaries, available) bytes from the TPU compiler's out-of-memory message, or None."""
+    m = _OOM.search(message)
+    if not m:
+        return None
+    unit = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+    return int(float(m.group(1)) * unit[m.group(2)]), int(float(m.group(3)) * unit[m.group(4)])
+
+
+def compile_train_step(config: ml_collections.ConfigDict, topology: str | None = None, *,
+                       devices=None, keep_hlo: bool = False) -> CompiledStep:
+    """Compiles one train step of `config` for `topology` and reports per-device memory.
+
+    `devices` instead of a topology compiles for given (e.g. local CPU) devices. When the TPU
+    compiler itself refuses the program for lack of HBM (it does so when the temporaries alone
+    exceed the chip), the result carries the temporaries it reported and `oom_at_compile=True`;
+    arguments and outputs are then the per-device shard sizes of the state and batch.
+    """
+    if devices is None:
+        devices = topology_devices(topology)
+    devices = list(devices)
+    topology = topology or f"{devices[0].platform}:{len(devices)}"
     sizes = config_lib.validate(config, num_devices=len(devices))
     mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
     layout = train.resolve_layout(config, sizes[mesh_lib.SP])
@@ -92,6 +129,9 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str) -> Comp
     # try to run on them. Its shardings name the mesh explicitly, so it needs no mesh context.
     with jax.default_device(jax.devices("cpu")[0]):
         setup = train.make_setup(config, mesh, layout)
+    common = dict(topology=topology, device_kind=devices[0].device_kind,
+                  num_devices=len(devices), mesh_shape=dict(mesh.shape),
+                  cores_per_chip=cores_per_chip(devices))
     with jax.set_mesh(mesh):
         train_step, _ = train.jit_steps(config, setup)
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -100,15 +140,25 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str) -> Comp
         batch = {k: jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=setup.batch_sharding)
                  for k in train.BATCH_KEYS}
         start = time.perf_counter()
-        compiled = train_step.lower(state, batch).compile()
+        lowered = train_step.lower(state, batch)
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            oom = _oom_bytes(str(e)) if "RESOURCE_EXHAUSTED" in str(e) else None
+            if oom is None:
+                raise
+            state_bytes = _shard_bytes(state)
+            return CompiledStep(**common, argument_bytes=state_bytes + _shard_bytes(batch),
+                                output_bytes=state_bytes, alias_bytes=state_bytes,
+                                temp_bytes=oom[0], compile_seconds=time.perf_counter() - start,
+                                oom_at_compile=True)
         seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     return CompiledStep(
-        topology=topology, device_kind=devices[0].device_kind, num_devices=len(devices),
-        mesh_shape=dict(mesh.shape), argument_bytes=memory.argument_size_in_bytes,
+        **common, argument_bytes=memory.argument_size_in_bytes,
         output_bytes=memory.output_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
         alias_bytes=memory.alias_size_in_bytes, compile_seconds=seconds,
-        cores_per_chip=cores_per_chip(devices))
+        hlo=compiled.as_text() if keep_hlo else None)
 
 
 def cores_per_chip(devices) -> int:
@@ -171,7 +221,9 @@ def format_report(config, result: CompiledStep) -> str:
         f"sequence   {config.data.seq_len} tokens x batch {config.data.global_batch_size} "
         f"({config.data.seq_len // result.mesh_shape[mesh_lib.SP]} tokens per chip on the ring), "
         f"attention {config.attention.impl}, remat {config.model.remat_policy}",
-        f"compiled   in {result.compile_seconds:.1f}s",
+        (f"compiled   in {result.compile_seconds:.1f}s" if not result.oom_at_compile else
+         f"compiler   refused it after {result.compile_seconds:.1f}s: out of HBM (temporaries below "
+         "are the compiler's figure; arguments/outputs are the state and batch shards)"),
         "per-device memory:",
         f"  arguments    {g(result.argument_bytes)}   (parameters, optimizer state, batch)",
         f"  outputs      {g(result.output_bytes)}   ({result.alias_bytes / GIB:.2f} GiB of them "

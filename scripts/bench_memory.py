@@ -1,0 +1,166 @@
+"""Per-device memory of the compiled train step as the sequence grows with sp, and with sp fixed.
+
+  python scripts/bench_memory.py                      # TPU (v5p:2x2x4, ahead of time) + CPU
+  python scripts/bench_memory.py --quick              # sp 2 and 4 only, shorter sequences
+  python scripts/bench_memory.py --no-tpu             # CPU (XLA path) only
+
+Nothing runs: each point compiles one train step (model, ring attention, optimizer) and reads
+XLA's `memory_analysis()` for one device — for ring-splash on a TPU topology through libtpu
+(the Mosaic kernels included), and for the XLA path on virtual CPU devices. A fixed model;
+the mesh is dp = N/sp, fsdp = 1, sp, one sequence per data-parallel rank, so every device
+always holds one sequence shard of L = S/sp tokens and a full copy of the (small) model.
+
+  weak scaling:   L fixed (S = L * sp) for sp = 2..16; target: total within 10% of sp=2.
+  strong scaling: S fixed for sp = 2..16; activation memory should fall ~1/sp.
+
+Also checks the compiled HLO for any array with two dimensions >= L (an L x L or S x S score
+matrix); there must be none. Writes docs/bench_memory.json and its section of docs/benchmarks.md.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.setdefault("LONGCTX_CPU_DEVICES", "16")
+
+from longctx import platform  # noqa: E402
+
+platform.configure_cpu_devices()
+
+import argparse  # noqa: E402
+
+import jax  # noqa: E402
+
+import bench_common as bc  # noqa: E402
+from configs import base  # noqa: E402
+from longctx import aot  # noqa: E402
+
+MIB = 2 ** 20
+
+
+def model_config(seq_len: int, sp: int, num_devices: int, impl: str, quick: bool = False):
+    c = base.get_config("tiny")
+    c.unlock()
+    dp = num_devices // sp
+    c.mesh.update(dp=dp, fsdp=1, sp=sp)
+    # A small Llama-shaped block; head_dim 128 (TPU lanes). No layer scan and no remat: the
+    # splash ring does not yet trace under lax.scan/jax.checkpoint (see docs/benchmarks.md).
+    # Every model dimension stays below L, so an array with two dims >= L can only be scores.
+    c.model.update(vocab_size=512 if quick else 1024, d_model=512, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=128, mlp_dim=768 if quick else 1024, dtype="bfloat16", scan_layers=False,
+                   remat_policy="none")
+    c.attention.update(impl=impl, layout="auto", causal=True, block_size=512)
+    c.data.update(seq_len=seq_len, global_batch_size=dp)
+    c.train.update(loss_chunk_size=512)
+    return c
+
+
+def measure(seq_len, sp, impl, devices, topology, quick=False):
+    c = model_config(seq_len, sp, len(devices), impl, quick)
+    r = aot.compile_train_step(c, topology, devices=None if topology else devices, keep_hlo=True)
+    L = seq_len // sp
+    squares = bc.largest_square(r.hlo, L) if r.hlo else None
+    row = {"impl": impl, "platform": "tpu" if topology else "cpu", "topology": r.topology,
+           "device_kind": r.device_kind, "seq_len": seq_len, "sp": sp, "L": L,
+           "mesh": r.mesh_shape, "argument_bytes": r.argument_bytes,
+           "output_bytes": r.output_bytes, "alias_bytes": r.alias_bytes,
+           "temp_bytes": r.temp_bytes, "total_bytes": r.total_bytes,
+           "compile_s": round(r.compile_seconds, 2), "oom_at_compile": r.oom_at_compile,
+           "arrays_with_two_dims_ge_L": squares,
+           "largest_array_elements": bc.max_dim_product(r.hlo) if r.hlo else None}
+    print(f"  {row['platform']:3s} {impl:6s} S={seq_len:6d} sp={sp:2d} L={L:5d} "
+          f"total {r.total_bytes / MIB:8.1f} MiB (temp {r.temp_bytes / MIB:8.1f}) "
+          f"compile {r.compile_seconds:5.1f}s  LxL arrays: {len(squares or [])}", flush=True)
+    return row
+
+
+def spread(rows):
+    totals = [r["total_bytes"] for r in rows]
+    return (max(totals) - min(totals)) / min(totals) if totals else None
+
+
+def markdown(result) -> str:
+    out = [f"## Memory: compiled per-device bytes vs sequence and sp (`bench_memory.py`)\n",
+           f"Command: `{result['command']}`  ",
+           f"Model: {result['model']}. Mesh dp = N/sp, fsdp = 1, sp; one sequence per data-parallel "
+           f"rank. MiB per device from XLA's `memory_analysis()` of the compiled train step "
+           f"(arguments + outputs - aliased + temporaries). TPU rows are compiled ahead of time "
+           f"for {result['tpu_topology']} through libtpu (Mosaic splash kernels); CPU rows are "
+           f"the XLA ring on {result['cpu_devices']} virtual CPU devices.\n"]
+    for kind, title in (("weak", "Weak scaling (L = S/sp fixed)"),
+                        ("strong", "Strong scaling (S fixed)")):
+        out.append(f"### {title}\n")
+        rows = []
+        for r in result[kind]:
+            rows.append([r["platform"], r["impl"], r["seq_len"], r["sp"], r["L"],
+                         f"{r['argument_bytes'] / MIB:.1f}", f"{r['temp_bytes'] / MIB:.1f}",
+                         f"{r['total_bytes'] / MIB:.1f}", len(r["arrays_with_two_dims_ge_L"] or []),
+                         f"{r['compile_s']:.1f}"])
+        out.append(bc.table(["platform", "impl", "S", "sp", "L = S/sp", "arguments MiB",
+                             "temporaries MiB", "total MiB", "arrays with 2 dims >= L",
+                             "compile s"], rows))
+        out.append("")
+    out.append("### Targets\n")
+    for key, s in result["weak_spread"].items():
+        verdict = "met" if s <= 0.10 else "MISSED"
+        out.append(f"- weak scaling, {key}: per-device total varies by {100 * s:.1f}% over sp = "
+                   f"{result['sp_values'][0]}..{result['sp_values'][-1]} (target <= 10%: {verdict})")
+    n_sq = sum(len(r["arrays_with_two_dims_ge_L"] or []) for k in ("weak", "strong")
+               for r in result[k])
+    out.append(f"- arrays in the compiled HLO with two dimensions >= L (an L x L or S x S score "
+               f"matrix): {n_sq} (target 0: {'met' if n_sq == 0 else 'MISSED'})")
+    for note in result.get("notes", []):
+        out.append(f"- {note}")
+    return "\n".join(out) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="sp 2, 4 only; short sequences")
+    ap.add_argument("--no-tpu", action="store_true", help="skip the TPU (libtpu) compiles")
+    ap.add_argument("--no-cpu", action="store_true", help="skip the CPU compiles")
+    ap.add_argument("--topology", default="v5p:2x2x4", help="TPU topology with 16 chips")
+    ap.add_argument("--tpu-impls", default="splash", help="impls to compile for TPU")
+    ap.add_argument("--shard-len", type=int, default=4096, help="L for weak scaling")
+    ap.add_argument("--strong-seq-len", type=int, default=32768, help="S for strong scaling")
+    ap.add_argument("--json", default=os.path.join(bc.DOCS, "bench_memory.json"))
+    ap.add_argument("--md", default=bc.BENCHMARKS_MD)
+    args = ap.parse_args()
+    sps = [2, 4] if args.quick else [2, 4, 8, 16]
+    L = 1024 if args.quick else args.shard_len
+    S_strong = 4096 if args.quick else args.strong_seq_len
+
+    targets = []
+    if not args.no_tpu:
+        if not aot.libtpu_available():
+            print("bench_memory: libtpu is not installed; skipping TPU rows", file=sys.stderr)
+        else:
+            tpu_devices = aot.topology_devices(args.topology)
+            for impl in args.tpu_impls.split(","):
+                targets.append((impl, tpu_devices, args.topology))
+    if not args.no_cpu:
+        cpu = jax.devices("cpu")
+        targets.append(("xla", cpu, None))
+    result = {"command": bc.command_line(), "machine": bc.machine(), "sp_values": sps,
+              "tpu_topology": args.topology, "cpu_devices": len(jax.devices("cpu")),
+              "model": "2 layers, d_model 512, 4 heads / 2 kv heads x 128, mlp 1024, vocab 1024, "
+                       "bf16 compute, f32 params + Adam, causal, layout auto, block 512, "
+                       "no layer scan, no remat",
+              "weak": [], "strong": [], "weak_spread": {}, "notes": []}
+    for impl, devices, topology in targets:
+        nmax = len(devices)
+        print(f"weak scaling, L={L}:", flush=True)
+        rows = [measure(L * sp, sp, impl, devices, topology, args.quick) for sp in sps if nmax % sp == 0]
+        result["weak"] += rows
+        result["weak_spread"][f"{rows[0]['platform']} {impl}"] = spread(rows)
+        print(f"strong scaling, S={S_strong}:", flush=True)
+        result["strong"] += [measure(S_strong, sp, impl, devices, topology, args.quick) for sp in sps
+                             if nmax % sp == 0]
+        bc.write_json(args.json, result)  # partial results survive an interrupted run
+    bc.write_json(args.json, result)
+    bc.write_section("bench_memory", markdown(result), args.md)
+    for key, s in result["weak_spread"].items():
+        print(f"weak-scaling spread {key}: {100 * s:.1f}%")
+
+
+if __name__ == "__main__":
+    main()
