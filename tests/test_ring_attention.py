@@ -276,3 +276,29 @@ def test_bad_input_names_the_argument_and_the_numbers():
            block_sizes=251)
   with pytest.raises(ValueError, match=r"axis_name='ring' is not bound"):
     _trace(axis_name="ring")
+
+
+@pytest.mark.parametrize("impl", ["splash"])  # the kernel's local shard_map must survive re-tracing
+def test_under_remat_and_scan_like_the_model(impl):
+  """Layers as lax.scan over jax.checkpoint, each calling the ring in a shard_map (re-traced)."""
+  sp, fsdp = 4, 2
+  seq_len = SHARD * sp
+  q, k, v, seg, aux, dout = _inputs(7, 2 * fsdp, seq_len, 2)
+  mesh, data = _mesh(sp, fsdp), P(("dp", "fsdp"), "sp")
+  ring = jax.shard_map(
+      lambda q, k, v, s, a: ring_attention(q, k, v, s, None, a, causal=True, impl=impl,
+                                           block_sizes=BLOCK),
+      mesh=mesh, in_specs=(data, data, data, data, P()), out_specs=data)
+  ref = lambda q, k, v, s, a: reference_attention(q, k, v, s, None, a, causal=True)
+
+  def two_layers(attn, q, k, v, aux):
+    layer = jax.checkpoint(lambda x, _: (attn(x, k, v, seg, aux), None))
+    return jax.lax.scan(layer, q, None, length=2)[0]
+
+  run = lambda attn: jax.jit(functools.partial(
+      _out_and_grads, lambda q, k, v, qs, ks, a: two_layers(attn, q, k, v, a)))(
+          q, k, v, None, None, aux, dout)
+  got, want = run(ring), run(ref)
+  np.testing.assert_allclose(got[0], want[0], **FWD_TOL)
+  for g, r in zip(got[1], want[1]):
+    np.testing.assert_allclose(g, r, **GRAD_TOL)

@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
 
-from jax._src import config as jax_config  # pylint: disable=g-direct-jax-import
+from jax.sharding import PartitionSpec as P
 
 from longctx.ops.ring import pick, vary_like
 
@@ -41,17 +41,20 @@ def _mask_info(cfg, d, t, kind):
       q_sequence=None)
 
 
-def _kernel(fn, ref, *args):
-  """Runs a splash kernel function on shard-local data.
+def _local(fn, ref, *args):
+  """Runs fn(*args), this device's kernel work, as shard-local code with check_vma=False.
 
-  Splash's pallas_calls declare outputs with plain ShapeDtypeStructs, which shard_map's
-  varying-axes typing (check_vma=True, the default) rejects. The kernel is purely local, so we
-  trace it with the check off, as shard_map(check_vma=False) would, and type its outputs as
-  varying like `ref` (this device's query shard).
+  Splash's pallas_calls declare outputs with plain ShapeDtypeStructs (no varying-axes type),
+  which shard_map's default check_vma=True rejects, and the Pallas interpreter cannot mix
+  device-varying scalar tables with its loop indices. A nested shard_map over no new axes with
+  check_vma=False (what the splash docs ask of the caller's shard_map) scopes that to the
+  kernel and is recorded in the jaxpr, so remat/scan re-tracing sees the same setting. The
+  outputs are then typed as varying like `ref` (this device's query shard).
   """
-  with jax_config._check_vma(False):  # pylint: disable=protected-access
-    out = fn(*args)
-  return vary_like(out, ref)
+  mesh = jax.sharding.get_abstract_mesh()
+  local = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
+                        axis_names=frozenset(), check_vma=False)
+  return vary_like(local(*args), ref)
 
 
 def _segments(qs, ks):
@@ -63,20 +66,23 @@ def _heads_major(x):
 
 
 def fwd_step(cfg, q, k, v, qs, ks, d, t):
-  with jax_config._check_vma(False):  # pylint: disable=protected-access
-    d = lax.axis_index(cfg.axis_name)
-    info = _mask_info(cfg, d, t, "fwd")
+  del d  # the tables are picked inside the local region, from its own axis_index
   sizes = sk.BlockSizes(block_q=cfg.bq, block_kv=cfg.bkv, block_kv_compute=cfg.bkv_compute)
 
-  def one_row(q1, k1, v1, seg):
-    out, (lse,) = sk._splash_attention_forward(  # pylint: disable=protected-access
-        info, q1, k1, v1, seg, None, mask_value=MASK_VALUE, is_mqa=False,
-        block_sizes=sizes, residual_checkpoint_name=None, save_residuals=True,
-        mask_function=None, attn_logits_soft_cap=cfg.soft_cap, interpret=cfg.interpret)
-    return out, lse
+  def local(q, k, v, qs, ks, t):
+    info = _mask_info(cfg, lax.axis_index(cfg.axis_name), t, "fwd")
 
-  out, lse = _kernel(jax.vmap(one_row), q, _heads_major(q), _heads_major(k),
-                     _heads_major(v), _segments(qs, ks))
+    def one_row(q1, k1, v1, seg):
+      out, (lse,) = sk._splash_attention_forward(  # pylint: disable=protected-access
+          info, q1, k1, v1, seg, None, mask_value=MASK_VALUE, is_mqa=False,
+          block_sizes=sizes, residual_checkpoint_name=None, save_residuals=True,
+          mask_function=None, attn_logits_soft_cap=cfg.soft_cap, interpret=cfg.interpret)
+      return out, lse
+
+    return jax.vmap(one_row)(_heads_major(q), _heads_major(k), _heads_major(v),
+                             _segments(qs, ks))
+
+  out, lse = _local(local, q, q, k, v, qs, ks, t)
   out = _heads_major(out).astype(jnp.float32)
   lse = jnp.swapaxes(lse, 1, 2)  # [b, L, n]
   # A row with no allowed key in this step gets lse ~ MASK_VALUE (masked logits inside a
@@ -87,26 +93,30 @@ def fwd_step(cfg, q, k, v, qs, ks, d, t):
 
 
 def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, d, t):
-  with jax_config._check_vma(False):  # pylint: disable=protected-access
-    d = lax.axis_index(cfg.axis_name)
-    fwd_info = _mask_info(cfg, d, t, "fwd")
-    dkv_info = _mask_info(cfg, d, t, "dkv")
+  del d  # see fwd_step
   layouts = dict(q_layout=_HEAD_MINOR, k_layout=_HEAD_MINOR, v_layout=_HEAD_MINOR)
   common = dict(is_mqa=False, mask_value=MASK_VALUE, attn_logits_soft_cap=cfg.soft_cap,
                 mask_function=None, interpret=cfg.interpret, **layouts)
 
-  def one_row(q1, k1, v1, seg, lse1, do1, di1):
-    dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
-        q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
-        mask_info=fwd_info, **common)
-    _, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
-        q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
-        bkv_compute=cfg.bkv_dkv_compute, mask_info=dkv_info, use_fused_bwd_kernel=False,
-        **common)
-    return dq, dk, dv
+  def local(q, k, v, qs, ks, lse, do, di, t):
+    d = lax.axis_index(cfg.axis_name)
+    fwd_info = _mask_info(cfg, d, t, "fwd")
+    dkv_info = _mask_info(cfg, d, t, "dkv")
 
-  dq, dk, dv = _kernel(
-      jax.vmap(one_row), q, _heads_major(q), _heads_major(k), _heads_major(v), _segments(qs, ks),
-      jnp.swapaxes(lse, 1, 2), _heads_major(do), jnp.swapaxes(di, 1, 2))
+    def one_row(q1, k1, v1, seg, lse1, do1, di1):
+      dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
+          q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
+          mask_info=fwd_info, **common)
+      _, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
+          q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
+          bkv_compute=cfg.bkv_dkv_compute, mask_info=dkv_info, use_fused_bwd_kernel=False,
+          **common)
+      return dq, dk, dv
+
+    return jax.vmap(one_row)(
+        _heads_major(q), _heads_major(k), _heads_major(v), _segments(qs, ks),
+        jnp.swapaxes(lse, 1, 2), _heads_major(do), jnp.swapaxes(di, 1, 2))
+
+  dq, dk, dv = _local(local, q, q, k, v, qs, ks, lse, do, di, t)
   f = lambda x: _heads_major(x).astype(jnp.float32)
   return f(dq), f(dk), f(dv)
