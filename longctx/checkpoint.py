@@ -168,11 +168,9 @@ class Checkpointer:
         if step is None:
             if self.config.checkpoint.init_from:
                 directory, step = _resolve_init_from(self.config.checkpoint.init_from)
-                manager = ocp.CheckpointManager(directory, item_handlers=_handlers(),
-                                                options=ocp.CheckpointManagerOptions(read_only=True))
-                error = self._shape_error(f"checkpoint.init_from={self.config.checkpoint.init_from!r} "
-                                          f"(step {step})", self._saved_config(manager, step))
-                manager.close()
+                where = f"checkpoint.init_from={self.config.checkpoint.init_from!r} (step {step})"
+                with _read_only_manager(directory) as manager:
+                    error = self._shape_error(where, _read_or_explain(where, self._saved_config, manager, step))
                 if error:
                     raise error
             return
@@ -299,24 +297,26 @@ class Checkpointer:
         """Only the parameters of another run's checkpoint (partial restore: its optimizer state
         is never read, and may have another structure)."""
         directory, step = _resolve_init_from(init_from)
-        manager = ocp.CheckpointManager(directory, item_handlers=_handlers(),
-                                        options=ocp.CheckpointManagerOptions(read_only=True))
         where = f"checkpoint.init_from={init_from!r} (step {step})"
-        error = self._shape_error(where, self._saved_config(manager, step))
-        if error:
-            raise error
-        saved = {k: v for k, v in flat_arrays(manager.item_metadata(step)[_STATE]).items()
-                 if k.startswith("params/")}
+        with _read_only_manager(directory) as manager:
+            error = self._shape_error(where, _read_or_explain(where, self._saved_config, manager, step))
+            if error:
+                raise error
+            saved = _read_or_explain(where, lambda: flat_arrays(manager.item_metadata(step)[_STATE]))
+        saved = {k: v for k, v in saved.items() if k.startswith("params/")}
         diffs = _structure_differences(saved, flat_arrays({"params": target.params}))
-        manager.close()
         if diffs:
             raise config_lib.ConfigError(f"the parameters in {where} do not fit this model: " + "; ".join(diffs) + ".")
         item = {"params": target.params}
-        restored = ocp.PyTreeCheckpointer().restore(
-            os.path.join(directory, str(step), _STATE),
-            args=ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                        partial_restore=True))
-        return restored["params"], f"{directory}/{step}"
+
+        def restore():
+            with ocp.PyTreeCheckpointer() as checkpointer:
+                return checkpointer.restore(
+                    os.path.join(directory, str(step), _STATE),
+                    args=ocp.args.PyTreeRestore(item=item, partial_restore=True,
+                                                restore_args=ocp.checkpoint_utils.construct_restore_args(item)))
+
+        return _read_or_explain(where, restore)["params"], f"{directory}/{step}"
 
     # ------------------------------------------------------------------ save
 
@@ -351,6 +351,21 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _read_only_manager(directory: str) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(directory, item_handlers=_handlers(),
+                                 options=ocp.CheckpointManagerOptions(read_only=True))
+
+
+def _read_or_explain(where: str, read, *args):
+    """init_from is not ours to set aside: an unreadable one is an error that names it."""
+    try:
+        return read(*args)
+    except config_lib.ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise config_lib.ConfigError(f"{where} could not be read ({_first_line(e)}).") from e
 
 
 def _resolve_init_from(path: str) -> tuple[str, int]:

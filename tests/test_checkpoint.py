@@ -367,6 +367,46 @@ def test_restore_onto_other_mesh_is_exact(runs, mesh_shape, num_devices):
     iterator.close()
 
 
+def _first_tokens(iterator):
+    return np.asarray(jax.device_get(next(iterator)["tokens"]))
+
+
+@pytest.mark.slow
+def test_data_state_that_cannot_carry_over_restarts_the_stream(runs, tmp_path):
+    """Another process count, or another data stream: the train state restores, the data stream
+    restarts from a fresh shuffle seeded with the step, and the sentence says so."""
+    workdir = _copy_cut(runs["ref"], tmp_path / "w", NUM_STEPS)
+    path = os.path.join(workdir, "checkpoints", str(NUM_STEPS), "metadata", "metadata")
+    with open(path) as f:
+        metadata = json.load(f)
+    metadata["process_count"] = 2  # as if saved by 2 processes
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    config = _config()
+    mesh, state, iterator, note = _restore_in_process(workdir, config)
+    assert note.endswith(f"(step {NUM_STEPS}); the data iterator state was saved by 2 process(es) and this run "
+                         f"has 1, so data restarts from a fresh shuffle seeded with step {NUM_STEPS}"), note
+    _assert_states_equal(jax.tree.map(np.asarray, state), _restore_raw(runs["ref"], NUM_STEPS))
+    layout = train_lib.resolve_layout(config, mesh.shape["sp"])
+    fresh = data_lib.make_batch_iterator(config, mesh, split="train", layout=layout,
+                                         data_dir=data_lib.resolve_dataset(config), seed_offset=NUM_STEPS)
+    np.testing.assert_array_equal(_first_tokens(iterator), _first_tokens(fresh))
+    iterator.close()
+    fresh.close()
+
+    metadata["process_count"] = 1
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    config = _config()
+    config.data.shuffle_seed = 1
+    _, _, iterator, note = _restore_in_process(workdir, config)
+    iterator.close()
+    assert note.endswith("the data iterator state belongs to another data stream (data.shuffle_seed: "
+                         f"checkpoint 0 vs config 1), so data restarts from a fresh shuffle seeded with step "
+                         f"{NUM_STEPS}"), note
+    assert not os.path.exists(os.path.join(workdir, "checkpoints_unreadable"))
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -446,6 +486,9 @@ def test_init_from_takes_parameters_only(runs, tmp_path):
     _assert_states_equal(jax.tree.map(np.asarray, state3.params), _restore_raw(runs["ref"], 3)["params"])
     config.model.mlp_dim = 256
     with pytest.raises(config_lib.ConfigError, match="model.mlp_dim: checkpoint 384 vs config 256"):
+        checkpoint_lib.Checkpointer(str(tmp_path / "new_other"), config)
+    config.checkpoint.init_from = str(tmp_path / "nowhere")
+    with pytest.raises(config_lib.ConfigError, match="does not exist"):
         checkpoint_lib.Checkpointer(str(tmp_path / "new_other"), config)
 
 
