@@ -301,6 +301,9 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
   for name, seg in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
     if seg is not None and tuple(seg.shape) != (b, L):
       raise ValueError(f"{name} has shape {tuple(seg.shape)}, expected (batch, L) = {(b, L)}")
+  if q_segment_ids is not None:  # the kernels compare int32 ids
+    q_segment_ids = jnp.asarray(q_segment_ids).astype(jnp.int32)
+    kv_segment_ids = jnp.asarray(kv_segment_ids).astype(jnp.int32)
   if softmax_aux is not None and tuple(softmax_aux.shape) != (heads,):
     raise ValueError(f"softmax_aux has shape {tuple(softmax_aux.shape)}, expected (heads,) = "
                      f"{(heads,)}")
