@@ -17,7 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from longctx import layout as layout_lib
-from longctx.ops import reference_attention, ring_attention
+from longctx.ops import reference_attention, resolve_layout, ring_attention
 
 SHARD, BLOCK, HEADS, HEAD_DIM = 256, 128, 4, 32
 # float32 tolerances, fixed up front (observed errors are ~1e-6).
@@ -65,8 +65,9 @@ def _inputs(seed, batch, seq_len, kv_heads, dtype=np.float32):
 def _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_seg, with_aux,
                   kv_segments_differ=False):
   mesh = _mesh(sp, fsdp)
-  perm = layout_lib.permutation(layout if layout != "auto" else "contiguous", seq_len, sp)
   kw = dict(mask_items)
+  # "auto": the data pipeline permutes rows with the layout resolve_layout names
+  perm = layout_lib.permutation(resolve_layout(layout, seq_len, sp, **kw), seq_len, sp)
   data = P(("dp", "fsdp"), "sp")
 
   def per_shard(q, k, v, qs, ks, aux):
@@ -157,6 +158,12 @@ def test_splash_ring_matches_reference(layout, mask, with_seg, kv_heads, with_au
 def test_other_ring_sizes(impl, sp, fsdp, layout, mask):
   _check(impl=impl, layout=layout, mask=mask, with_seg=True, kv_heads=2, with_aux=True,
          soft_cap=None, sp=sp, fsdp=fsdp)
+
+
+def test_auto_layout_is_what_the_data_pipeline_is_told():
+  assert resolve_layout("auto", SHARD * 4, 4, causal=True) == "zigzag"
+  _check(impl="xla", layout="auto", mask="causal", with_seg=True, kv_heads=2, with_aux=True,
+         soft_cap=None)
 
 
 @pytest.mark.parametrize("impl", ["xla", "splash"])
