@@ -119,8 +119,15 @@ def _all_processes_agree(ok: bool) -> bool:
 
 
 def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+    """One line about an error: its root cause's first line (Orbax wraps TensorStore's errors, whose
+    own message names the file and what is wrong with it, in a long dump of the array spec)."""
+    seen = []
+    while error is not None and error not in seen and len(seen) < 10:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    root = seen[-1]
+    lines = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {lines[0][:400] if lines else ''}"
 
 
 def _say(message: str) -> None:

@@ -48,10 +48,9 @@ from configs import base as base_config  # noqa: E402
 
 NUM_STEPS = 8
 CUT_AT = 4  # the mesh-change runs resume from ref's step CUT_AT
-# Not bitwise on another mesh: the cross-device reductions are ordered differently. The first
-# resumed step sees bitwise-equal parameters and the same rows, so only the forward reduction order
-# differs; later steps also carry the Adam updates' differences.
-FIRST_STEP_RTOL, LATER_RTOL = 1e-5, 1e-3
+# Not bitwise on another mesh: float32 end to end, but the cross-device reductions are ordered
+# differently (the same tolerance as tests/test_multiprocess.py).
+LOSS_RTOL = 1e-5
 TIMEOUT = 600
 
 FAST = dict(seq_len=512, block_size=64, loss_chunk_size=64, num_layers=1, global_batch_size=4)
@@ -164,6 +163,19 @@ def _copy_cut(source, destination, last_step: int) -> str:
     return str(destination)
 
 
+def _plant_partial_save(workdir) -> str:
+    """What a kill mid-save leaves: `<newest + 1>.orbax-checkpoint-tmp`, uncommitted, an array file cut short."""
+    newest = max(_steps(workdir))
+    partial = os.path.join(workdir, "checkpoints", f"{newest + 1}.orbax-checkpoint-tmp")
+    shutil.copytree(os.path.join(workdir, "checkpoints", str(newest)), partial)
+    for path in glob.glob(os.path.join(partial, "**", "commit_success.txt"), recursive=True):
+        os.remove(path)
+    files = [p for p in glob.glob(os.path.join(partial, "state", "**", "*"), recursive=True) if os.path.isfile(p)]
+    biggest = max(files, key=os.path.getsize)
+    os.truncate(biggest, os.path.getsize(biggest) // 2)
+    return partial
+
+
 def _wait_for(predicate, proc, what: str, timeout: float = TIMEOUT, interval: float = 0.002):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -198,15 +210,10 @@ def runs(tmp_path_factory):
     out["kill_steps_after_kill"] = _steps(kill.workdir)
     out["killed_mid_save"] = killed_mid_save and bool(out["kill_tmp_after_kill"])
     if not out["killed_mid_save"]:
+        assert max(out["kill_steps_after_kill"]) < NUM_STEPS, "the kill run finished before it was killed"
         # The save window was missed (the run finished or was killed between saves): leave a
         # partial save behind by hand, as a kill mid-save would (no commit, a truncated array file).
-        newest = max(out["kill_steps_after_kill"])
-        partial = os.path.join(kill.workdir, "checkpoints", f"{newest + 1}.orbax-checkpoint-tmp")
-        shutil.copytree(os.path.join(kill.workdir, "checkpoints", str(newest)), partial)
-        for path in glob.glob(os.path.join(partial, "**", "commit_success.txt"), recursive=True):
-            os.remove(path)
-        biggest = max(glob.glob(os.path.join(partial, "state", "**", "*"), recursive=True), key=os.path.getsize)
-        os.truncate(biggest, os.path.getsize(biggest) // 2)
+        out["kill_tmp_after_kill"] = [_plant_partial_save(kill.workdir)]
     out["phase1_s"] = time.monotonic() - t0
 
     four = _copy_cut(ref.workdir, base / "four", CUT_AT)
@@ -305,6 +312,19 @@ def test_sigkill_mid_save_resumes_from_previous_complete(runs):
     _assert_states_equal(_restore_raw(runs["kill"], NUM_STEPS), _restore_raw(runs["ref"], NUM_STEPS))
 
 
+@pytest.mark.slow
+def test_partial_save_is_never_read(runs, tmp_path, capsys):
+    """The same, deterministic: a partial save left by hand is invisible to the restore."""
+    workdir = _copy_cut(runs["ref"], tmp_path / "w", 5)
+    partial = _plant_partial_save(workdir)
+    _, state, iterator, note = _restore_in_process(workdir, _config())
+    iterator.close()
+    assert note.startswith(f"resumed from {workdir}/checkpoints/5 (step 5)"), note
+    assert int(state.step) == 5 and os.path.isdir(partial)
+    assert "WARNING" not in capsys.readouterr().out
+    assert not os.path.exists(os.path.join(workdir, "checkpoints_unreadable"))
+
+
 # ----------------------------------------------------------------------------- other meshes
 
 
@@ -314,9 +334,8 @@ def _assert_close_losses(runs, name):
     assert f"(step {CUT_AT}), data iterator included" in out, out[-3000:]
     ref, resumed = _logged(runs["ref"]), _logged(runs[name])
     assert sorted(resumed) == list(range(CUT_AT + 1, NUM_STEPS + 1))
-    np.testing.assert_allclose(resumed[CUT_AT + 1], ref[CUT_AT + 1], rtol=FIRST_STEP_RTOL)
-    for step in range(CUT_AT + 2, NUM_STEPS + 1):
-        np.testing.assert_allclose(resumed[step], ref[step], rtol=LATER_RTOL, err_msg=str(step))
+    for step in range(CUT_AT + 1, NUM_STEPS + 1):
+        np.testing.assert_allclose(resumed[step], ref[step], rtol=LOSS_RTOL, err_msg=str(step))
 
 
 @pytest.mark.slow
@@ -439,6 +458,8 @@ def test_state_structure_mismatch_is_an_error_not_corruption(runs, tmp_path):
 
 
 @pytest.mark.slow
+# Orbax's cancelled reads of the truncated step report themselves as unraisable exceptions.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_newest_checkpoint_is_set_aside(runs, tmp_path, capsys):
     workdir = _copy_cut(runs["ref"], tmp_path / "w", NUM_STEPS)
     newest = os.path.join(workdir, "checkpoints", str(NUM_STEPS))
