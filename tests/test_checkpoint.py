@@ -14,8 +14,9 @@ One module-scoped set of real training runs (scripts/train.py in subprocesses, 8
                           1x1x8 a copy of ref cut back to step 4, resumed on mesh 1x1x8
                           shape ref's workdir with model.d_model changed: must fail, touching nothing
 
-Everything else (bitwise restores onto other meshes, corruption, init_from, keep policy, state
-structure mismatch) runs in this process on ref's checkpoints: restores compile nothing big.
+Everything else (bitwise restores onto other meshes, corruption, partial saves, data state that
+cannot carry over, init_from, state-structure mismatch) runs in this process on copies of ref's
+checkpoints, and the keep policy on its own tiny saves: restores compile nothing big.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def _env(devices: int = 8) -> dict[str, str]:
 
 
 class Run:
+    started: list = []
+
     def __init__(self, name: str, workdir, *extra, devices: int = 8):
         self.workdir = str(workdir)
         os.makedirs(self.workdir, exist_ok=True)
@@ -103,6 +106,7 @@ class Run:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, TRAIN, f"--workdir={self.workdir}", *OVERRIDES, *extra],
                                      cwd=ROOT, env=_env(devices), stdout=self.log, stderr=subprocess.STDOUT)
+        Run.started.append(self)
 
     def output(self) -> str:
         with open(self.log_path) as f:
@@ -189,7 +193,18 @@ def _wait_for(predicate, proc, what: str, timeout: float = TIMEOUT, interval: fl
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ckpt")
+    started: list[Run] = []
+    Run.started = started
+    try:
+        yield _runs(tmp_path_factory.mktemp("ckpt"))
+    finally:
+        for run in started:  # a failed fixture leaves no training process behind
+            if run.proc.poll() is None:
+                run.proc.kill()
+                run.proc.wait()
+
+
+def _runs(base):
     t0 = time.monotonic()
     ref, term, kill = Run("ref", base / "ref"), Run("term", base / "term"), Run("kill", base / "kill")
 
