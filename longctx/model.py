@@ -41,14 +41,15 @@ _TOKEN_ACTIVATION = ("activation_batch", "activation_length")
 _EMBED_ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
 
 
-def _param(rngs: nnx.Rngs, shape, logical_axes, scale: float | None = None, init: str = "normal"):
+def _param(rngs: nnx.Rngs, shape, logical_axes, scale: float | None = None, init: str = "normal",
+           dtype=jnp.float32):
     if init == "ones":
-        value = jnp.ones(shape, jnp.float32)
+        value = jnp.ones(shape, dtype)
     elif init == "zeros":
-        value = jnp.zeros(shape, jnp.float32)
+        value = jnp.zeros(shape, dtype)
     else:
-        # Truncated-normal fan-in init, the Llama/MaxText default.
-        value = jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32) * scale
+        # Truncated-normal fan-in init, the Llama/MaxText default (drawn in float32, then cast).
+        value = (jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32) * scale).astype(dtype)
     return nnx.Param(value, out_sharding=tuple(logical_axes))
 
 
@@ -104,17 +105,18 @@ class DecoderBlock(nnx.Module):
     def __init__(self, config, *, rngs: nnx.Rngs):
         m = config.model
         d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
-        self.attn_norm = _param(rngs, (d,), ("norm",), init="ones")
-        self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), d ** -0.5)
-        self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
-        self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
-        self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), (n * h) ** -0.5)
-        self.sinks = (_param(rngs, (n,), ("heads",), init="zeros")
+        param = functools.partial(_param, rngs, dtype=jnp.dtype(m.param_dtype))
+        self.attn_norm = param((d,), ("norm",), init="ones")
+        self.wq = param((d, n, h), ("embed", "heads", "head_dim"), d ** -0.5)
+        self.wk = param((d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
+        self.wv = param((d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
+        self.wo = param((n, h, d), ("heads", "head_dim", "embed"), (n * h) ** -0.5)
+        self.sinks = (param((n,), ("heads",), init="zeros")
                       if config.attention.attention_sinks else None)
-        self.mlp_norm = _param(rngs, (d,), ("norm",), init="ones")
-        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), d ** -0.5)
-        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), d ** -0.5)
-        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), f ** -0.5)
+        self.mlp_norm = param((d,), ("norm",), init="ones")
+        self.w_gate = param((d, f), ("embed", "mlp"), d ** -0.5)
+        self.w_up = param((d, f), ("embed", "mlp"), d ** -0.5)
+        self.w_down = param((f, d), ("mlp", "embed"), f ** -0.5)
 
     def __call__(self, x, positions, segment_ids, *, config, layout):
         m = config.model
@@ -145,7 +147,8 @@ class Decoder(nnx.Module):
         m = config.model
         self.config = config
         self.layout = layout  # the concrete sequence layout the data pipeline used
-        self.embed = _param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"), 1.0)
+        param = functools.partial(_param, rngs, dtype=jnp.dtype(m.param_dtype))
+        self.embed = param((m.vocab_size, m.d_model), ("vocab", "embed"), 1.0)
 
         @nnx.split_rngs(splits=m.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -153,9 +156,9 @@ class Decoder(nnx.Module):
             return DecoderBlock(config, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = _param(rngs, (m.d_model,), ("norm",), init="ones")
+        self.final_norm = param((m.d_model,), ("norm",), init="ones")
         self.unembed = (None if m.tie_embeddings
-                        else _param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.d_model ** -0.5))
+                        else param((m.d_model, m.vocab_size), ("embed", "vocab"), m.d_model ** -0.5))
 
     def unembedding(self):
         """[d, v] output projection (the transposed embedding when tied)."""

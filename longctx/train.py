@@ -381,7 +381,12 @@ def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_i
                 window_step, window_time = done, time.perf_counter()
             if progress is not None:
                 progress.update(1)
-            stopping = stop.agreed()
+            # Agreeing on a stop across processes is a collective that waits for the step to end;
+            # do it only where the loop waits anyway (log and checkpoint steps).
+            every = config.checkpoint.every_steps
+            check_now = (jax.process_count() == 1 or done % t.log_every == 0 or done == t.num_steps
+                         or (every and done % every == 0))
+            stopping = check_now and stop.agreed()
             checkpointer.maybe_save(done, state, train_iter, force=stopping or done == t.num_steps)
             if stopping:
                 checkpointer.wait()

@@ -109,7 +109,7 @@ def test_two_processes_match_one_and_resume(tmp_path):
                 proc.communicate()
     assert reference_run.returncode == 0, _tail(reference_out)
     reference = _losses(one)
-    assert sorted(reference) == list(range(2, NUM_STEPS + 1)), reference  # step 1 is compile, not logged
+    assert sorted(reference) == list(range(1, NUM_STEPS + 1)), reference
 
     assert launcher.returncode == 0, _tail(out)
     assert "got SIGTERM; forwarding SIGTERM to all processes" in out, _tail(out)
@@ -133,8 +133,9 @@ def test_two_processes_match_one_and_resume(tmp_path):
     assert max(after) == NUM_STEPS, after
     t_resume = time.monotonic() - t0 - t_first
 
-    # The same losses, step for step (steps logged by both; a process's first step is not logged).
+    # The same losses, step for step, before and after the resume.
     common = sorted(set(reference) & set(after))
+    assert common == list(range(1, NUM_STEPS + 1)), common
     assert [s for s in common if s > stop_step], "no step after the resume to compare"
     np.testing.assert_allclose([after[s] for s in common], [reference[s] for s in common], rtol=LOSS_RTOL,
                                err_msg=f"steps {common}; stopped at {stop_step}")
