@@ -184,7 +184,7 @@ else
   bash -o pipefail -c "$PACK"
 fi
 run gcloud compute tpus tpu-vm scp "$TARBALL" "${NAME}:longctx.tar.gz" "${GCLOUD_COMMON[@]}" --worker=all
-INSTALL='set -e; rm -rf "$HOME/longctx" && mkdir -p "$HOME/longctx" && tar -xzf "$HOME/longctx.tar.gz" -C "$HOME/longctx" && python3 -m pip install --quiet --upgrade pip && python3 -m pip install --quiet -e "$HOME/longctx[tpu]"'
+INSTALL='set -e; rm -rf "$HOME/longctx" && mkdir -p "$HOME/longctx" && tar -xzf "$HOME/longctx.tar.gz" -C "$HOME/longctx" && python3 -m pip install --quiet --upgrade pip && python3 -m pip install --quiet -e "$HOME/longctx[tpu,gcs]"'
 run gcloud compute tpus tpu-vm ssh "$NAME" "${GCLOUD_COMMON[@]}" --worker=all --command "$INSTALL"
 
 # ----------------------------------------------------------------------------- 3. train

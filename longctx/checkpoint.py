@@ -27,8 +27,6 @@ fresh shuffle seeded with the step, and the sentence says so.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from typing import Any
 
@@ -40,6 +38,7 @@ import orbax.checkpoint as ocp
 
 import longctx
 from longctx import config as config_lib
+from longctx import workdir as workdir_lib
 
 _STATE, _DATA, _CONFIG, _METADATA = "state", "data", "config", "metadata"
 
@@ -141,8 +140,8 @@ class Checkpointer:
 
     def __init__(self, workdir: str, config: ml_collections.ConfigDict):
         self.config = config
-        self.workdir = os.path.abspath(workdir)
-        self.directory = os.path.join(self.workdir, "checkpoints")
+        self.workdir = workdir_lib.resolve(workdir)
+        self.directory = self.workdir / "checkpoints"
         c = config.checkpoint
         options = ocp.CheckpointManagerOptions(
             max_to_keep=c.max_to_keep,
@@ -286,14 +285,13 @@ class Checkpointer:
 
     def _set_aside(self, step: int, error: BaseException | None) -> None:
         """Moves an unreadable step out of Orbax's sight (never deletes it) and says so."""
-        source = os.path.join(self.directory, str(step))
-        aside = os.path.join(self.workdir, "checkpoints_unreadable", f"{step}-{int(time.time())}")
+        source = self.directory / str(step)
+        aside = self.workdir / "checkpoints_unreadable" / f"{step}-{int(time.time())}"
         why = _first_line(error) if error is not None else "another process could not read it"
         if jax.process_index() == 0:
             print(f"longctx: WARNING: checkpoint {source} could not be restored ({why}); moving it to "
                   f"{aside} and trying the previous one.", flush=True)
-            os.makedirs(os.path.dirname(aside), exist_ok=True)
-            shutil.move(source, aside)
+            workdir_lib.move(source, aside)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -319,7 +317,7 @@ class Checkpointer:
         def restore():
             with ocp.PyTreeCheckpointer() as checkpointer:
                 return checkpointer.restore(
-                    os.path.join(directory, str(step), _STATE),
+                    directory / str(step) / _STATE,
                     args=ocp.args.PyTreeRestore(item=item, partial_restore=True,
                                                 restore_args=ocp.checkpoint_utils.construct_restore_args(item)))
 
@@ -377,17 +375,17 @@ def _read_or_explain(where: str, read, *args):
 
 def _resolve_init_from(path: str) -> tuple[str, int]:
     """(checkpoints directory, step) for a workdir, its checkpoints/ directory, or a step directory."""
-    path = os.path.abspath(path)
-    if os.path.isdir(os.path.join(path, _STATE)) and os.path.basename(path).isdigit():
-        return os.path.dirname(path), int(os.path.basename(path))
-    directory = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
-    if not os.path.isdir(directory):
-        raise config_lib.ConfigError(f"checkpoint.init_from={path!r} does not exist.")
+    path = workdir_lib.resolve(path)
+    if (path / _STATE).is_dir() and path.name.isdigit():
+        return path.parent, int(path.name)
+    directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not directory.is_dir():
+        raise config_lib.ConfigError(f"checkpoint.init_from={str(path)!r} does not exist.")
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
     step = manager.latest_step()
     manager.close()
     if step is None:
-        raise config_lib.ConfigError(f"checkpoint.init_from={path!r} holds no complete checkpoint.")
+        raise config_lib.ConfigError(f"checkpoint.init_from={str(path)!r} holds no complete checkpoint.")
     return directory, step
 
 

@@ -29,6 +29,7 @@ from longctx import data as data_lib
 from longctx import flops as flops_lib
 from longctx import mesh as mesh_lib
 from longctx import ops
+from longctx import workdir as workdir_lib
 from longctx.metrics import MetricsWriter
 from longctx.model import Decoder, model_nll
 
@@ -231,14 +232,9 @@ class _StopRequest:
 
 
 def check_workdir(workdir: str) -> None:
-    try:
-        os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, f".write_probe_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {e.strerror or e}.") from None
+    why = workdir_lib.check_writable(workdir)
+    if why is not None:
+        raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {why}.")
 
 
 def _host_metrics(metrics, step_time: float, config, peak: float | None) -> dict:
@@ -322,8 +318,7 @@ def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str) -> N
         "data_dir": data_dir,
         "config": config.to_dict(),
     }
-    with open(os.path.join(workdir, "run_info.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    (workdir_lib.resolve(workdir) / "run_info.json").write_text(json.dumps(info, indent=1))
 
 
 def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_iterator, checkpointer,
@@ -346,7 +341,7 @@ def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_i
     try:
         for step in range(first_step, t.num_steps):
             if t.profile_start is not None and step == t.profile_start:
-                jax.profiler.start_trace(os.path.join(workdir, "profile"))
+                jax.profiler.start_trace(str(workdir_lib.resolve(workdir) / "profile"))
             batch = next(train_iter)
             state, metrics = train_step(state, batch)
             done = step + 1
@@ -354,7 +349,7 @@ def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_i
                 # Logged without timings: this step includes compilation.
                 first = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 _check_finite(first["loss"], done, t)
-                writer.write(done, first, echo=False, prefix="train/")
+                writer.write(done, first, prefix="train/")
                 say(f"step {done}: loss={first['loss']:.4f} (compiled and ran the first step in "
                     f"{time.perf_counter() - window_time:.1f}s)")
                 window_step, window_time = done, time.perf_counter()
@@ -367,7 +362,7 @@ def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_i
                 last = _host_metrics(metrics, (now - window_time) / (done - window_step), config, peak)
                 window_step, window_time = done, now
                 _check_finite(last["loss"], done, t)
-                writer.write(done, last, echo=False, prefix="train/")
+                writer.write(done, last, prefix="train/")
                 mfu = last["mfu"] if isinstance(last["mfu"], str) else f"{last['mfu']:.3f}"
                 say(f"step {done}: loss={last['loss']:.4f} grad_norm={last['grad_norm']:.3g} "
                     f"lr={last['learning_rate']:.3g} step_time={last['step_time_s']:.3f}s "
@@ -375,7 +370,7 @@ def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_i
             if t.eval_every and (done % t.eval_every == 0 or done == t.num_steps):
                 val = evaluate(config, eval_step, state.params, make_eval_iterator)
                 if val:
-                    writer.write(done, val, echo=False, prefix="val/")
+                    writer.write(done, val, prefix="val/")
                     say(f"step {done}: val_loss={val['loss']:.4f}")
                     last.update({f"val_{k}": v for k, v in val.items()})
                 window_step, window_time = done, time.perf_counter()
