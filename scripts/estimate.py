@@ -12,8 +12,13 @@ temporaries and total, the chip's HBM, whether it fits and, when it does not, th
 should make it fit. `--json` prints the same as one JSON object. Exit status 0 fits, 1 does not
 fit, 2 bad input (one sentence on stderr).
 
-The fit table in docs/ (longest sequence per chip and sp) comes from scripts/fit_sweep.py, which
-calls `estimate(config, topology)` below.
+Sweep: the longest sequence that fits, per chip type and sp (docs/fit_llama3_8b.md + .json):
+  python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --sweep \
+      --sweep_topologies=v5p:4x4x4,v6e:16x16,v5e:16x16 --sweep_sp=16,32
+For each topology and sp the mesh is dp=1, fsdp=N/sp, sp with one sequence per fsdp rank
+(global batch = fsdp: every chip holds one L = S/sp token shard); L doubles (or halves) from
+--sweep_start_shard until the step stops (or starts) fitting. Every number is a real compile of
+the whole model at that length; nothing is extrapolated.
 """
 
 import os
@@ -25,6 +30,7 @@ from longctx import platform  # noqa: E402  (sets XLA_FLAGS before jax is import
 
 platform.configure_cpu_devices()
 
+import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 
@@ -33,13 +39,27 @@ from ml_collections import config_flags  # noqa: E402
 
 from longctx import aot  # noqa: E402
 from longctx import config as config_lib  # noqa: E402
+from longctx import mesh as mesh_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:llama3_8b_128k.",
                                           lock_config=True)
-_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology known to libtpu, e.g. v5p:4x4x4, v5e:8x8, "
+_TOPOLOGY = flags.DEFINE_string("topology", "", "TPU topology known to libtpu, e.g. v5p:4x4x4, v5e:8x8, "
                                 "v6e:4x4, v4:2x2x2.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
-flags.mark_flags_as_required(["config", "topology"])
+_SWEEP = flags.DEFINE_bool("sweep", False, "Find the longest sequence that fits per topology and sp.")
+_SWEEP_TOPOLOGIES = flags.DEFINE_list("sweep_topologies", ["v5p:4x4x4", "v6e:16x16", "v5e:16x16"],
+                                      "Topologies for --sweep.")
+_SWEEP_SP = flags.DEFINE_list("sweep_sp", ["16", "32"], "sp sizes for --sweep.")
+_SWEEP_START = flags.DEFINE_integer("sweep_start_shard", 8192, "First L = S/sp tried by --sweep.")
+_SWEEP_MAX = flags.DEFINE_integer("sweep_max_shard", 131072, "Largest L = S/sp tried by --sweep.")
+_SWEEP_MIN = flags.DEFINE_integer("sweep_min_shard", 1024, "Smallest L = S/sp tried by --sweep.")
+_SWEEP_LAYERS = flags.DEFINE_list(
+    "sweep_layers", [], "With --sweep: compile these (few) layer counts at two shard lengths "
+    "(--sweep_shards) and extrapolate linearly to model.num_layers; an explicitly labelled "
+    "estimate for when compiling every layer is too slow (unrolled layers compile in minutes).")
+_SWEEP_SHARDS = flags.DEFINE_list("sweep_shards", ["8192", "16384"],
+                                  "Two shard lengths L for --sweep_layers.")
+_SWEEP_OUT = flags.DEFINE_string("sweep_out", "docs/fit_llama3_8b", "Output path stem (.md, .json).")
 
 
 def estimate(config, topology: str) -> aot.CompiledStep:
@@ -63,10 +83,289 @@ def result_dict(config, result: aot.CompiledStep) -> dict:
     return out
 
 
+def _sweep_config(config, num_devices: int, sp: int, shard_len: int):
+    c = copy.deepcopy(config)
+    c.unlock()
+    fsdp = num_devices // sp
+    c.mesh.update(dp=1, fsdp=fsdp, sp=sp, dcn_dp=1, dcn_fsdp=1, dcn_sp=1)
+    c.data.update(seq_len=shard_len * sp, global_batch_size=fsdp)
+    return c
+
+
+def sweep_point(config, topology: str, sp: int, shard_len: int) -> dict:
+    c = _sweep_config(config, len(aot.topology_devices(topology)), sp, shard_len)
+    try:
+        r = estimate(c, topology)
+    except ValueError as e:
+        return {"topology": topology, "sp": sp, "shard_len": shard_len, "error": str(e)}
+    except Exception as e:  # noqa: BLE001  (a compiler failure is a result of the sweep too)
+        return {"topology": topology, "sp": sp, "shard_len": shard_len,
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    out = result_dict(c, r)
+    out.update(sp=sp, shard_len=shard_len)
+    return out
+
+
+def sweep(config, topologies, sps, start, lo_limit, hi_limit, out_stem) -> dict:
+    """Doubling search of the longest per-chip shard L (power of two) that fits."""
+    import bench_common as bc  # scripts/ is on sys.path when run as a script
+
+    results = {"command": bc.command_line(), "model": _model_line(config), "points": [],
+               "best": []}
+    # Points of an earlier sweep of the same model are reused (compiles take minutes).
+    previous = {}
+    if os.path.exists(out_stem + ".json"):
+        with open(out_stem + ".json") as f:
+            old = json.load(f)
+        if old.get("model") == results["model"]:
+            previous = {(p["topology"], p["sp"], p["shard_len"]): p for p in old["points"]}
+
+    def save():
+        bc.write_json(out_stem + ".json", results)
+        with open(out_stem + ".md", "w") as f:
+            f.write(_sweep_markdown(results))
+
+    for topology in topologies:
+        try:
+            n = len(aot.topology_devices(topology))
+        except ValueError as e:
+            print(f"estimate: {e}", file=sys.stderr)
+            continue
+        for sp in sps:
+            if n % sp:
+                print(f"sweep: skipping sp={sp}: it does not divide {n} devices of {topology}")
+                continue
+            tried = {}
+
+            def fits(L):
+                if L not in tried:
+                    p = previous.get((topology, sp, L)) or sweep_point(config, topology, sp, L)
+                    tried[L] = p
+                    results["points"].append(p)
+                    status = ("error: " + p["error"]) if "error" in p else (
+                        f"{p['total_bytes'] / aot.GIB:7.1f} GiB of {p['hbm_bytes'] / aot.GIB:.0f} "
+                        f"-> {'fits' if p['fits'] else 'does not fit'}")
+                    print(f"  {topology:11s} sp={sp:3d} L={L:6d} S={L * sp:8d}: {status}", flush=True)
+                    save()
+                return "error" not in tried[L] and bool(tried[L]["fits"])
+
+            L, best = start, None
+            try:
+                config_lib.validate(_sweep_config(config, n, sp, L), num_devices=n)
+                mesh_lib.make_mesh(_sweep_config(config, n, sp, L).mesh,
+                                   devices=aot.topology_devices(topology))
+            except Exception as e:  # noqa: BLE001
+                print(f"sweep: skipping {topology} sp={sp}: {str(e).splitlines()[0][:200]}")
+                results["best"].append({"topology": topology, "device_kind": "?", "sp": sp,
+                                        "fsdp": n // sp, "hbm_gib": None, "longest_shard_len": None,
+                                        "longest_seq_len": None, "total_gib_at_best": None,
+                                        "compiles": 0, "errors": [str(e).splitlines()[0][:200]]})
+                save()
+                continue
+            if fits(L):
+                best = L
+                while L * 2 <= hi_limit and fits(L * 2):
+                    L *= 2
+                    best = L
+            else:
+                while L // 2 >= lo_limit:
+                    L //= 2
+                    if fits(L):
+                        best = L
+                        break
+            ok = [p for p in tried.values() if "error" not in p]
+            kind = ok[0]["device_kind"] if ok else "?"
+            errors = sorted({p["error"] for p in tried.values() if "error" in p})
+            results["best"].append({
+                "topology": topology, "device_kind": kind, "sp": sp, "fsdp": n // sp,
+                "hbm_gib": ok[0]["hbm_bytes"] / aot.GIB if ok else None,
+                "longest_shard_len": best, "longest_seq_len": None if best is None else best * sp,
+                "total_gib_at_best": None if best is None else tried[best]["total_bytes"] / aot.GIB,
+                "compiles": len(tried), "errors": errors})
+            save()
+    return results
+
+
+def _model_line(config) -> str:
+    m = config.model
+    return (f"{m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads / {m.num_kv_heads} kv "
+            f"heads x {m.head_dim}, mlp {m.mlp_dim}, vocab {m.vocab_size}, {m.dtype} compute, "
+            f"{m.param_dtype} params + AdamW, remat {m.remat_policy}, scan_layers {m.scan_layers}, "
+            f"attention {config.attention.impl} (block {config.attention.block_size}, "
+            f"layout {config.attention.layout}, causal {config.attention.causal})")
+
+
+def sweep_extrapolated(config, topologies, sps, layer_counts, shards, hi_limit, out_stem) -> dict:
+    """Longest power-of-two L per cell from compiles with few layers, extrapolated.
+
+    Per cell, compiles every (layers, L) in layer_counts x shards; per-device bytes are modelled
+    as M = c0 + c1 L + n (c2 + c3 L) (n layers), exact through the four compiles, then evaluated
+    at the config's num_layers for L = powers of two. Every number in the output is labelled
+    as extrapolated; the compiled points are listed too.
+    """
+    import bench_common as bc
+
+    n_full = config.model.num_layers
+    (n1, n2), (l1, l2) = sorted(layer_counts)[:2], sorted(shards)[:2]
+    results = {"command": bc.command_line(), "model": _model_line(config), "mode": "extrapolated",
+               "layers_compiled": [n1, n2], "shards_compiled": [l1, l2], "points": [], "best": []}
+
+    def save():
+        bc.write_json(out_stem + ".json", results)
+        with open(out_stem + ".md", "w") as f:
+            f.write(_sweep_markdown(results))
+
+    for topology in topologies:
+        try:
+            n = len(aot.topology_devices(topology))
+        except ValueError as e:
+            print(f"estimate: {e}", file=sys.stderr)
+            continue
+        for sp in sps:
+            try:
+                c = _sweep_config(config, n, sp, l1)
+                config_lib.validate(c, num_devices=n)
+                mesh_lib.make_mesh(c.mesh, devices=aot.topology_devices(topology))
+            except Exception as e:  # noqa: BLE001
+                print(f"sweep: skipping {topology} sp={sp}: {str(e).splitlines()[0][:200]}")
+                continue
+            m = {}
+            for layers in (n1, n2):
+                for L in (l1, l2):
+                    c = copy.deepcopy(config)
+                    c.unlock()
+                    c.model.num_layers = layers
+                    p = sweep_point(c, topology, sp, L)
+                    p["num_layers"] = layers
+                    results["points"].append(p)
+                    if "error" in p:
+                        print(f"  {topology} sp={sp} layers={layers} L={L}: error {p['error']}")
+                        continue
+                    m[(layers, L)] = p["total_bytes"]
+                    print(f"  {topology:11s} sp={sp:3d} layers={layers} L={L:6d}: "
+                          f"{p['total_bytes'] / aot.GIB:7.2f} GiB ({p['compile_seconds']:.0f}s)", flush=True)
+                    save()
+            if len(m) < 4:
+                continue
+            per_layer = {L: (m[(n2, L)] - m[(n1, L)]) / (n2 - n1) for L in (l1, l2)}
+            base = {L: m[(n1, L)] - n1 * per_layer[L] for L in (l1, l2)}
+            full = {L: base[L] + n_full * per_layer[L] for L in (l1, l2)}
+            slope = (full[l2] - full[l1]) / (l2 - l1)
+
+            def predict(L):
+                return full[l1] + slope * (L - l1)
+
+            hbm = next(p["hbm_bytes"] for p in results["points"][-4:] if "error" not in p)
+            kind = next(p["device_kind"] for p in results["points"][-4:] if "error" not in p)
+            best, L = None, 1024
+            while L <= hi_limit:
+                if predict(L) <= hbm:
+                    best = L
+                L *= 2
+            results["best"].append({
+                "topology": topology, "device_kind": kind, "sp": sp, "fsdp": n // sp,
+                "hbm_gib": hbm / aot.GIB, "longest_shard_len": best,
+                "longest_seq_len": None if best is None else best * sp,
+                "total_gib_at_best": None if best is None else predict(best) / aot.GIB,
+                "predicted_gib": {str(L): predict(L) / aot.GIB for L in (l1, l2)},
+                "gib_per_1k_tokens_per_chip": slope * 1024 / aot.GIB,
+                "compiles": 4, "errors": [], "extrapolated": True})
+            save()
+    return results
+
+
+def _sweep_markdown_extrapolated(results) -> str:
+    import bench_common as bc
+
+    n1, n2 = results["layers_compiled"]
+    l1, l2 = results["shards_compiled"]
+    lines = ["# Longest sequence that fits: Llama-3-8B-shaped model, per chip type and sp\n",
+             f"Generated by `{results['command']}`.\n",
+             f"Model: {results['model']}.\n",
+             f"**Extrapolated, not compiled at full depth**: each cell compiles the train step with "
+             f"{n1} and {n2} layers at L = {l1} and {l2} tokens per chip (four real TPU compiles) "
+             "and models per-device bytes as c0 + c1 L + layers (c2 + c3 L), evaluated at the "
+             "full depth for L = powers of two. Mesh dp=1, fsdp=N/sp, sp; global batch = fsdp, so "
+             "every chip holds one shard of L = S/sp tokens.\n"]
+    rows = []
+    for b in results["best"]:
+        rows.append([b["topology"], b["device_kind"], f"{b['hbm_gib']:.1f}", b["sp"], b["fsdp"],
+                     b["longest_seq_len"] or "none", b["longest_shard_len"] or "-",
+                     f"{b['total_gib_at_best']:.1f}" if b["total_gib_at_best"] else "-",
+                     f"{b['gib_per_1k_tokens_per_chip']:.2f}"])
+    lines.append(bc.table(["topology", "chip", "HBM GiB/device", "sp", "fsdp", "longest S (est.)",
+                           "L = S/sp", "GiB/device at that S (est.)", "GiB per 1K tokens/chip"],
+                          rows))
+    lines.append("\n## The compiles behind it\n")
+    prow = []
+    for p in results["points"]:
+        if "error" in p:
+            prow.append([p["topology"], p["sp"], p.get("num_layers"), p["shard_len"], "-", "-",
+                         "-", p["error"][:120]])
+        else:
+            g = lambda k: f"{p[k] / aot.GIB:.2f}"  # noqa: E731
+            prow.append([p["topology"], p["sp"], p["num_layers"], p["shard_len"],
+                         g("argument_bytes"), g("temp_bytes"), g("total_bytes"),
+                         f"{p['compile_seconds']:.0f}"])
+    lines.append(bc.table(["topology", "sp", "layers", "L", "arguments GiB", "temporaries GiB",
+                           "total GiB", "compile s"], prow))
+    return "\n".join(lines) + "\n"
+
+
+def _sweep_markdown(results) -> str:
+    import bench_common as bc
+
+    if results.get("mode") == "extrapolated":
+        return _sweep_markdown_extrapolated(results)
+    lines = ["# Longest sequence that fits: Llama-3-8B-shaped model, per chip type and sp\n",
+             f"Generated by `{results['command']}`.\n",
+             f"Model: {results['model']}. Mesh dp=1, fsdp=N/sp, sp; global batch = fsdp, so every "
+             "chip holds one shard of L = S/sp tokens. Per-device memory from the TPU compiler "
+             "(`memory_analysis()`, or the compiler's own out-of-HBM figure when it refuses), "
+             "arguments + outputs - aliased + temporaries. L is searched in powers of two; every "
+             "row is a real compile of the full model, nothing is extrapolated.\n"]
+    rows = []
+    for b in results["best"]:
+        rows.append([b["topology"], b["device_kind"], f"{b['hbm_gib']:.1f}" if b["hbm_gib"] else "-",
+                     b["sp"], b["fsdp"],
+                     b["longest_seq_len"] if b["longest_seq_len"] else "none tried fits",
+                     b["longest_shard_len"] or "-",
+                     f"{b['total_gib_at_best']:.1f}" if b["total_gib_at_best"] else "-",
+                     b["compiles"], "; ".join(b["errors"])[:200] or ""])
+    lines.append(bc.table(["topology", "chip", "HBM GiB/device", "sp", "fsdp", "longest S",
+                           "L = S/sp", "GiB/device at that S", "compiles", "errors"], rows))
+    lines.append("\n## Every compile\n")
+    prow = []
+    for p in results["points"]:
+        if "error" in p:
+            prow.append([p["topology"], p["sp"], p["shard_len"] * p["sp"], p["shard_len"], "-", "-",
+                         "-", "error"])
+        else:
+            g = lambda k: f"{p[k] / aot.GIB:.1f}"  # noqa: E731
+            prow.append([p["topology"], p["sp"], p["seq_len"], p["shard_len"], g("argument_bytes"),
+                         g("temp_bytes") + (" (compiler OOM)" if p["oom_at_compile"] else ""),
+                         g("total_bytes"), "fits" if p["fits"] else "no"])
+    lines.append(bc.table(["topology", "sp", "S", "L", "arguments GiB", "temporaries GiB",
+                           "total GiB", "fits"], prow))
+    return "\n".join(lines) + "\n"
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
+    if _SWEEP.value and _SWEEP_LAYERS.value:
+        sweep_extrapolated(config, _SWEEP_TOPOLOGIES.value, [int(x) for x in _SWEEP_SP.value],
+                           [int(x) for x in _SWEEP_LAYERS.value],
+                           [int(x) for x in _SWEEP_SHARDS.value], _SWEEP_MAX.value, _SWEEP_OUT.value)
+        return
+    if _SWEEP.value:
+        sweep(config, _SWEEP_TOPOLOGIES.value, [int(x) for x in _SWEEP_SP.value], _SWEEP_START.value,
+              _SWEEP_MIN.value, _SWEEP_MAX.value, _SWEEP_OUT.value)
+        return
+    if not _TOPOLOGY.value:
+        print("estimate: give --topology (e.g. v5p:4x4x4) or --sweep.", file=sys.stderr)
+        sys.exit(2)
     try:
         result = estimate(config, _TOPOLOGY.value)
     except ValueError as e:
