@@ -81,7 +81,7 @@ def test_forward_matches_plain_jnp(impl, layout, attention):
     with jax.set_mesh(mesh):
         model = Decoder(config, layout=layout, rngs=nnx.Rngs(params=0))
         if config.attention.attention_sinks:  # zero-initialised: make them matter
-            model.blocks.sinks.value = jnp.linspace(-1.0, 2.0, 8).reshape(2, 4)
+            model.blocks.sinks[...] = jnp.linspace(-1.0, 2.0, 8).reshape(2, 4)
         sharded = {k: jax.device_put(v, mesh_lib.batch_sharding(mesh)) for k, v in batch.items()}
         nll = jax.jit(model_nll)(model, sharded)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))

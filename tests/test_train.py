@@ -62,12 +62,12 @@ def test_shardings_follow_the_rules_and_one_compile():
     state, _, train_step, setup, batch = run_steps(step_config(2, 2, 2), jax.devices(), rows)
     assert train_step._cache_size() == 1  # three steps, one trace and compile
     params = state.params
-    assert params["embed"].value.sharding.spec == P(None, "fsdp")
-    assert params["blocks"]["wq"].value.sharding.spec == P(None, "fsdp", None, None)
-    assert params["blocks"]["w_down"].value.sharding.spec == P(None, None, "fsdp")
-    assert params["blocks"]["attn_norm"].value.sharding.spec == P(None, None)
+    assert params["embed"][...].sharding.spec == P(None, "fsdp")
+    assert params["blocks"]["wq"][...].sharding.spec == P(None, "fsdp", None, None)
+    assert params["blocks"]["w_down"][...].sharding.spec == P(None, None, "fsdp")
+    assert params["blocks"]["attn_norm"][...].sharding.spec == P(None, None)
     # optimizer moments are sharded like their parameters
-    mu = [s for s in jax.tree.leaves(state.opt_state) if s.shape == params["embed"].value.shape]
+    mu = [s for s in jax.tree.leaves(state.opt_state) if s.shape == params["embed"][...].shape]
     assert mu and all(m.sharding.spec == P(None, "fsdp") for m in mu)
     for value in batch.values():
         assert value.sharding.spec == P(("dp", "fsdp"), "sp")
