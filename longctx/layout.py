@@ -23,44 +23,44 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 
 
 def _check(layout: str, seq_len: int, num_shards: int) -> None:
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
-  if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
-    raise ValueError(f"num_shards={num_shards} must be a positive integer")
-  if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-    raise ValueError(f"seq_len={seq_len} must be a positive integer")
-  # zigzag cuts the sequence into 2*sp equal chunks, the others into sp shards.
-  parts = 2 * num_shards if layout == "zigzag" else num_shards
-  if seq_len % parts:
-    raise ValueError(
-        f"seq_len={seq_len} is not divisible by {parts} "
-        f"({'2*' if layout == 'zigzag' else ''}num_shards, num_shards={num_shards}) "
-        f"for layout={layout!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
+        raise ValueError(f"num_shards={num_shards} must be a positive integer")
+    if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be a positive integer")
+    # zigzag cuts the sequence into 2*sp equal chunks, the others into sp shards.
+    parts = 2 * num_shards if layout == "zigzag" else num_shards
+    if seq_len % parts:
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by {parts} "
+            f"({'2*' if layout == 'zigzag' else ''}num_shards, num_shards={num_shards}) "
+            f"for layout={layout!r}")
 
 
 def permutation(layout: str, seq_len: int, num_shards: int) -> np.ndarray:
-  """Returns int64 `perm` with `x_layout = x_natural[..., perm, ...]`."""
-  _check(layout, seq_len, num_shards)
-  if layout == "contiguous":
-    return np.arange(seq_len)
-  if layout == "zigzag":
-    chunks = np.arange(seq_len).reshape(2 * num_shards, -1)
-    order = [c for d in range(num_shards) for c in (d, 2 * num_shards - 1 - d)]
-    return chunks[order].reshape(-1)
-  # striped: row-major [L, sp] -> shard d takes column d.
-  return np.arange(seq_len).reshape(-1, num_shards).T.reshape(-1)
+    """Returns int64 `perm` with `x_layout = x_natural[..., perm, ...]`."""
+    _check(layout, seq_len, num_shards)
+    if layout == "contiguous":
+        return np.arange(seq_len)
+    if layout == "zigzag":
+        chunks = np.arange(seq_len).reshape(2 * num_shards, -1)
+        order = [c for d in range(num_shards) for c in (d, 2 * num_shards - 1 - d)]
+        return chunks[order].reshape(-1)
+    # striped: row-major [L, sp] -> shard d takes column d.
+    return np.arange(seq_len).reshape(-1, num_shards).T.reshape(-1)
 
 
 def inverse_permutation(perm: np.ndarray) -> np.ndarray:
-  """`inv` with `x_natural = x_layout[..., inv, ...]`."""
-  perm = np.asarray(perm)
-  if perm.ndim != 1 or not np.array_equal(np.sort(perm), np.arange(perm.size)):
-    raise ValueError(f"perm (shape {perm.shape}) is not a permutation of range(n)")
-  inv = np.empty_like(perm)
-  inv[perm] = np.arange(perm.size)
-  return inv
+    """`inv` with `x_natural = x_layout[..., inv, ...]`."""
+    perm = np.asarray(perm)
+    if perm.ndim != 1 or not np.array_equal(np.sort(perm), np.arange(perm.size)):
+        raise ValueError(f"perm (shape {perm.shape}) is not a permutation of range(n)")
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.size)
+    return inv
 
 
 def shard_positions(layout: str, seq_len: int, num_shards: int) -> np.ndarray:
-  """Global positions held by every shard: int array [num_shards, seq_len // num_shards]."""
-  return permutation(layout, seq_len, num_shards).reshape(num_shards, -1)
+    """Global positions held by every shard: int array [num_shards, seq_len // num_shards]."""
+    return permutation(layout, seq_len, num_shards).reshape(num_shards, -1)

@@ -38,97 +38,97 @@ VARIANTS = [(True, 2), (True, HEADS), (False, 2), (False, HEADS)]
 
 
 def _mesh(sp, fsdp):
-  devices = jax.devices()[:sp * fsdp]
-  return jax.make_mesh((1, fsdp, sp), ("dp", "fsdp", "sp"), devices=devices,
-                       axis_types=(AxisType.Auto,) * 3)
+    devices = jax.devices()[:sp * fsdp]
+    return jax.make_mesh((1, fsdp, sp), ("dp", "fsdp", "sp"), devices=devices,
+                         axis_types=(AxisType.Auto,) * 3)
 
 
 def _segments(rng, batch, seq_len):
-  """Packed documents: random boundaries (crossing shard edges), different in every row."""
-  starts = rng.random((batch, seq_len)) < 1 / 120
-  starts[:, 0] = True
-  return np.cumsum(starts, axis=1).astype(np.int32)
+    """Packed documents: random boundaries (crossing shard edges), different in every row."""
+    starts = rng.random((batch, seq_len)) < 1 / 120
+    starts[:, 0] = True
+    return np.cumsum(starts, axis=1).astype(np.int32)
 
 
 def _inputs(seed, batch, seq_len, kv_heads, dtype=np.float32):
-  rng = np.random.default_rng(seed)
-  q = rng.standard_normal((batch, seq_len, HEADS, HEAD_DIM))
-  k = rng.standard_normal((batch, seq_len, kv_heads, HEAD_DIM))
-  v = rng.standard_normal((batch, seq_len, kv_heads, HEAD_DIM))
-  aux = rng.standard_normal(HEADS)
-  dout = rng.standard_normal(q.shape)
-  cast = lambda x: jnp.asarray(x, dtype)
-  return cast(q), cast(k), cast(v), _segments(rng, batch, seq_len), cast(aux), cast(dout)
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, seq_len, HEADS, HEAD_DIM))
+    k = rng.standard_normal((batch, seq_len, kv_heads, HEAD_DIM))
+    v = rng.standard_normal((batch, seq_len, kv_heads, HEAD_DIM))
+    aux = rng.standard_normal(HEADS)
+    dout = rng.standard_normal(q.shape)
+    cast = lambda x: jnp.asarray(x, dtype)
+    return cast(q), cast(k), cast(v), _segments(rng, batch, seq_len), cast(aux), cast(dout)
 
 
 @functools.lru_cache(maxsize=None)
 def _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_seg, with_aux,
                   kv_segments_differ=False):
-  mesh = _mesh(sp, fsdp)
-  kw = dict(mask_items)
-  # "auto": the data pipeline permutes rows with the layout resolve_layout names
-  perm = layout_lib.permutation(resolve_layout(layout, seq_len, sp, **kw), seq_len, sp)
-  data = P(("dp", "fsdp"), "sp")
+    mesh = _mesh(sp, fsdp)
+    kw = dict(mask_items)
+    # "auto": the data pipeline permutes rows with the layout resolve_layout names
+    perm = layout_lib.permutation(resolve_layout(layout, seq_len, sp, **kw), seq_len, sp)
+    data = P(("dp", "fsdp"), "sp")
 
-  def per_shard(q, k, v, qs, ks, aux):
-    return ring_attention(q, k, v, qs, ks, aux, logits_soft_cap=soft_cap, axis_name="sp",
-                          layout=layout, impl=impl, block_sizes=BLOCK, **kw)
+    def per_shard(q, k, v, qs, ks, aux):
+        return ring_attention(q, k, v, qs, ks, aux, logits_soft_cap=soft_cap, axis_name="sp",
+                              layout=layout, impl=impl, block_sizes=BLOCK, **kw)
 
-  def ring(q, k, v, qs, ks, aux):
-    f = jax.shard_map(per_shard, mesh=mesh,
-                      in_specs=(data, data, data, data if with_seg else None,
-                                data if kv_segments_differ else None,
-                                P() if with_aux else None),
-                      out_specs=data)
-    to_layout = lambda x: None if x is None else x[:, perm]
-    out = f(*map(to_layout, (q, k, v, qs, ks)), aux)
-    return out[:, layout_lib.inverse_permutation(perm)]
+    def ring(q, k, v, qs, ks, aux):
+        f = jax.shard_map(per_shard, mesh=mesh,
+                          in_specs=(data, data, data, data if with_seg else None,
+                                    data if kv_segments_differ else None,
+                                    P() if with_aux else None),
+                          out_specs=data)
+        to_layout = lambda x: None if x is None else x[:, perm]
+        out = f(*map(to_layout, (q, k, v, qs, ks)), aux)
+        return out[:, layout_lib.inverse_permutation(perm)]
 
-  return jax.jit(functools.partial(_out_and_grads, ring))
+    return jax.jit(functools.partial(_out_and_grads, ring))
 
 
 def _out_and_grads(fn, q, k, v, qs, ks, aux, dout):
-  out, vjp = jax.vjp(lambda q, k, v, aux: fn(q, k, v, qs, ks, aux), q, k, v, aux)
-  return out, vjp(dout)
+    out, vjp = jax.vjp(lambda q, k, v, aux: fn(q, k, v, qs, ks, aux), q, k, v, aux)
+    return out, vjp(dout)
 
 
 @functools.lru_cache(maxsize=None)
 def _ref_program(mask_items, soft_cap):
-  ref = functools.partial(reference_attention, logits_soft_cap=soft_cap, **dict(mask_items))
-  return jax.jit(functools.partial(_out_and_grads, ref))
+    ref = functools.partial(reference_attention, logits_soft_cap=soft_cap, **dict(mask_items))
+    return jax.jit(functools.partial(_out_and_grads, ref))
 
 
 def _check(*, impl, layout, mask, with_seg, kv_heads, with_aux, soft_cap, sp=4, fsdp=2,
            seed=0):
-  seq_len, batch = SHARD * sp, 2 * fsdp
-  q, k, v, seg, aux, dout = _inputs(seed, batch, seq_len, kv_heads)
-  qs = seg if with_seg else None
-  aux = aux if with_aux else None
-  mask_items = tuple(sorted(MASKS[mask].items()))
-  ring = _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_seg, with_aux)
-  out, grads = ring(q, k, v, qs, None, aux, dout)
-  ref_out, ref_grads = _ref_program(mask_items, soft_cap)(q, k, v, qs, None, aux, dout)
-  np.testing.assert_allclose(out, ref_out, **FWD_TOL, err_msg="output")
-  for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
-    if r is None:
-      assert g is None
-      continue
-    np.testing.assert_allclose(g, r, **GRAD_TOL, err_msg=name)
+    seq_len, batch = SHARD * sp, 2 * fsdp
+    q, k, v, seg, aux, dout = _inputs(seed, batch, seq_len, kv_heads)
+    qs = seg if with_seg else None
+    aux = aux if with_aux else None
+    mask_items = tuple(sorted(MASKS[mask].items()))
+    ring = _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_seg, with_aux)
+    out, grads = ring(q, k, v, qs, None, aux, dout)
+    ref_out, ref_grads = _ref_program(mask_items, soft_cap)(q, k, v, qs, None, aux, dout)
+    np.testing.assert_allclose(out, ref_out, **FWD_TOL, err_msg="output")
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+        if r is None:
+            assert g is None
+            continue
+        np.testing.assert_allclose(g, r, **GRAD_TOL, err_msg=name)
 
 
 XLA_CASES = []
 for mi, mask in enumerate(MASKS):
-  for li, lay in enumerate(layout_lib.LAYOUTS):
-    with_seg, kvh = VARIANTS[(mi + li) % 4]
-    XLA_CASES.append(pytest.param(
-        lay, mask, with_seg, kvh, (mi + li) % 2 == 0, 5.0 if (mi + 2 * li) % 3 == 0 else None,
-        id=f"{mask}-{lay}-{'seg' if with_seg else 'noseg'}-{'gqa' if kvh < HEADS else 'mha'}"))
+    for li, lay in enumerate(layout_lib.LAYOUTS):
+        with_seg, kvh = VARIANTS[(mi + li) % 4]
+        XLA_CASES.append(pytest.param(
+            lay, mask, with_seg, kvh, (mi + li) % 2 == 0, 5.0 if (mi + 2 * li) % 3 == 0 else None,
+            id=f"{mask}-{lay}-{'seg' if with_seg else 'noseg'}-{'gqa' if kvh < HEADS else 'mha'}"))
 
 
 @pytest.mark.parametrize("layout,mask,with_seg,kv_heads,with_aux,soft_cap", XLA_CASES)
 def test_xla_ring_matches_reference(layout, mask, with_seg, kv_heads, with_aux, soft_cap):
-  _check(impl="xla", layout=layout, mask=mask, with_seg=with_seg, kv_heads=kv_heads,
-         with_aux=with_aux, soft_cap=soft_cap)
+    _check(impl="xla", layout=layout, mask=mask, with_seg=with_seg, kv_heads=kv_heads,
+           with_aux=with_aux, soft_cap=soft_cap)
 
 
 SPLASH_CASES = [  # every mask once; layouts, segments, GQA, sinks and soft cap spread over them
@@ -145,8 +145,8 @@ SPLASH_CASES = [  # every mask once; layouts, segments, GQA, sinks and soft cap 
 @pytest.mark.parametrize("layout,mask,with_seg,kv_heads,with_aux,soft_cap", SPLASH_CASES,
                          ids=lambda x: str(x))
 def test_splash_ring_matches_reference(layout, mask, with_seg, kv_heads, with_aux, soft_cap):
-  _check(impl="splash", layout=layout, mask=mask, with_seg=with_seg, kv_heads=kv_heads,
-         with_aux=with_aux, soft_cap=soft_cap)
+    _check(impl="splash", layout=layout, mask=mask, with_seg=with_seg, kv_heads=kv_heads,
+           with_aux=with_aux, soft_cap=soft_cap)
 
 
 @pytest.mark.parametrize("impl,sp,fsdp,layout,mask", [
@@ -156,156 +156,156 @@ def test_splash_ring_matches_reference(layout, mask, with_seg, kv_heads, with_au
     ("splash", 8, 1, "zigzag", "causal"),
 ])
 def test_other_ring_sizes(impl, sp, fsdp, layout, mask):
-  _check(impl=impl, layout=layout, mask=mask, with_seg=True, kv_heads=2, with_aux=True,
-         soft_cap=None, sp=sp, fsdp=fsdp)
+    _check(impl=impl, layout=layout, mask=mask, with_seg=True, kv_heads=2, with_aux=True,
+           soft_cap=None, sp=sp, fsdp=fsdp)
 
 
 def test_auto_layout_is_what_the_data_pipeline_is_told():
-  assert resolve_layout("auto", SHARD * 4, 4, causal=True) == "zigzag"
-  _check(impl="xla", layout="auto", mask="causal", with_seg=True, kv_heads=2, with_aux=True,
-         soft_cap=None)
+    assert resolve_layout("auto", SHARD * 4, 4, causal=True) == "zigzag"
+    _check(impl="xla", layout="auto", mask="causal", with_seg=True, kv_heads=2, with_aux=True,
+           soft_cap=None)
 
 
 @pytest.mark.parametrize("impl", ["xla", "splash"])
 def test_fully_masked_rows_are_zero_and_finite(impl):
-  """Queries whose segment has no key anywhere: output 0, gradients 0, no NaN/Inf."""
-  sp, fsdp = 4, 2
-  q, k, v, seg, aux, dout = _inputs(3, 2 * fsdp, SHARD * sp, 2)
-  kv_seg = np.where(seg % 3 == 1, -1, seg).astype(np.int32)  # those queries match no key
-  items = tuple(sorted(MASKS["causal"].items()))
-  ring = _ring_program(sp, fsdp, SHARD * sp, "zigzag", impl, items, None, True, False,
-                       kv_segments_differ=True)
-  out, grads = ring(q, k, v, seg, kv_seg, None, dout)
-  ref_out, ref_grads = _ref_program(items, None)(q, k, v, seg, kv_seg, None, dout)
-  for x in (out, *grads[:3]):
-    assert np.isfinite(np.asarray(x)).all()
-  dead = np.broadcast_to((seg % 3 == 1)[:, :, None, None], out.shape)
-  assert dead.any() and (np.asarray(out)[dead] == 0).all()
-  np.testing.assert_allclose(out, ref_out, **FWD_TOL)
-  for g, r in zip(grads[:3], ref_grads[:3]):
-    np.testing.assert_allclose(g, r, **GRAD_TOL)
+    """Queries whose segment has no key anywhere: output 0, gradients 0, no NaN/Inf."""
+    sp, fsdp = 4, 2
+    q, k, v, seg, aux, dout = _inputs(3, 2 * fsdp, SHARD * sp, 2)
+    kv_seg = np.where(seg % 3 == 1, -1, seg).astype(np.int32)  # those queries match no key
+    items = tuple(sorted(MASKS["causal"].items()))
+    ring = _ring_program(sp, fsdp, SHARD * sp, "zigzag", impl, items, None, True, False,
+                         kv_segments_differ=True)
+    out, grads = ring(q, k, v, seg, kv_seg, None, dout)
+    ref_out, ref_grads = _ref_program(items, None)(q, k, v, seg, kv_seg, None, dout)
+    for x in (out, *grads[:3]):
+        assert np.isfinite(np.asarray(x)).all()
+    dead = np.broadcast_to((seg % 3 == 1)[:, :, None, None], out.shape)
+    assert dead.any() and (np.asarray(out)[dead] == 0).all()
+    np.testing.assert_allclose(out, ref_out, **FWD_TOL)
+    for g, r in zip(grads[:3], ref_grads[:3]):
+        np.testing.assert_allclose(g, r, **GRAD_TOL)
 
 
 @pytest.mark.parametrize("impl", ["xla", "splash"])
 def test_bfloat16_inputs(impl):
-  """bf16 in, bf16 out, float32 statistics: within bf16 rounding of the float32 reference."""
-  sp, fsdp = 4, 2
-  q, k, v, seg, aux, dout = _inputs(5, 2 * fsdp, SHARD * sp, 2, dtype=jnp.bfloat16)
-  items = tuple(sorted(MASKS["causal"].items()))
-  out, grads = _ring_program(sp, fsdp, SHARD * sp, "zigzag", impl, items, None, True, True)(
-      q, k, v, seg, None, aux, dout)
-  f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]
-  ref_out, ref_grads = _ref_program(items, None)(*f32(q, k, v), seg, None, *f32(aux, dout))
-  assert out.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16
-  # bf16 has an 8-bit mantissa (relative step 2^-8 = 0.4%); allow a few roundings.
-  for name, x, r in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref_out, *ref_grads)):
-    err = np.abs(np.asarray(x, np.float32) - np.asarray(r))
-    scale = np.abs(np.asarray(r)).max()
-    assert err.max() <= 0.02 * scale, (name, err.max(), scale)
+    """bf16 in, bf16 out, float32 statistics: within bf16 rounding of the float32 reference."""
+    sp, fsdp = 4, 2
+    q, k, v, seg, aux, dout = _inputs(5, 2 * fsdp, SHARD * sp, 2, dtype=jnp.bfloat16)
+    items = tuple(sorted(MASKS["causal"].items()))
+    out, grads = _ring_program(sp, fsdp, SHARD * sp, "zigzag", impl, items, None, True, True)(
+        q, k, v, seg, None, aux, dout)
+    f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]
+    ref_out, ref_grads = _ref_program(items, None)(*f32(q, k, v), seg, None, *f32(aux, dout))
+    assert out.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16
+    # bf16 has an 8-bit mantissa (relative step 2^-8 = 0.4%); allow a few roundings.
+    for name, x, r in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref_out, *ref_grads)):
+        err = np.abs(np.asarray(x, np.float32) - np.asarray(r))
+        scale = np.abs(np.asarray(r)).max()
+        assert err.max() <= 0.02 * scale, (name, err.max(), scale)
 
 
 def _jaxpr(sp, impl="xla", seq_len=None, **mask):
-  """Jaxpr of the ring (forward + backward) on a sp-device mesh, traced only."""
-  seq_len = seq_len or SHARD * sp
-  mesh = _mesh(sp, 1)
-  data = P(None, "sp")
-  q = jax.ShapeDtypeStruct((1, seq_len, HEADS, HEAD_DIM), jnp.float32)
-  kv = jax.ShapeDtypeStruct((1, seq_len, 2, HEAD_DIM), jnp.float32)
-  f = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, impl=impl, block_sizes=BLOCK, **mask),
-                    mesh=mesh, in_specs=(data,) * 3, out_specs=data)
-  return jax.make_jaxpr(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2)))(q, kv, kv)
+    """Jaxpr of the ring (forward + backward) on a sp-device mesh, traced only."""
+    seq_len = seq_len or SHARD * sp
+    mesh = _mesh(sp, 1)
+    data = P(None, "sp")
+    q = jax.ShapeDtypeStruct((1, seq_len, HEADS, HEAD_DIM), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, seq_len, 2, HEAD_DIM), jnp.float32)
+    f = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, impl=impl, block_sizes=BLOCK, **mask),
+                      mesh=mesh, in_specs=(data,) * 3, out_specs=data)
+    return jax.make_jaxpr(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2)))(q, kv, kv)
 
 
 def _count(jaxpr, prim=None):
-  """Equations in a jaxpr and all its sub-jaxprs (optionally only those of one primitive)."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += prim is None or eqn.primitive.name == prim
-    for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _subs(eqn):
-      n += _count(sub, prim)
-  return n
+    """Equations in a jaxpr and all its sub-jaxprs (optionally only those of one primitive)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += prim is None or eqn.primitive.name == prim
+        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _subs(eqn):
+            n += _count(sub, prim)
+    return n
 
 
 def _subs(eqn):
-  for v in eqn.params.values():
-    for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if hasattr(x, "jaxpr"):
-        yield x.jaxpr if hasattr(x.jaxpr, "eqns") else x.jaxpr.jaxpr
-      elif hasattr(x, "eqns"):
-        yield x
+    for v in eqn.params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if hasattr(x, "jaxpr"):
+                yield x.jaxpr if hasattr(x.jaxpr, "eqns") else x.jaxpr.jaxpr
+            elif hasattr(x, "eqns"):
+                yield x
 
 
 def test_ring_is_a_loop_program_size_does_not_grow_with_sp():
-  sizes = {sp: _count(_jaxpr(sp, causal=True).jaxpr) for sp in (2, 4, 8)}
-  assert sizes[2] == sizes[4] == sizes[8], sizes
+    sizes = {sp: _count(_jaxpr(sp, causal=True).jaxpr) for sp in (2, 4, 8)}
+    assert sizes[2] == sizes[4] == sizes[8], sizes
 
 
 def test_pruned_rings_send_nothing_they_do_not_need():
-  # chunks that never cross a shard: one ring step, no K/V transfer at all
-  assert _count(_jaxpr(4, chunk_size=SHARD).jaxpr, "ppermute") == 0
-  full = _count(_jaxpr(4, causal=True).jaxpr, "ppermute")
-  window = _count(_jaxpr(4, causal=True, sliding_window=SHARD // 2).jaxpr, "ppermute")
-  assert 0 < window <= full
+    # chunks that never cross a shard: one ring step, no K/V transfer at all
+    assert _count(_jaxpr(4, chunk_size=SHARD).jaxpr, "ppermute") == 0
+    full = _count(_jaxpr(4, causal=True).jaxpr, "ppermute")
+    window = _count(_jaxpr(4, causal=True, sliding_window=SHARD // 2).jaxpr, "ppermute")
+    assert 0 < window <= full
 
 
 def _trace(q_shape=(2, 1024, 4, 32), kv_shape=(2, 1024, 2, 32), sp=4, seg_shape=None,
            aux_shape=None, **kw):
-  mesh = _mesh(sp, 1)
-  data = P(None, "sp")
-  sds = lambda s, dt=jnp.float32: None if s is None else jax.ShapeDtypeStruct(s, dt)
-  args = (sds(q_shape), sds(kv_shape), sds(kv_shape), sds(seg_shape, jnp.int32), sds(aux_shape))
-  specs = (data, data, data, None if seg_shape is None else data,
-           None if aux_shape is None else P())
-  f = jax.shard_map(lambda q, k, v, s, a: ring_attention(q, k, v, s, None, a, **kw),
-                    mesh=mesh, in_specs=specs, out_specs=data)
-  return jax.eval_shape(f, *args)
+    mesh = _mesh(sp, 1)
+    data = P(None, "sp")
+    sds = lambda s, dt=jnp.float32: None if s is None else jax.ShapeDtypeStruct(s, dt)
+    args = (sds(q_shape), sds(kv_shape), sds(kv_shape), sds(seg_shape, jnp.int32), sds(aux_shape))
+    specs = (data, data, data, None if seg_shape is None else data,
+             None if aux_shape is None else P())
+    f = jax.shard_map(lambda q, k, v, s, a: ring_attention(q, k, v, s, None, a, **kw),
+                      mesh=mesh, in_specs=specs, out_specs=data)
+    return jax.eval_shape(f, *args)
 
 
 def test_bad_input_names_the_argument_and_the_numbers():
-  with pytest.raises(ValueError, match=r"heads=4 is not divisible by .*kv_heads=3"):
-    _trace(kv_shape=(2, 1024, 3, 32))
-  with pytest.raises(ValueError, match=r"impl='cuda'"):
-    _trace(impl="cuda")
-  with pytest.raises(ValueError, match=r"layout='spiral'"):
-    _trace(layout="spiral")
-  with pytest.raises(ValueError, match=r"sliding_window=-5 must be non-negative"):
-    _trace(sliding_window=-5)
-  with pytest.raises(ValueError, match=r"q_segment_ids has shape \(2, 100\), expected .*\(2, 256\)"):
-    _trace(seg_shape=(2, 400))
-  with pytest.raises(ValueError, match=r"softmax_aux has shape \(3,\), expected \(heads,\) = \(4,\)"):
-    _trace(aux_shape=(3,))
-  with pytest.raises(ValueError, match=r"block_q=96 does not divide the shard length L=256"):
-    _trace(block_sizes=96, impl="xla")
-  with pytest.raises(ValueError, match=r"block_q=64 must be a multiple of 128 for impl='splash'"):
-    _trace(block_sizes=64)
-  with pytest.raises(ValueError, match=r"seq_len=1004 is not divisible by 8 \(2\*num_shards"):
-    _trace(q_shape=(2, 1004, 4, 32), kv_shape=(2, 1004, 2, 32), layout="zigzag", impl="xla",
-           block_sizes=251)
-  with pytest.raises(ValueError, match=r"axis_name='ring' is not bound"):
-    _trace(axis_name="ring")
+    with pytest.raises(ValueError, match=r"heads=4 is not divisible by .*kv_heads=3"):
+        _trace(kv_shape=(2, 1024, 3, 32))
+    with pytest.raises(ValueError, match=r"impl='cuda'"):
+        _trace(impl="cuda")
+    with pytest.raises(ValueError, match=r"layout='spiral'"):
+        _trace(layout="spiral")
+    with pytest.raises(ValueError, match=r"sliding_window=-5 must be non-negative"):
+        _trace(sliding_window=-5)
+    with pytest.raises(ValueError, match=r"q_segment_ids has shape \(2, 100\), expected .*\(2, 256\)"):
+        _trace(seg_shape=(2, 400))
+    with pytest.raises(ValueError, match=r"softmax_aux has shape \(3,\), expected \(heads,\) = \(4,\)"):
+        _trace(aux_shape=(3,))
+    with pytest.raises(ValueError, match=r"block_q=96 does not divide the shard length L=256"):
+        _trace(block_sizes=96, impl="xla")
+    with pytest.raises(ValueError, match=r"block_q=64 must be a multiple of 128 for impl='splash'"):
+        _trace(block_sizes=64)
+    with pytest.raises(ValueError, match=r"seq_len=1004 is not divisible by 8 \(2\*num_shards"):
+        _trace(q_shape=(2, 1004, 4, 32), kv_shape=(2, 1004, 2, 32), layout="zigzag", impl="xla",
+               block_sizes=251)
+    with pytest.raises(ValueError, match=r"axis_name='ring' is not bound"):
+        _trace(axis_name="ring")
 
 
 @pytest.mark.parametrize("impl", ["splash"])  # the kernel's local shard_map must survive re-tracing
 def test_under_remat_and_scan_like_the_model(impl):
-  """Layers as lax.scan over jax.checkpoint, each calling the ring in a shard_map (re-traced)."""
-  sp, fsdp = 4, 2
-  seq_len = SHARD * sp
-  q, k, v, seg, aux, dout = _inputs(7, 2 * fsdp, seq_len, 2)
-  mesh, data = _mesh(sp, fsdp), P(("dp", "fsdp"), "sp")
-  ring = jax.shard_map(
-      lambda q, k, v, s, a: ring_attention(q, k, v, s, None, a, causal=True, impl=impl,
-                                           block_sizes=BLOCK),
-      mesh=mesh, in_specs=(data, data, data, data, P()), out_specs=data)
-  ref = lambda q, k, v, s, a: reference_attention(q, k, v, s, None, a, causal=True)
+    """Layers as lax.scan over jax.checkpoint, each calling the ring in a shard_map (re-traced)."""
+    sp, fsdp = 4, 2
+    seq_len = SHARD * sp
+    q, k, v, seg, aux, dout = _inputs(7, 2 * fsdp, seq_len, 2)
+    mesh, data = _mesh(sp, fsdp), P(("dp", "fsdp"), "sp")
+    ring = jax.shard_map(
+        lambda q, k, v, s, a: ring_attention(q, k, v, s, None, a, causal=True, impl=impl,
+                                             block_sizes=BLOCK),
+        mesh=mesh, in_specs=(data, data, data, data, P()), out_specs=data)
+    ref = lambda q, k, v, s, a: reference_attention(q, k, v, s, None, a, causal=True)
 
-  def two_layers(attn, q, k, v, aux):
-    layer = jax.checkpoint(lambda x, _: (attn(x, k, v, seg, aux), None))
-    return jax.lax.scan(layer, q, None, length=2)[0]
+    def two_layers(attn, q, k, v, aux):
+        layer = jax.checkpoint(lambda x, _: (attn(x, k, v, seg, aux), None))
+        return jax.lax.scan(layer, q, None, length=2)[0]
 
-  run = lambda attn: jax.jit(functools.partial(
-      _out_and_grads, lambda q, k, v, qs, ks, a: two_layers(attn, q, k, v, a)))(
-          q, k, v, None, None, aux, dout)
-  got, want = run(ring), run(ref)
-  np.testing.assert_allclose(got[0], want[0], **FWD_TOL)
-  for g, r in zip(got[1], want[1]):
-    np.testing.assert_allclose(g, r, **GRAD_TOL)
+    run = lambda attn: jax.jit(functools.partial(
+        _out_and_grads, lambda q, k, v, qs, ks, a: two_layers(attn, q, k, v, a)))(
+            q, k, v, None, None, aux, dout)
+    got, want = run(ring), run(ref)
+    np.testing.assert_allclose(got[0], want[0], **FWD_TOL)
+    for g, r in zip(got[1], want[1]):
+        np.testing.assert_allclose(g, r, **GRAD_TOL)

@@ -29,303 +29,303 @@ from longctx import masks
 
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
-  """Everything static about one ring_attention call (hashable: keys the custom_vjp cache)."""
-  spec: masks.MaskSpec
-  layout: str
-  seq_len: int
-  sp: int
-  bq: int
-  bkv: int
-  bkv_compute: int
-  bkv_dkv_compute: int
-  impl: str
-  soft_cap: float | None
-  scale: float
-  axis_name: str
-  interpret: bool
+    """Everything static about one ring_attention call (hashable: keys the custom_vjp cache)."""
+    spec: masks.MaskSpec
+    layout: str
+    seq_len: int
+    sp: int
+    bq: int
+    bkv: int
+    bkv_compute: int
+    bkv_dkv_compute: int
+    impl: str
+    soft_cap: float | None
+    scale: float
+    axis_name: str
+    interpret: bool
 
-  @property
-  def tables(self) -> masks.RingTables:
-    return masks.ring_tables(self.spec, self.layout, self.seq_len, self.sp, self.bq, self.bkv)
+    @property
+    def tables(self) -> masks.RingTables:
+        return masks.ring_tables(self.spec, self.layout, self.seq_len, self.sp, self.bq, self.bkv)
 
 
 def _backend(cfg):
-  # Imported lazily: each backend imports this module's helpers.
-  if cfg.impl == "splash":
-    from longctx.ops import splash
-    return splash
-  from longctx.ops import xla
-  return xla
+    # Imported lazily: each backend imports this module's helpers.
+    if cfg.impl == "splash":
+        from longctx.ops import splash
+        return splash
+    from longctx.ops import xla
+    return xla
 
 
 def pick(table, d, t):
-  """table[d, t] of a host table, with d = this device and t = traced run-step index."""
-  return jnp.asarray(table)[d, t]
+    """table[d, t] of a host table, with d = this device and t = traced run-step index."""
+    return jnp.asarray(table)[d, t]
 
 
 def _varying_axes(x) -> frozenset:
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # jax >= 0.9: manual-axis type; older: aval.vma
-  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.9: manual-axis type; older: aval.vma
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
 def vary_like(tree, ref):
-  """Marks `tree` as varying over the mesh axes `ref` varies over (shard_map's vma typing).
+    """Marks `tree` as varying over the mesh axes `ref` varies over (shard_map's vma typing).
 
-  Fresh constants (zeros, -inf) are device-invariant; loop carries and cond branches must
-  have the same type as the device-varying values they are combined with.
-  """
-  want = _varying_axes(ref)
+    Fresh constants (zeros, -inf) are device-invariant; loop carries and cond branches must
+    have the same type as the device-varying values they are combined with.
+    """
+    want = _varying_axes(ref)
 
-  def one(x):
-    missing = tuple(sorted(want - _varying_axes(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
+    def one(x):
+        missing = tuple(sorted(want - _varying_axes(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
 
-  return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree)
 
 
 def _shift(tree, hops, cfg):
-  """Sends every leaf `hops` devices forward around the ring: device d receives d - hops."""
-  hops %= cfg.sp
-  if hops == 0:
-    return tree
-  perm = [(j, (j + hops) % cfg.sp) for j in range(cfg.sp)]
-  return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
+    """Sends every leaf `hops` devices forward around the ring: device d receives d - hops."""
+    hops %= cfg.sp
+    if hops == 0:
+        return tree
+    perm = [(j, (j + hops) % cfg.sp) for j in range(cfg.sp)]
+    return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
 
 
 def _runs(steps):
-  """(first run-step index, first ring step, length) of each run of consecutive steps."""
-  runs = []
-  for t, s in enumerate(steps):
-    if runs and runs[-1][1] + runs[-1][2] == s:
-      runs[-1][2] += 1
-    else:
-      runs.append([t, s, 1])
-  return runs
+    """(first run-step index, first ring step, length) of each run of consecutive steps."""
+    runs = []
+    for t, s in enumerate(steps):
+        if runs and runs[-1][1] + runs[-1][2] == s:
+            runs[-1][2] += 1
+        else:
+            runs.append([t, s, 1])
+    return runs
 
 
 def _ring_loop(cfg, travel, acc, state, body):
-  """Visits the run steps. body(t, travel, acc, state) -> (acc, state).
+    """Visits the run steps. body(t, travel, acc, state) -> (acc, state).
 
-  `travel` (K, V, kv segment ids) is sent on before the step's compute so the transfer can
-  overlap it; `acc` (dK, dV in the backward) is sent after, because the step updates it.
-  Returns (acc, state, hops) where hops is how far the travellers are from their owner.
-  """
-  pos = 0
-  for t0, s0, n in _runs(cfg.tables.run_steps):
-    travel, acc = _shift((travel, acc), s0 - pos, cfg)
-    pos = s0
+    `travel` (K, V, kv segment ids) is sent on before the step's compute so the transfer can
+    overlap it; `acc` (dK, dV in the backward) is sent after, because the step updates it.
+    Returns (acc, state, hops) where hops is how far the travellers are from their owner.
+    """
+    pos = 0
+    for t0, s0, n in _runs(cfg.tables.run_steps):
+        travel, acc = _shift((travel, acc), s0 - pos, cfg)
+        pos = s0
 
-    def it(i, carry, t0=t0):
-      travel, acc, state = carry
-      nxt = _shift(travel, 1, cfg)
-      acc, state = body(t0 + i, travel, acc, state)
-      return nxt, _shift(acc, 1, cfg), state
+        def it(i, carry, t0=t0):
+            travel, acc, state = carry
+            nxt = _shift(travel, 1, cfg)
+            acc, state = body(t0 + i, travel, acc, state)
+            return nxt, _shift(acc, 1, cfg), state
 
-    if n > 1:
-      travel, acc, state = lax.fori_loop(0, n - 1, it, (travel, acc, state))
-      pos += n - 1
-    acc, state = body(t0 + n - 1, travel, acc, state)
-  return acc, state, pos
+        if n > 1:
+            travel, acc, state = lax.fori_loop(0, n - 1, it, (travel, acc, state))
+            pos += n - 1
+        acc, state = body(t0 + n - 1, travel, acc, state)
+    return acc, state, pos
 
 
 def _merge(o, lse, o_s, lse_s):
-  """Float32 online-softmax merge of two normalised partials; -inf lse means empty."""
-  new = jnp.logaddexp(lse, lse_s)
-  safe = jnp.where(jnp.isfinite(new), new, 0.0)
-  w, w_s = jnp.exp(lse - safe), jnp.exp(lse_s - safe)  # exactly 0 for empty partials
-  return o * w[..., None] + o_s * w_s[..., None], new
+    """Float32 online-softmax merge of two normalised partials; -inf lse means empty."""
+    new = jnp.logaddexp(lse, lse_s)
+    safe = jnp.where(jnp.isfinite(new), new, 0.0)
+    w, w_s = jnp.exp(lse - safe), jnp.exp(lse_s - safe)  # exactly 0 for empty partials
+    return o * w[..., None] + o_s * w_s[..., None], new
 
 
 def _forward(cfg, q, k, v, qs, ks, aux):
-  backend, tables = _backend(cfg), cfg.tables
-  d = lax.axis_index(cfg.axis_name)
-  qx = (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
-  b, L, n, h = q.shape
+    backend, tables = _backend(cfg), cfg.tables
+    d = lax.axis_index(cfg.axis_name)
+    qx = (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
+    b, L, n, h = q.shape
 
-  def body(t, travel, acc, state):
-    k_t, v_t, ks_t = travel
-    o, lse = state
-    o_s, lse_s = lax.cond(
-        pick(tables.active, d, t),
-        lambda: backend.fwd_step(cfg, qx, k_t, v_t, qs, ks_t, d, t),
-        lambda: empty)
-    return acc, _merge(o, lse, o_s, lse_s)
+    def body(t, travel, acc, state):
+        k_t, v_t, ks_t = travel
+        o, lse = state
+        o_s, lse_s = lax.cond(
+            pick(tables.active, d, t),
+            lambda: backend.fwd_step(cfg, qx, k_t, v_t, qs, ks_t, d, t),
+            lambda: empty)
+        return acc, _merge(o, lse, o_s, lse_s)
 
-  empty = vary_like((jnp.zeros((b, L, n, h), jnp.float32),
-                     jnp.full((b, L, n), -jnp.inf, jnp.float32)), q)
-  state = empty
-  _, (o, lse), _ = _ring_loop(cfg, (k, v, ks), (), state, body)
-  if aux is not None:
-    # The sink is one more logit in the denominator, with no value: it only rescales.
-    lse_all = jnp.logaddexp(lse, aux.astype(jnp.float32)[None, None, :])
-    o = o * jnp.exp(lse - lse_all)[..., None]
-    lse = lse_all
-  return o.astype(q.dtype), lse
+    empty = vary_like((jnp.zeros((b, L, n, h), jnp.float32),
+                       jnp.full((b, L, n), -jnp.inf, jnp.float32)), q)
+    state = empty
+    _, (o, lse), _ = _ring_loop(cfg, (k, v, ks), (), state, body)
+    if aux is not None:
+        # The sink is one more logit in the denominator, with no value: it only rescales.
+        lse_all = jnp.logaddexp(lse, aux.astype(jnp.float32)[None, None, :])
+        o = o * jnp.exp(lse - lse_all)[..., None]
+        lse = lse_all
+    return o.astype(q.dtype), lse
 
 
 def _backward(cfg, res, do):
-  q, k, v, qs, ks, aux, out, lse = res
-  backend = _backend(cfg)
-  tables = cfg.tables
-  d = lax.axis_index(cfg.axis_name)
-  qx = (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
-  do = do.astype(q.dtype)
-  # di = rowsum(dO * O), the softmax-backward correction, float32.
-  di = jnp.einsum("btnh,btnh->btn", do.astype(jnp.float32), out.astype(jnp.float32))
-  # Rows with nothing to attend to (and no sink) have lse = -inf; any finite value makes the
-  # kernels' p = exp(masked - lse) exactly 0 there, so their gradients are 0, not NaN.
-  lse_k = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    q, k, v, qs, ks, aux, out, lse = res
+    backend = _backend(cfg)
+    tables = cfg.tables
+    d = lax.axis_index(cfg.axis_name)
+    qx = (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
+    do = do.astype(q.dtype)
+    # di = rowsum(dO * O), the softmax-backward correction, float32.
+    di = jnp.einsum("btnh,btnh->btn", do.astype(jnp.float32), out.astype(jnp.float32))
+    # Rows with nothing to attend to (and no sink) have lse = -inf; any finite value makes the
+    # kernels' p = exp(masked - lse) exactly 0 there, so their gradients are 0, not NaN.
+    lse_k = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
-  def body(t, travel, acc, dq):
-    k_t, v_t, ks_t = travel
-    dk, dv = acc
-    dq_s, dk_s, dv_s = lax.cond(
-        pick(tables.active, d, t),
-        lambda: backend.bwd_step(cfg, qx, k_t, v_t, qs, ks_t, lse_k, do, di, d, t),
-        lambda: (zq, zk, zk))
-    return (dk + dk_s, dv + dv_s), dq + dq_s
+    def body(t, travel, acc, dq):
+        k_t, v_t, ks_t = travel
+        dk, dv = acc
+        dq_s, dk_s, dv_s = lax.cond(
+            pick(tables.active, d, t),
+            lambda: backend.bwd_step(cfg, qx, k_t, v_t, qs, ks_t, lse_k, do, di, d, t),
+            lambda: (zq, zk, zk))
+        return (dk + dk_s, dv + dv_s), dq + dq_s
 
-  zq, zk = vary_like((jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32)), q)
-  (dk, dv), dq, hops = _ring_loop(cfg, (k, v, ks), (zk, zk), zq, body)
-  dk, dv = _shift((dk, dv), -hops, cfg)  # home: the owner of this K/V shard
-  dq = (dq * cfg.scale).astype(q.dtype)
-  daux = None
-  if aux is not None:
-    # d lse_all / d aux = p_sink; dL/d aux = -sum_rows p_sink * di. Summed over this shard's
-    # rows and batch; the cotangent of a replicated input is summed over devices by shard_map.
-    p_sink = jnp.exp(aux.astype(jnp.float32)[None, None, :] - lse_k)
-    daux = (-jnp.sum(p_sink * di, axis=(0, 1))).astype(aux.dtype)
-  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, daux
+    zq, zk = vary_like((jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32)), q)
+    (dk, dv), dq, hops = _ring_loop(cfg, (k, v, ks), (zk, zk), zq, body)
+    dk, dv = _shift((dk, dv), -hops, cfg)  # home: the owner of this K/V shard
+    dq = (dq * cfg.scale).astype(q.dtype)
+    daux = None
+    if aux is not None:
+        # d lse_all / d aux = p_sink; dL/d aux = -sum_rows p_sink * di. Summed over this shard's
+        # rows and batch; the cotangent of a replicated input is summed over devices by shard_map.
+        p_sink = jnp.exp(aux.astype(jnp.float32)[None, None, :] - lse_k)
+        daux = (-jnp.sum(p_sink * di, axis=(0, 1))).astype(aux.dtype)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, daux
 
 
 @functools.lru_cache(maxsize=None)
 def ring_fn(cfg: RingConfig):
-  """The differentiable ring for one static configuration."""
+    """The differentiable ring for one static configuration."""
 
-  @jax.custom_vjp
-  def ring(q, k, v, qs, ks, aux):
-    return _forward(cfg, q, k, v, qs, ks, aux)[0]
+    @jax.custom_vjp
+    def ring(q, k, v, qs, ks, aux):
+        return _forward(cfg, q, k, v, qs, ks, aux)[0]
 
-  def fwd(q, k, v, qs, ks, aux):
-    out, lse = _forward(cfg, q, k, v, qs, ks, aux)
-    return out, (q, k, v, qs, ks, aux, out, lse)
+    def fwd(q, k, v, qs, ks, aux):
+        out, lse = _forward(cfg, q, k, v, qs, ks, aux)
+        return out, (q, k, v, qs, ks, aux, out, lse)
 
-  ring.defvjp(fwd, functools.partial(_backward, cfg))
-  return ring
+    ring.defvjp(fwd, functools.partial(_backward, cfg))
+    return ring
 
 
 def _block_sizes(block_sizes, shard_len, impl):
-  """(bq, bkv, bkv_compute, bkv_dkv_compute) from None | int | splash BlockSizes."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-  if block_sizes is None:
-    b = masks.default_block_size(shard_len)
-    sizes = (b, b, b, b)
-  elif isinstance(block_sizes, int) and not isinstance(block_sizes, bool):
-    sizes = (block_sizes,) * 4
-  elif isinstance(block_sizes, sk.BlockSizes):
-    bs = block_sizes
-    # One table set serves the forward, dq and dkv kernels, so their (q, kv) blocks must agree.
-    for name in ("block_q_dq", "block_q_dkv"):
-      if getattr(bs, name) not in (None, bs.block_q):
-        raise ValueError(f"block_sizes.{name}={getattr(bs, name)} must equal "
-                         f"block_sizes.block_q={bs.block_q} (one mask table per ring step)")
-    for name in ("block_kv_dq", "block_kv_dkv"):
-      if getattr(bs, name) not in (None, bs.block_kv):
-        raise ValueError(f"block_sizes.{name}={getattr(bs, name)} must equal "
-                         f"block_sizes.block_kv={bs.block_kv} (one mask table per ring step)")
-    if bs.use_fused_bwd_kernel:
-      raise ValueError("block_sizes.use_fused_bwd_kernel=True is not supported by the ring")
-    sizes = (bs.block_q, bs.block_kv, bs.block_kv_compute or bs.block_kv,
-             bs.block_kv_dkv_compute or bs.block_kv)
-  else:
-    raise ValueError(f"block_sizes={block_sizes!r} must be None, an int or a splash BlockSizes")
-  names = ("block_q", "block_kv", "block_kv_compute", "block_kv_dkv_compute")
-  for name, val in zip(names, sizes):
-    if val < 1 or shard_len % val:
-      raise ValueError(f"block_sizes: {name}={val} does not divide the shard length "
-                       f"L={shard_len}")
-    if impl == "splash" and val % 128:
-      raise ValueError(f"block_sizes: {name}={val} must be a multiple of 128 for "
-                       "impl='splash' (TPU lanes)")
-  if sizes[1] % sizes[2] or sizes[1] % sizes[3]:
-    raise ValueError(f"block_sizes: block_kv={sizes[1]} must be a multiple of the compute "
-                     f"blocks {sizes[2]} and {sizes[3]}")
-  return sizes
+    """(bq, bkv, bkv_compute, bkv_dkv_compute) from None | int | splash BlockSizes."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    if block_sizes is None:
+        b = masks.default_block_size(shard_len)
+        sizes = (b, b, b, b)
+    elif isinstance(block_sizes, int) and not isinstance(block_sizes, bool):
+        sizes = (block_sizes,) * 4
+    elif isinstance(block_sizes, sk.BlockSizes):
+        bs = block_sizes
+        # One table set serves the forward, dq and dkv kernels, so their (q, kv) blocks must agree.
+        for name in ("block_q_dq", "block_q_dkv"):
+            if getattr(bs, name) not in (None, bs.block_q):
+                raise ValueError(f"block_sizes.{name}={getattr(bs, name)} must equal "
+                                 f"block_sizes.block_q={bs.block_q} (one mask table per ring step)")
+        for name in ("block_kv_dq", "block_kv_dkv"):
+            if getattr(bs, name) not in (None, bs.block_kv):
+                raise ValueError(f"block_sizes.{name}={getattr(bs, name)} must equal "
+                                 f"block_sizes.block_kv={bs.block_kv} (one mask table per ring step)")
+        if bs.use_fused_bwd_kernel:
+            raise ValueError("block_sizes.use_fused_bwd_kernel=True is not supported by the ring")
+        sizes = (bs.block_q, bs.block_kv, bs.block_kv_compute or bs.block_kv,
+                 bs.block_kv_dkv_compute or bs.block_kv)
+    else:
+        raise ValueError(f"block_sizes={block_sizes!r} must be None, an int or a splash BlockSizes")
+    names = ("block_q", "block_kv", "block_kv_compute", "block_kv_dkv_compute")
+    for name, val in zip(names, sizes):
+        if val < 1 or shard_len % val:
+            raise ValueError(f"block_sizes: {name}={val} does not divide the shard length "
+                             f"L={shard_len}")
+        if impl == "splash" and val % 128:
+            raise ValueError(f"block_sizes: {name}={val} must be a multiple of 128 for "
+                             "impl='splash' (TPU lanes)")
+    if sizes[1] % sizes[2] or sizes[1] % sizes[3]:
+        raise ValueError(f"block_sizes: block_kv={sizes[1]} must be a multiple of the compute "
+                         f"blocks {sizes[2]} and {sizes[3]}")
+    return sizes
 
 
 def _on_tpu():
-  """Whether we are tracing for TPU: the shard_map mesh's devices (AOT for a TPU topology on a
-  CPU host), else the default backend."""
-  dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  if dev is not None:
-    return dev.platform == "tpu"
-  return jax.default_backend() == "tpu"
+    """Whether we are tracing for TPU: the shard_map mesh's devices (AOT for a TPU topology on a
+    CPU host), else the default backend."""
+    dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if dev is not None:
+        return dev.platform == "tpu"
+    return jax.default_backend() == "tpu"
 
 
 def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
                    softmax_aux=None, *, causal=False, sliding_window=None, chunk_size=None,
                    logits_soft_cap=None, softmax_scale=None, axis_name="sp",
                    layout="contiguous", impl="splash", block_sizes=None):
-  """Attention of this device's query shard over the whole sequence split across `axis_name`.
+    """Attention of this device's query shard over the whole sequence split across `axis_name`.
 
-  Call inside `jax.shard_map` with `axis_name` bound. query [b, L, heads, head_dim] and
-  key/value [b, L, kv_heads, head_dim] are this device's shards in `layout` order; masks are
-  evaluated on global natural-order positions (see longctx.layout). Segment ids [b, L] int32
-  travel with K/V; softmax_aux [heads] are attention-sink logits (differentiable).
-  impl="splash" runs the Pallas TPU kernel (interpret mode off TPU); impl="xla" the same
-  schedule in plain XLA. block_sizes: None (512/256/128 dividing L), an int, or a splash
-  BlockSizes. Returns [b, L, heads, head_dim] in query's dtype.
-  """
-  from longctx import layout as layout_lib
-  if impl not in ("splash", "xla"):
-    raise ValueError(f"impl={impl!r} is not one of ('splash', 'xla')")
-  if layout not in layout_lib.LAYOUTS + ("auto",):
-    raise ValueError(f"layout={layout!r} is not one of {layout_lib.LAYOUTS + ('auto',)}")
-  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-    raise ValueError(f"query {query.shape}, key {key.shape}, value {value.shape} must all be "
-                     "[batch, L, heads, head_dim]")
-  b, L, heads, head_dim = query.shape
-  if key.shape != value.shape:
-    raise ValueError(f"key {key.shape} and value {value.shape} must have the same shape")
-  if key.shape[0] != b or key.shape[1] != L or key.shape[3] != head_dim:
-    raise ValueError(f"key {key.shape} does not match query {query.shape} in batch, shard "
-                     "length or head_dim")
-  kv_heads = key.shape[2]
-  if heads % kv_heads:
-    raise ValueError(f"query heads={heads} is not divisible by key/value kv_heads={kv_heads}")
-  if q_segment_ids is None and kv_segment_ids is not None:
-    raise ValueError("kv_segment_ids was given without q_segment_ids")
-  if kv_segment_ids is None:
-    kv_segment_ids = q_segment_ids
-  for name, seg in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
-    if seg is not None and tuple(seg.shape) != (b, L):
-      raise ValueError(f"{name} has shape {tuple(seg.shape)}, expected (batch, L) = {(b, L)}")
-  if q_segment_ids is not None:  # the kernels compare int32 ids
-    q_segment_ids = jnp.asarray(q_segment_ids).astype(jnp.int32)
-    kv_segment_ids = jnp.asarray(kv_segment_ids).astype(jnp.int32)
-  if softmax_aux is not None and tuple(softmax_aux.shape) != (heads,):
-    raise ValueError(f"softmax_aux has shape {tuple(softmax_aux.shape)}, expected (heads,) = "
-                     f"{(heads,)}")
-  if logits_soft_cap is not None and not logits_soft_cap > 0:
-    raise ValueError(f"logits_soft_cap={logits_soft_cap} must be positive")
-  spec = masks.make_mask_spec(causal, sliding_window, chunk_size)
-  try:
-    sp = lax.axis_size(axis_name)
-  except NameError as e:
-    raise ValueError(f"axis_name={axis_name!r} is not bound: call ring_attention inside "
-                     "jax.shard_map over a mesh with that axis") from e
-  seq_len = L * sp
-  layout = masks.resolve_layout(layout, seq_len, sp, causal=causal,
-                                sliding_window=sliding_window, chunk_size=chunk_size)
-  bq, bkv, bkvc, bkvc_dkv = _block_sizes(block_sizes, L, impl)
-  scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
-  cfg = RingConfig(spec=spec, layout=layout, seq_len=seq_len, sp=sp, bq=bq, bkv=bkv,
-                   bkv_compute=bkvc, bkv_dkv_compute=bkvc_dkv, impl=impl,
-                   soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-                   scale=scale, axis_name=axis_name,
-                   interpret=impl == "splash" and not _on_tpu())
-  if softmax_aux is not None:
-    # The sink gradient of a replicated aux is summed over devices by the cast's transpose.
-    softmax_aux = vary_like(softmax_aux, query)
-  return ring_fn(cfg)(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux)
+    Call inside `jax.shard_map` with `axis_name` bound. query [b, L, heads, head_dim] and
+    key/value [b, L, kv_heads, head_dim] are this device's shards in `layout` order; masks are
+    evaluated on global natural-order positions (see longctx.layout). Segment ids [b, L] int32
+    travel with K/V; softmax_aux [heads] are attention-sink logits (differentiable).
+    impl="splash" runs the Pallas TPU kernel (interpret mode off TPU); impl="xla" the same
+    schedule in plain XLA. block_sizes: None (512/256/128 dividing L), an int, or a splash
+    BlockSizes. Returns [b, L, heads, head_dim] in query's dtype.
+    """
+    from longctx import layout as layout_lib
+    if impl not in ("splash", "xla"):
+        raise ValueError(f"impl={impl!r} is not one of ('splash', 'xla')")
+    if layout not in layout_lib.LAYOUTS + ("auto",):
+        raise ValueError(f"layout={layout!r} is not one of {layout_lib.LAYOUTS + ('auto',)}")
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        raise ValueError(f"query {query.shape}, key {key.shape}, value {value.shape} must all be "
+                         "[batch, L, heads, head_dim]")
+    b, L, heads, head_dim = query.shape
+    if key.shape != value.shape:
+        raise ValueError(f"key {key.shape} and value {value.shape} must have the same shape")
+    if key.shape[0] != b or key.shape[1] != L or key.shape[3] != head_dim:
+        raise ValueError(f"key {key.shape} does not match query {query.shape} in batch, shard "
+                         "length or head_dim")
+    kv_heads = key.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"query heads={heads} is not divisible by key/value kv_heads={kv_heads}")
+    if q_segment_ids is None and kv_segment_ids is not None:
+        raise ValueError("kv_segment_ids was given without q_segment_ids")
+    if kv_segment_ids is None:
+        kv_segment_ids = q_segment_ids
+    for name, seg in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+        if seg is not None and tuple(seg.shape) != (b, L):
+            raise ValueError(f"{name} has shape {tuple(seg.shape)}, expected (batch, L) = {(b, L)}")
+    if q_segment_ids is not None:  # the kernels compare int32 ids
+        q_segment_ids = jnp.asarray(q_segment_ids).astype(jnp.int32)
+        kv_segment_ids = jnp.asarray(kv_segment_ids).astype(jnp.int32)
+    if softmax_aux is not None and tuple(softmax_aux.shape) != (heads,):
+        raise ValueError(f"softmax_aux has shape {tuple(softmax_aux.shape)}, expected (heads,) = "
+                         f"{(heads,)}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap} must be positive")
+    spec = masks.make_mask_spec(causal, sliding_window, chunk_size)
+    try:
+        sp = lax.axis_size(axis_name)
+    except NameError as e:
+        raise ValueError(f"axis_name={axis_name!r} is not bound: call ring_attention inside "
+                         "jax.shard_map over a mesh with that axis") from e
+    seq_len = L * sp
+    layout = masks.resolve_layout(layout, seq_len, sp, causal=causal,
+                                  sliding_window=sliding_window, chunk_size=chunk_size)
+    bq, bkv, bkvc, bkvc_dkv = _block_sizes(block_sizes, L, impl)
+    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cfg = RingConfig(spec=spec, layout=layout, seq_len=seq_len, sp=sp, bq=bq, bkv=bkv,
+                     bkv_compute=bkvc, bkv_dkv_compute=bkvc_dkv, impl=impl,
+                     soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                     scale=scale, axis_name=axis_name,
+                     interpret=impl == "splash" and not _on_tpu())
+    if softmax_aux is not None:
+        # The sink gradient of a replicated aux is summed over devices by the cast's transpose.
+        softmax_aux = vary_like(softmax_aux, query)
+    return ring_fn(cfg)(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux)

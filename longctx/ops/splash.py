@@ -27,96 +27,96 @@ _HEAD_MINOR = sk.QKVLayout.HEAD_DIM_MINOR
 
 
 def _mask_info(cfg, d, t, kind):
-  tb = cfg.tables
-  if kind == "fwd":  # forward and dq kernels: rows = q blocks
-    data, block, nxt = tb.fwd_data_next, tb.fwd_block_mask, tb.fwd_mask_next
-    partial = tb.partial
-  else:  # dkv kernel: columns = kv blocks, partial blocks stored [kv, q]
-    data, block, nxt = tb.dkv_data_next, tb.dkv_block_mask, tb.dkv_mask_next
-    partial = None if tb.partial is None else tb.partial.swapaxes(1, 2)
-  return mi.MaskInfo(
-      data_next=pick(data, d, t), block_mask=pick(block, d, t),
-      mask_next=None if nxt is None else pick(nxt, d, t),
-      partial_mask_blocks=None if partial is None else jnp.asarray(partial),
-      q_sequence=None)
+    tb = cfg.tables
+    if kind == "fwd":  # forward and dq kernels: rows = q blocks
+        data, block, nxt = tb.fwd_data_next, tb.fwd_block_mask, tb.fwd_mask_next
+        partial = tb.partial
+    else:  # dkv kernel: columns = kv blocks, partial blocks stored [kv, q]
+        data, block, nxt = tb.dkv_data_next, tb.dkv_block_mask, tb.dkv_mask_next
+        partial = None if tb.partial is None else tb.partial.swapaxes(1, 2)
+    return mi.MaskInfo(
+        data_next=pick(data, d, t), block_mask=pick(block, d, t),
+        mask_next=None if nxt is None else pick(nxt, d, t),
+        partial_mask_blocks=None if partial is None else jnp.asarray(partial),
+        q_sequence=None)
 
 
 def _local(fn, ref, *args):
-  """Runs fn(*args), this device's kernel work, as shard-local code with check_vma=False.
+    """Runs fn(*args), this device's kernel work, as shard-local code with check_vma=False.
 
-  Splash's pallas_calls declare outputs with plain ShapeDtypeStructs (no varying-axes type),
-  which shard_map's default check_vma=True rejects, and the Pallas interpreter cannot mix
-  device-varying scalar tables with its loop indices. A nested shard_map over no new axes with
-  check_vma=False (what the splash docs ask of the caller's shard_map) scopes that to the
-  kernel and is recorded in the jaxpr, so remat/scan re-tracing sees the same setting. The
-  outputs are then typed as varying like `ref` (this device's query shard).
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  local = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
-                        axis_names=frozenset(), check_vma=False)
-  return vary_like(local(*args), ref)
+    Splash's pallas_calls declare outputs with plain ShapeDtypeStructs (no varying-axes type),
+    which shard_map's default check_vma=True rejects, and the Pallas interpreter cannot mix
+    device-varying scalar tables with its loop indices. A nested shard_map over no new axes with
+    check_vma=False (what the splash docs ask of the caller's shard_map) scopes that to the
+    kernel and is recorded in the jaxpr, so remat/scan re-tracing sees the same setting. The
+    outputs are then typed as varying like `ref` (this device's query shard).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    local = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
+                          axis_names=frozenset(), check_vma=False)
+    return vary_like(local(*args), ref)
 
 
 def _segments(qs, ks):
-  return None if qs is None else sk.SegmentIds(q=qs, kv=ks)
+    return None if qs is None else sk.SegmentIds(q=qs, kv=ks)
 
 
 def _heads_major(x):
-  return jnp.swapaxes(x, 1, 2)  # [b, L, heads, h] <-> [b, heads, L, h]
+    return jnp.swapaxes(x, 1, 2)  # [b, L, heads, h] <-> [b, heads, L, h]
 
 
 def fwd_step(cfg, q, k, v, qs, ks, d, t):
-  del d  # the tables are picked inside the local region, from its own axis_index
-  sizes = sk.BlockSizes(block_q=cfg.bq, block_kv=cfg.bkv, block_kv_compute=cfg.bkv_compute)
+    del d  # the tables are picked inside the local region, from its own axis_index
+    sizes = sk.BlockSizes(block_q=cfg.bq, block_kv=cfg.bkv, block_kv_compute=cfg.bkv_compute)
 
-  def local(q, k, v, qs, ks, t):
-    info = _mask_info(cfg, lax.axis_index(cfg.axis_name), t, "fwd")
+    def local(q, k, v, qs, ks, t):
+        info = _mask_info(cfg, lax.axis_index(cfg.axis_name), t, "fwd")
 
-    def one_row(q1, k1, v1, seg):
-      out, (lse,) = sk._splash_attention_forward(  # pylint: disable=protected-access
-          info, q1, k1, v1, seg, None, mask_value=MASK_VALUE, is_mqa=False,
-          block_sizes=sizes, residual_checkpoint_name=None, save_residuals=True,
-          mask_function=None, attn_logits_soft_cap=cfg.soft_cap, interpret=cfg.interpret)
-      return out, lse
+        def one_row(q1, k1, v1, seg):
+            out, (lse,) = sk._splash_attention_forward(  # pylint: disable=protected-access
+                info, q1, k1, v1, seg, None, mask_value=MASK_VALUE, is_mqa=False,
+                block_sizes=sizes, residual_checkpoint_name=None, save_residuals=True,
+                mask_function=None, attn_logits_soft_cap=cfg.soft_cap, interpret=cfg.interpret)
+            return out, lse
 
-    return jax.vmap(one_row)(_heads_major(q), _heads_major(k), _heads_major(v),
-                             _segments(qs, ks))
+        return jax.vmap(one_row)(_heads_major(q), _heads_major(k), _heads_major(v),
+                                 _segments(qs, ks))
 
-  out, lse = _local(local, q, q, k, v, qs, ks, t)
-  out = _heads_major(out).astype(jnp.float32)
-  lse = jnp.swapaxes(lse, 1, 2)  # [b, L, n]
-  # A row with no allowed key in this step gets lse ~ MASK_VALUE (masked logits inside a
-  # computed block) or -inf with a NaN output (q block with no block at all). Either way it
-  # is empty here: -inf lse and zero output, so the merge gives it exactly zero weight.
-  valid = lse > 0.5 * MASK_VALUE
-  return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
+    out, lse = _local(local, q, q, k, v, qs, ks, t)
+    out = _heads_major(out).astype(jnp.float32)
+    lse = jnp.swapaxes(lse, 1, 2)  # [b, L, n]
+    # A row with no allowed key in this step gets lse ~ MASK_VALUE (masked logits inside a
+    # computed block) or -inf with a NaN output (q block with no block at all). Either way it
+    # is empty here: -inf lse and zero output, so the merge gives it exactly zero weight.
+    valid = lse > 0.5 * MASK_VALUE
+    return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
 
 
 def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, d, t):
-  del d  # see fwd_step
-  layouts = dict(q_layout=_HEAD_MINOR, k_layout=_HEAD_MINOR, v_layout=_HEAD_MINOR)
-  common = dict(is_mqa=False, mask_value=MASK_VALUE, attn_logits_soft_cap=cfg.soft_cap,
-                mask_function=None, interpret=cfg.interpret, **layouts)
+    del d  # see fwd_step
+    layouts = dict(q_layout=_HEAD_MINOR, k_layout=_HEAD_MINOR, v_layout=_HEAD_MINOR)
+    common = dict(is_mqa=False, mask_value=MASK_VALUE, attn_logits_soft_cap=cfg.soft_cap,
+                  mask_function=None, interpret=cfg.interpret, **layouts)
 
-  def local(q, k, v, qs, ks, lse, do, di, t):
-    d = lax.axis_index(cfg.axis_name)
-    fwd_info = _mask_info(cfg, d, t, "fwd")
-    dkv_info = _mask_info(cfg, d, t, "dkv")
+    def local(q, k, v, qs, ks, lse, do, di, t):
+        d = lax.axis_index(cfg.axis_name)
+        fwd_info = _mask_info(cfg, d, t, "fwd")
+        dkv_info = _mask_info(cfg, d, t, "dkv")
 
-    def one_row(q1, k1, v1, seg, lse1, do1, di1):
-      dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
-          q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
-          mask_info=fwd_info, **common)
-      _, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
-          q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
-          bkv_compute=cfg.bkv_dkv_compute, mask_info=dkv_info, use_fused_bwd_kernel=False,
-          **common)
-      return dq, dk, dv
+        def one_row(q1, k1, v1, seg, lse1, do1, di1):
+            dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
+                q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
+                mask_info=fwd_info, **common)
+            _, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
+                q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
+                bkv_compute=cfg.bkv_dkv_compute, mask_info=dkv_info, use_fused_bwd_kernel=False,
+                **common)
+            return dq, dk, dv
 
-    return jax.vmap(one_row)(
-        _heads_major(q), _heads_major(k), _heads_major(v), _segments(qs, ks),
-        jnp.swapaxes(lse, 1, 2), _heads_major(do), jnp.swapaxes(di, 1, 2))
+        return jax.vmap(one_row)(
+            _heads_major(q), _heads_major(k), _heads_major(v), _segments(qs, ks),
+            jnp.swapaxes(lse, 1, 2), _heads_major(do), jnp.swapaxes(di, 1, 2))
 
-  dq, dk, dv = _local(local, q, q, k, v, qs, ks, lse, do, di, t)
-  f = lambda x: _heads_major(x).astype(jnp.float32)
-  return f(dq), f(dk), f(dv)
+    dq, dk, dv = _local(local, q, q, k, v, qs, ks, lse, do, di, t)
+    f = lambda x: _heads_major(x).astype(jnp.float32)
+    return f(dq), f(dk), f(dv)
