@@ -237,8 +237,29 @@ def check_workdir(workdir: str) -> None:
         raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {why}.")
 
 
-def _host_metrics(metrics, step_time: float, config, peak: float | None) -> dict:
+def _window_loss(pending: list, train_config) -> tuple[float, int]:
+    """Mean loss over the steps since the last log line, and how many were non-finite.
+
+    `pending` holds (step, device loss) pairs; reading them here, where the loop waits anyway,
+    keeps the host from synchronising on every step. With on_nonfinite=stop the run stops naming
+    the first bad step, not the log step that noticed it.
+    """
+    steps = [step for step, _ in pending]
+    losses = np.asarray(jax.device_get([loss for _, loss in pending]), np.float64)
+    finite = np.isfinite(losses)
+    if not finite.all() and train_config.on_nonfinite == "stop":
+        bad = int(np.argmin(finite))
+        raise FloatingPointError(f"non-finite loss {losses[bad]} at step {steps[bad]}; stopping "
+                                 "(set train.on_nonfinite=skip to skip such steps instead).")
+    mean = float(losses[finite].mean()) if finite.any() else float("nan")
+    return mean, int((~finite).sum())
+
+
+def _host_metrics(metrics, step_time: float | None, config, peak: float | None) -> dict:
+    """The last step's metrics as floats, with throughput and MFU when the step was timed."""
     out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if step_time is None:  # a step that includes compilation
+        return out
     tokens = config.data.global_batch_size * config.data.seq_len
     out["step_time_s"] = step_time
     out["tokens_per_s"] = tokens / step_time
@@ -293,12 +314,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return result
 
 
-def _check_finite(loss: float, step: int, train_config) -> None:
-    if not math.isfinite(loss) and train_config.on_nonfinite == "stop":
-        raise FloatingPointError(f"non-finite loss {loss} at step {step}; stopping "
-                                 "(set train.on_nonfinite=skip to skip such steps instead).")
-
-
 def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str) -> None:
     """`workdir/run_info.json`: what this run is, for reports that compare runs (scripts/ablate.py)."""
     if jax.process_index() != 0:
@@ -336,8 +351,10 @@ def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_i
         progress = tqdm(total=t.num_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
     say = progress.write if progress is not None else (lambda _: None)
     # Step time is measured over the steps since the last log line, excluding compilation (the
-    # first step of this process) and evaluation.
-    window_step, window_time = first_step, time.perf_counter()
+    # first step of this process) and evaluation; the logged loss is the mean over those steps.
+    compile_start = time.perf_counter()
+    window_step, window_time = first_step, compile_start
+    pending_losses: list = []
     try:
         for step in range(first_step, t.num_steps):
             if t.profile_start is not None and step == t.profile_start:
@@ -345,28 +362,29 @@ def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_i
             batch = next(train_iter)
             state, metrics = train_step(state, batch)
             done = step + 1
-            if step == first_step:
-                # Logged without timings: this step includes compilation.
-                first = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                _check_finite(first["loss"], done, t)
-                writer.write(done, first, prefix="train/")
-                say(f"step {done}: loss={first['loss']:.4f} (compiled and ran the first step in "
-                    f"{time.perf_counter() - window_time:.1f}s)")
-                window_step, window_time = done, time.perf_counter()
+            pending_losses.append((done, metrics["loss"]))
             if t.profile_start is not None and done == t.profile_start + t.profile_steps:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
-            if (done % t.log_every == 0 or done == t.num_steps) and done > window_step:
-                jax.block_until_ready(metrics)
+            # The first step is logged on its own, untimed: it includes compilation.
+            if step == first_step or done % t.log_every == 0 or done == t.num_steps:
+                loss, nonfinite = _window_loss(pending_losses, t)
                 now = time.perf_counter()
-                last = _host_metrics(metrics, (now - window_time) / (done - window_step), config, peak)
+                timed = step != first_step and done > window_step
+                last = _host_metrics(metrics, (now - window_time) / (done - window_step) if timed else None,
+                                     config, peak)
+                last.update(loss=loss, loss_window_steps=len(pending_losses), nonfinite_steps=nonfinite)
+                pending_losses = []
                 window_step, window_time = done, now
-                _check_finite(last["loss"], done, t)
                 writer.write(done, last, prefix="train/")
-                mfu = last["mfu"] if isinstance(last["mfu"], str) else f"{last['mfu']:.3f}"
-                say(f"step {done}: loss={last['loss']:.4f} grad_norm={last['grad_norm']:.3g} "
-                    f"lr={last['learning_rate']:.3g} step_time={last['step_time_s']:.3f}s "
-                    f"tokens/s={last['tokens_per_s']:.0f} mfu={mfu}")
+                if timed:
+                    mfu = last["mfu"] if isinstance(last["mfu"], str) else f"{last['mfu']:.3f}"
+                    say(f"step {done}: loss={loss:.4f} grad_norm={last['grad_norm']:.3g} "
+                        f"lr={last['learning_rate']:.3g} step_time={last['step_time_s']:.3f}s "
+                        f"tokens/s={last['tokens_per_s']:.0f} mfu={mfu}")
+                else:
+                    say(f"step {done}: loss={loss:.4f} (compiled and ran the first step in "
+                        f"{now - compile_start:.1f}s)")
             if t.eval_every and (done % t.eval_every == 0 or done == t.num_steps):
                 val = evaluate(config, eval_step, state.params, make_eval_iterator)
                 if val:

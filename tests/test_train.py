@@ -100,3 +100,14 @@ def test_nonfinite_loss_is_skipped_when_configured():
         assert int(state.step) == 1
         state, metrics = step(state, put(rows))  # ...and training goes on
         assert np.isfinite(float(metrics["loss"]))
+
+
+def test_window_loss_is_the_mean_and_names_the_first_bad_step():
+    config = step_config()
+    pending = [(5, np.float32(2.0)), (6, np.float32(4.0))]
+    assert train._window_loss(pending, config.train) == (3.0, 0)
+    pending += [(7, np.float32(np.nan)), (8, np.float32(np.inf))]
+    with pytest.raises(FloatingPointError, match="non-finite loss nan at step 7"):
+        train._window_loss(pending, config.train)
+    config.train.on_nonfinite = "skip"
+    assert train._window_loss(pending, config.train) == (3.0, 2)
