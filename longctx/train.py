@@ -311,6 +311,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                        checkpointer, writer)
     writer.close()
     checkpointer.close()
+    if jax.process_index() == 0 and result:
+        val = f", val loss {result['val_loss']:.4f}" if "val_loss" in result else ""
+        speed = f", {result['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in result else ""
+        print(f"longctx: finished; last logged train loss {result['loss']:.4f}{val}{speed}; "
+              f"metrics in {workdir}/metrics.jsonl", flush=True)
     return result
 
 
