@@ -119,20 +119,37 @@ class DecoderBlock(nnx.Module):
         self.w_down = param((f, d), ("mlp", "embed"), f ** -0.5)
 
     def __call__(self, x, positions, segment_ids, *, config, layout):
+        """Rematerialisation (config.model.remat_policy) covers everything but the attention
+        kernel: the projections before it and the output projection + MLP after it are each
+        checkpointed, while attention runs outside any checkpoint. Its custom VJP already saves
+        only O(L) residuals (q, k, v, out, logsumexp), and recomputing it would cost a whole
+        ring; worse, a ring under a checkpoint under the layer scan gets linearised by JAX
+        instead of using its VJP, keeping every ring step's probabilities (sp x heads x L x L)."""
         m = config.model
-        dtype = jnp.dtype(m.dtype)
-        w = lambda p: p[...].astype(dtype)  # noqa: E731  (float32 params, low-precision compute)
+        policy = REMAT_POLICIES[m.remat_policy]
+        remat = ((lambda f: f) if m.remat_policy == "none"
+                 else (lambda f: jax.checkpoint(f, policy=policy, prevent_cse=not m.scan_layers)))
+        q, k, v = remat(functools.partial(self._qkv, config=config))(x, positions)
+        sinks = None if self.sinks is None else self.sinks[...]
+        out = ring_attention_over_mesh(q, k, v, segment_ids, sinks, config.attention, layout)
+        return remat(functools.partial(self._output_and_mlp, config=config))(x, out)
 
+    def _weight(self, param, config):
+        return param[...].astype(jnp.dtype(config.model.dtype))  # float32 params, low-precision compute
+
+    def _qkv(self, x, positions, *, config):
+        m, w = config.model, functools.partial(self._weight, config=config)
         y = rms_norm(x, self.attn_norm[...], m.norm_eps)
         q = jnp.einsum("btd,dnh->btnh", y, w(self.wq))
         k = jnp.einsum("btd,dkh->btkh", y, w(self.wk))
         v = jnp.einsum("btd,dkh->btkh", y, w(self.wv))
         q = _constrain(apply_rope(q, positions, m.rope_theta), _ATTN_ACTIVATION)
         k = _constrain(apply_rope(k, positions, m.rope_theta), _ATTN_ACTIVATION)
-        sinks = None if self.sinks is None else self.sinks[...]
-        out = ring_attention_over_mesh(q, k, v, segment_ids, sinks, config.attention, layout)
-        x = x + _constrain(jnp.einsum("btnh,nhd->btd", out, w(self.wo)), _EMBED_ACTIVATION)
+        return q, k, v
 
+    def _output_and_mlp(self, x, attention_out, *, config):
+        m, w = config.model, functools.partial(self._weight, config=config)
+        x = x + _constrain(jnp.einsum("btnh,nhd->btd", attention_out, w(self.wo)), _EMBED_ACTIVATION)
         y = rms_norm(x, self.mlp_norm[...], m.norm_eps)
         gate = jax.nn.silu(jnp.einsum("btd,df->btf", y, w(self.w_gate)))
         up = jnp.einsum("btd,df->btf", y, w(self.w_up))
@@ -177,9 +194,6 @@ class Decoder(nnx.Module):
             block = nnx.merge(graphdef, block_state)
             return block(x, positions, segment_ids, config=config, layout=self.layout), None
 
-        policy = REMAT_POLICIES[m.remat_policy]
-        if m.remat_policy != "none":
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=not m.scan_layers)
         if m.scan_layers:
             x, _ = jax.lax.scan(layer, x, stacked)
         else:

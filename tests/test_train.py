@@ -111,3 +111,29 @@ def test_window_loss_is_the_mean_and_names_the_first_bad_step():
         train._window_loss(pending, config.train)
     config.train.on_nonfinite = "skip"
     assert train._window_loss(pending, config.train) == (3.0, 2)
+
+
+@pytest.mark.parametrize("scan_layers, remat_policy", [(True, "none"), (True, "nothing_saveable"), (False, "dots_saveable")])
+def test_compiled_step_holds_no_score_matrix(scan_layers, remat_policy):
+    """Attention memory stays O(L * block) per device under every layer loop and remat policy:
+    no array in the compiled train step has heads x L x L elements (a ring that JAX linearises
+    instead of using its VJP would keep sp - 1 of them)."""
+    import re
+
+    config = step_config(1, 1, 8)
+    config.data.update(seq_len=8192, global_batch_size=1)
+    config.attention.update(block_size=256)
+    config.train.update(loss_chunk_size=256)
+    config.model.update(scan_layers=scan_layers, remat_policy=remat_policy)
+    mesh = mesh_lib.make_mesh(config.mesh)
+    with jax.set_mesh(mesh):
+        setup = train.make_setup(config, mesh, train.resolve_layout(config, 8))
+        step, _ = train.jit_steps(config, setup)
+        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             setup.abstract_state, setup.state_shardings)
+        batch = {k: jax.ShapeDtypeStruct((1, 8192), np.int32, sharding=setup.batch_sharding)
+                 for k in train.BATCH_KEYS}
+        hlo = step.lower(state, batch).compile().as_text()
+    sizes = [int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"f32\[([0-9,]+)\]", hlo)]
+    shard = 8192 // 8
+    assert max(sizes) < config.model.num_heads * shard * shard, max(sizes)

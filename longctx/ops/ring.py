@@ -211,7 +211,9 @@ def ring_fn(cfg: RingConfig):
         out, lse = _forward(cfg, q, k, v, qs, ks, aux)
         return out, (q, k, v, qs, ks, aux, out, lse)
 
-    ring.defvjp(fwd, functools.partial(_backward, cfg))
+    # optimize_remat: under lax.scan (the model's layer loop) JAX would otherwise linearise the
+    # forward ring itself and keep every step's probabilities, sp x heads x L x L per device.
+    ring.defvjp(fwd, functools.partial(_backward, cfg), optimize_remat=True)
     return ring
 
 
