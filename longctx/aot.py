@@ -206,13 +206,6 @@ def suggest_remedies(config: ml_collections.ConfigDict, result: CompiledStep) ->
     if config.data.seq_len >= 2 * sp * config.attention.block_size:
         est.append((f"--config.data.seq_len={config.data.seq_len // 2}", args + temp / 2))
     lines = []
-    if config.model.scan_layers:
-        # Measured, not modelled: under lax.scan the ring keeps per-(ring step, kv chunk)
-        # residuals (~heads x L x S per layer); unrolled, the 8B preset drops from 225.6 to
-        # 52.7 GiB per v5p chip at 128K tokens (docs/fit_llama3_8b.md). Try it first.
-        lines.append("--config.model.scan_layers=False: the layer scan currently keeps the ring's "
-                     "per-step residuals (~heads x L x S per layer); unrolled layers avoid them "
-                     "(measured 225.6 -> 52.7 GiB for the 8B preset at 128K on v5p); compiles slower")
     for text, total in sorted(est, key=lambda e: e[1]):
         verdict = "fits" if total <= hbm else "still over"
         lines.append(f"{text}: ~{total / GIB:.1f} GiB per chip, {verdict} (estimate)")
