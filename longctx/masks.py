@@ -244,7 +244,7 @@ def _pack(classes_rows, pids_rows, width):
 @functools.lru_cache(maxsize=32)
 def ring_tables(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
                 bq: int, bkv: int) -> RingTables:
-    sp, shard_len = num_shards, seq_len // num_shards
+    sp = num_shards
     classes = block_classes(spec, layout, seq_len, sp, bq, bkv)
     run = schedule_from_classes(classes).run_steps
     cls = classes[:, list(run)]  # [sp, R, qb, kb]

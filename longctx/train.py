@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import signal
 import time
 from typing import Any, Callable
@@ -186,13 +185,16 @@ def evaluate(config, eval_step, params, make_iterator) -> dict:
     """Validation loss over the first `eval_steps` batches, and loss by in-document position."""
     totals = None
     iterator = make_iterator()
-    for _ in range(config.train.eval_steps):
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            break
-        out = jax.device_get(eval_step(params, batch))
-        totals = out if totals is None else jax.tree.map(np.add, totals, out)
+    try:
+        for _ in range(config.train.eval_steps):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            out = jax.device_get(eval_step(params, batch))
+            totals = out if totals is None else jax.tree.map(np.add, totals, out)
+    finally:
+        iterator.close()  # its prefetch thread would otherwise outlive every evaluation
     if totals is None:
         return {}
     counts = np.maximum(totals["count_by_position"], 1.0)

@@ -1,6 +1,5 @@
 """The (dp, fsdp, sp) mesh and the logical-axis rules."""
 
-import jax
 import ml_collections
 import pytest
 from jax.sharding import PartitionSpec as P
