@@ -100,13 +100,25 @@ def _shard_bytes(tree) -> int:
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\).*?available HBM \(([\d.]+)([KMGT])\)", re.S)
 
 
-def _oom_bytes(message: str):
-    """(temporaries, available) bytes from the TPU compiler's out-of-memory message, or None."""
+_OOM_TOTAL = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
+_UNIT = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def _oom_bytes(message: str, argument_bytes: int = 0):
+    """(temporaries, available) bytes from the TPU compiler's out-of-memory message, or None.
+
+    Two forms: "HLO temporaries (203.11G) exceeds available HBM (95.74G)" (temporaries alone),
+    and "CompileTimeHbmOom ... Used 15.88G of 15.75G hbm" (everything: temporaries are the
+    rest after the arguments)."""
     m = _OOM.search(message)
-    if not m:
-        return None
-    unit = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
-    return int(float(m.group(1)) * unit[m.group(2)]), int(float(m.group(3)) * unit[m.group(4)])
+    if m:
+        return (int(float(m.group(1)) * _UNIT[m.group(2)]),
+                int(float(m.group(3)) * _UNIT[m.group(4)]))
+    m = _OOM_TOTAL.search(message)
+    if m:
+        used = int(float(m.group(1)) * _UNIT[m.group(2)])
+        return max(0, used - argument_bytes), int(float(m.group(3)) * _UNIT[m.group(4)])
+    return None
 
 
 def compile_train_step(config: ml_collections.ConfigDict, topology: str | None = None, *,
@@ -144,10 +156,11 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as e:
-            oom = _oom_bytes(str(e)) if "RESOURCE_EXHAUSTED" in str(e) else None
+            state_bytes = _shard_bytes(state)
+            oom = (_oom_bytes(str(e), state_bytes + _shard_bytes(batch))
+                   if "RESOURCE_EXHAUSTED" in str(e) else None)
             if oom is None:
                 raise
-            state_bytes = _shard_bytes(state)
             return CompiledStep(**common, argument_bytes=state_bytes + _shard_bytes(batch),
                                 output_bytes=state_bytes, alias_bytes=state_bytes,
                                 temp_bytes=oom[0], compile_seconds=time.perf_counter() - start,

@@ -71,6 +71,18 @@ def test_remedies_for_a_step_that_does_not_fit():
     assert v4.hbm_bytes == 16 * gib
 
 
+def test_compiler_out_of_memory_messages_are_parsed():
+    g = aot.GIB
+    temps = aot._oom_bytes("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
+                           "for HLO temporaries (203.11G) exceeds available HBM (95.74G).")
+    assert temps == (int(203.11 * g), int(95.74 * g))
+    total = aot._oom_bytes("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent "
+                           "error. Ran out of memory in memory space hbm. Used 15.88G of 15.75G hbm.",
+                           argument_bytes=5 * g)
+    assert total == (int(15.88 * g) - 5 * g, int(15.75 * g))
+    assert aot._oom_bytes("something else") is None
+
+
 def test_benchmarks_md_sections_are_replaced_not_duplicated(tmp_path):
     md = str(tmp_path / "b.md")
     bench_common.write_section("a", "## A\none", md)
