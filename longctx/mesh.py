@@ -147,7 +147,9 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     if math.prod(dcn_shape) > 1:
         device_array = mesh_utils.create_hybrid_device_mesh(shape, dcn_shape, devices=devices)
     elif devices[0].platform == "tpu":
-        device_array = mesh_utils.create_device_mesh(shape, devices=devices)
+        # Splitting a physical axis lets e.g. sp=32 lie along two axes of a 4x4x4 slice (the
+        # ring then takes one longer hop); without it only shapes aligned to the torus map.
+        device_array = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
     else:
         device_array = np.asarray(devices).reshape(shape)
     return Mesh(device_array, MESH_AXES)

@@ -42,3 +42,13 @@ def test_multi_slice_mesh_puts_dcn_axis_across_slices():
     # dp crosses the data-centre network; fsdp and sp (the ring) stay inside one slice
     for dp_index in range(2):
         assert {d.slice_index for d in mesh.devices[dp_index].flat} == {dp_index}
+
+
+@pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed")
+@pytest.mark.parametrize("sp", [8, 16, 32])
+def test_tpu_mesh_for_rings_longer_than_a_torus_axis(sp):
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:4x4x4").devices
+    mesh = mesh_lib.make_mesh(mesh_config(dp=1, fsdp=-1, sp=sp), devices=devices)
+    assert dict(mesh.shape) == {"dp": 1, "fsdp": 64 // sp, "sp": sp}
