@@ -32,6 +32,7 @@ platform.configure_cpu_devices()
 
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
@@ -120,10 +121,7 @@ def sweep(config, topologies, sps, start, lo_limit, hi_limit, out_stem) -> dict:
         if old.get("model") == results["model"]:
             previous = {(p["topology"], p["sp"], p["shard_len"]): p for p in old["points"]}
 
-    def save():
-        bc.write_json(out_stem + ".json", results)
-        with open(out_stem + ".md", "w") as f:
-            f.write(_sweep_markdown(results))
+    save = functools.partial(_save_sweep, out_stem, results)
 
     for topology in topologies:
         try:
@@ -210,10 +208,7 @@ def sweep_extrapolated(config, topologies, sps, layer_counts, shards, hi_limit, 
     results = {"command": bc.command_line(), "model": _model_line(config), "mode": "extrapolated",
                "layers_compiled": [n1, n2], "shards_compiled": [l1, l2], "points": [], "best": []}
 
-    def save():
-        bc.write_json(out_stem + ".json", results)
-        with open(out_stem + ".md", "w") as f:
-            f.write(_sweep_markdown(results))
+    save = functools.partial(_save_sweep, out_stem, results)
 
     for topology in topologies:
         try:
@@ -310,6 +305,15 @@ def _sweep_markdown_extrapolated(results) -> str:
     lines.append(bc.table(["topology", "sp", "layers", "L", "arguments GiB", "temporaries GiB",
                            "total GiB", "compile s"], prow))
     return "\n".join(lines) + "\n"
+
+
+def _save_sweep(out_stem: str, results: dict) -> None:
+    """Writes the sweep so far (JSON + markdown): a long sweep keeps what it has if interrupted."""
+    import bench_common as bc
+
+    bc.write_json(out_stem + ".json", results)
+    with open(out_stem + ".md", "w") as f:
+        f.write(_sweep_markdown(results))
 
 
 def _sweep_markdown(results) -> str:
