@@ -9,6 +9,7 @@ from __future__ import annotations
 import ml_collections
 
 from longctx import mesh as mesh_lib
+from longctx.errors import ConfigError  # noqa: F401  (re-exported: callers use config.ConfigError)
 
 IMPLS = ("splash", "xla")
 LAYOUTS = ("contiguous", "zigzag", "striped", "auto")
@@ -16,10 +17,6 @@ PACKERS = ("first_fit", "best_fit", "concat_then_split")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
 NONFINITE_ACTIONS = ("stop", "skip")
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the key."""
 
 
 def _require(condition: bool, message: str) -> None:
