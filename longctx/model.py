@@ -42,7 +42,12 @@ _EMBED_ACTIVATION = ("activation_batch", "activation_length", "activation_embed"
 
 
 def _param(rngs: nnx.Rngs, shape, logical_axes, scale: float | None = None, init: str = "normal",
-           dtype=jnp.float32):
+           dtype=jnp.float32, weight_decay: bool = True):
+    """A parameter with its logical axes and whether weight decay applies to it.
+
+    The decay decision is declared here, with the parameter, and read by the optimizer through
+    `weight_decay_mask`; no rule downstream guesses it from the array's rank (stacking the
+    layers makes every norm scale 2-D)."""
     if init == "ones":
         value = jnp.ones(shape, dtype)
     elif init == "zeros":
@@ -50,7 +55,16 @@ def _param(rngs: nnx.Rngs, shape, logical_axes, scale: float | None = None, init
     else:
         # Truncated-normal fan-in init, the Llama/MaxText default (drawn in float32, then cast).
         value = (jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32) * scale).astype(dtype)
-    return nnx.Param(value, out_sharding=tuple(logical_axes))
+    return nnx.Param(value, out_sharding=tuple(logical_axes), weight_decay=weight_decay)
+
+
+def weight_decay_mask(params: nnx.State):
+    """The tree of `params` with True where weight decay applies: every matrix (embeddings,
+    projections, MLP), not the norm scales or attention sinks (the Llama/MaxText convention:
+    decaying a norm's gain or a sink's logit toward zero changes what the layer computes, not
+    just its size). Works on concrete and abstract (eval_shape) states alike."""
+    return jax.tree.map(lambda p: bool(p.get_metadata().get("weight_decay", True)), params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _constrain(x, logical_axes):
@@ -106,14 +120,14 @@ class DecoderBlock(nnx.Module):
         m = config.model
         d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
         param = functools.partial(_param, rngs, dtype=jnp.dtype(m.param_dtype))
-        self.attn_norm = param((d,), ("norm",), init="ones")
+        self.attn_norm = param((d,), ("norm",), init="ones", weight_decay=False)
         self.wq = param((d, n, h), ("embed", "heads", "head_dim"), d ** -0.5)
         self.wk = param((d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
         self.wv = param((d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
         self.wo = param((n, h, d), ("heads", "head_dim", "embed"), (n * h) ** -0.5)
-        self.sinks = (param((n,), ("heads",), init="zeros")
+        self.sinks = (param((n,), ("heads",), init="zeros", weight_decay=False)
                       if config.attention.attention_sinks else None)
-        self.mlp_norm = param((d,), ("norm",), init="ones")
+        self.mlp_norm = param((d,), ("norm",), init="ones", weight_decay=False)
         self.w_gate = param((d, f), ("embed", "mlp"), d ** -0.5)
         self.w_up = param((d, f), ("embed", "mlp"), d ** -0.5)
         self.w_down = param((f, d), ("mlp", "embed"), f ** -0.5)
@@ -173,7 +187,7 @@ class Decoder(nnx.Module):
             return DecoderBlock(config, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = param((m.d_model,), ("norm",), init="ones")
+        self.final_norm = param((m.d_model,), ("norm",), init="ones", weight_decay=False)
         self.unembed = (None if m.tie_embeddings
                         else param((m.d_model, m.vocab_size), ("embed", "vocab"), m.d_model ** -0.5))
 

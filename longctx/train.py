@@ -30,7 +30,7 @@ from longctx import mesh as mesh_lib
 from longctx import ops
 from longctx import workdir as workdir_lib
 from longctx.metrics import MetricsWriter
-from longctx.model import Decoder, model_nll
+from longctx.model import Decoder, model_nll, weight_decay_mask
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
 
@@ -57,9 +57,7 @@ def learning_rate_schedule(config) -> optax.Schedule:
 def make_optimizer(config) -> optax.GradientTransformation:
     o = config.optimizer
     adamw = optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
-                        weight_decay=o.weight_decay,
-                        # No decay on norms and sinks (1-D parameters), as in Llama/MaxText.
-                        mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params))
+                        weight_decay=o.weight_decay, mask=weight_decay_mask)
     if o.grad_clip_norm is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
