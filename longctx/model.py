@@ -231,11 +231,17 @@ def token_nll(hidden, unembedding, targets, *, chunk_size: int, soft_cap: float 
     y = jnp.moveaxis(targets.reshape(b, sp, n_chunks, chunk_size), 2, 0)
     chunk_spec = mesh_lib.logical_to_spec((None, "activation_batch", "activation_length", None, None))
     h = jax.lax.with_sharding_constraint(h, chunk_spec)
-    w = unembedding.astype(dtype)
+    # The unembedding enters the scan in float32 and is cast inside each chunk, so its gradient
+    # accumulates across chunks in float32 (a low-precision copy closed over by the scan would
+    # sum every chunk's contribution in bf16).
+    w32 = unembedding.astype(jnp.float32)
 
     @jax.checkpoint
     def chunk_nll(h_chunk, y_chunk):
-        logits = jnp.einsum("bpcd,dv->bpcv", h_chunk, w).astype(jnp.float32)
+        # Low-precision operands, float32 products: logits are never rounded to bf16 before the
+        # logsumexp (a rounding of |logit| * 2^-9 per token, which the loss would inherit).
+        logits = jnp.einsum("bpcd,dv->bpcv", h_chunk, w32.astype(dtype),
+                            preferred_element_type=jnp.float32)
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         logz = jax.nn.logsumexp(logits, axis=-1)

@@ -15,7 +15,7 @@ from flax import nnx
 from configs import base
 from longctx import layout as layout_lib
 from longctx import mesh as mesh_lib
-from longctx.model import Decoder, model_nll
+from longctx.model import Decoder, model_nll, token_nll
 from longctx.ops import reference_attention
 from tests import synthetic
 
@@ -89,3 +89,35 @@ def test_forward_matches_plain_jnp(impl, layout, attention):
     got_natural = np.asarray(nll)[:, layout_lib.inverse_permutation(layout_lib.permutation(layout, 512, 4))]
     mask = rows["loss_mask"] == 1
     np.testing.assert_allclose(got_natural[mask], np.asarray(expected)[mask], rtol=2e-4, atol=2e-4)
+
+
+def test_loss_in_low_precision_rounds_only_the_operands():
+    """bf16 compute: the hidden states and unembedding are rounded to bf16, nothing after them.
+
+    Reference: the float32 loss of the same bf16-rounded operands. The logits are float32
+    products (rounding them to bf16 first moved single tokens' NLL by ~6e-2 at |logit| ~ 20), and
+    the unembedding's gradient is summed over the loss chunks in float32, so its error stays one
+    bf16 rounding (2^-8) of the largest entry, however many chunks there are."""
+    rng = np.random.default_rng(0)
+    b, s, d, v = 2, 512, 64, 4096
+    h = jnp.asarray(rng.standard_normal((b, s, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((d, v)) * 4 / np.sqrt(d), jnp.float32)  # logits ~ N(0, 16)
+    y = jnp.asarray(rng.integers(0, v, (b, s)), jnp.int32)
+    c = small_config()
+    c.mesh.update(dp=1, fsdp=1, sp=1)
+
+    def nll(h, w, dtype):
+        return token_nll(h.astype(dtype), w, y, chunk_size=32, soft_cap=None, dtype=dtype)
+
+    def loss(h, w, dtype):
+        return nll(h, w, dtype).mean()
+
+    rounded = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in (h, w)]
+    with jax.set_mesh(mesh_lib.make_mesh(c.mesh, devices=jax.devices()[:1])):
+        ref_nll = nll(*rounded, jnp.float32)
+        ref_dw = jax.grad(loss, argnums=1)(*rounded, jnp.float32)
+        got_nll = jax.jit(nll, static_argnums=2)(h, w, jnp.bfloat16)
+        got_dw = jax.jit(jax.grad(loss, argnums=1), static_argnums=2)(h, w, jnp.bfloat16)
+    assert got_nll.dtype == jnp.float32 and got_dw.dtype == jnp.float32
+    np.testing.assert_allclose(got_nll, ref_nll, rtol=0, atol=1e-4)
+    assert float(jnp.abs(got_dw - ref_dw).max()) <= 2 ** -8 * float(jnp.abs(ref_dw).max())
