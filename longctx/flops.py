@@ -31,14 +31,16 @@ def peak_tflops(device_kind: str, override: float | None = None) -> float | None
 
 
 def kept_pairs(seq_len: int, *, causal: bool, sliding_window: int | None, chunk_size: int | None) -> int:
-    """Number of (i, j) pairs the mask keeps in one sequence, counted row by row in O(S)."""
+    """Number of (i, j) pairs the mask keeps in one sequence, counted row by row in O(S).
+
+    The masks are those of `config.mask_kwargs`: `sliding_window=w` is one-sided (token i sees
+    [i - w, i]) with or without `causal`, and `chunk_size` is chunked causal attention."""
     i = np.arange(seq_len, dtype=np.int64)
     lo = np.zeros_like(i)
     hi = i.copy() if causal else np.full_like(i, seq_len - 1)
     if sliding_window is not None:
         lo = np.maximum(lo, i - sliding_window)
-        if not causal:
-            hi = np.minimum(hi, i + sliding_window)
+        hi = np.minimum(hi, i)
     if chunk_size is not None:
         lo = np.maximum(lo, (i // chunk_size) * chunk_size)
     return int(np.maximum(hi - lo + 1, 0).sum())
