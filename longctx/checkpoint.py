@@ -27,6 +27,9 @@ fresh shuffle seeded with the step, and the sentence says so.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import time
 from typing import Any
 
@@ -37,71 +40,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import longctx
+from longctx import checkpoint_compat as compat
 from longctx import config as config_lib
+from longctx import errors
 from longctx import workdir as workdir_lib
 
 _STATE, _DATA, _CONFIG, _METADATA = "state", "data", "config", "metadata"
-
-# Config keys that fix the shapes (or presence) of parameters: a difference is an error on resume.
-_SHAPE_KEYS = tuple(f"model.{k}" for k in (
-    "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-    "tie_embeddings", "param_dtype")) + ("attention.attention_sinks",)
-# Data keys that define the training stream: if one differs, the saved iterator state means nothing.
-_STREAM_KEYS = tuple(f"data.{k}" for k in (
-    "path", "seq_len", "global_batch_size", "packer", "shuffle_seed", "num_workers"))
-_MAX_LISTED = 12
 
 
 def _handlers() -> dict:
     return {_STATE: ocp.StandardCheckpointHandler(), _DATA: grain.checkpoint.CheckpointHandler(),
             _CONFIG: ocp.JsonCheckpointHandler(), _METADATA: ocp.JsonCheckpointHandler()}
-
-
-def _get(config: dict, dotted: str):
-    section, key = dotted.split(".", 1)
-    return (config.get(section) or {}).get(key)
-
-
-def _config_differences(saved: dict, current: dict, keys) -> list[str]:
-    return [f"{k}: checkpoint {_get(saved, k)!r} vs config {_get(current, k)!r}"
-            for k in keys if _get(saved, k) != _get(current, k)]
-
-
-def _section_differences(saved: dict, current: dict, section: str, skip=()) -> list[str]:
-    keys = sorted(set(saved.get(section) or {}) | set(current.get(section) or {}))
-    return _config_differences(saved, current, [f"{section}.{k}" for k in keys
-                                                 if f"{section}.{k}" not in skip])
-
-
-def _key_str(entry) -> str:
-    for attribute in ("key", "name", "idx"):
-        if hasattr(entry, attribute):
-            return str(getattr(entry, attribute))
-    return str(entry)
-
-
-def flat_arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
-    """`{"params/embed/value": (shape, dtype)}` for a tree of arrays, ShapeDtypeStructs or Orbax
-    ArrayMetadata (dataclass fields, dict keys and named-tuple fields all give plain names)."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(_key_str(k) for k in path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
-            for path, leaf in leaves}
-
-
-def _structure_differences(saved: dict, current: dict) -> list[str]:
-    out = []
-    for name in sorted(set(saved) | set(current)):
-        if name not in current:
-            out.append(f"{name} only in the checkpoint")
-        elif name not in saved:
-            out.append(f"{name} only in this run")
-        elif saved[name] != current[name]:
-            (s_shape, s_dtype), (c_shape, c_dtype) = saved[name], current[name]
-            out.append(f"{name}: checkpoint {s_dtype}{list(s_shape)} vs this run {c_dtype}{list(c_shape)}")
-    if len(out) > _MAX_LISTED:
-        out = out[:_MAX_LISTED] + [f"... and {len(out) - _MAX_LISTED} more"]
-    return out
-
 
 def _abstract_with_shardings(abstract_state, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -129,6 +78,16 @@ def _first_line(error: BaseException) -> str:
     return f"{type(root).__name__}: {lines[0][:400] if lines else ''}"
 
 
+def _os_reason(error: BaseException) -> str:
+    """The operating system's reason when a failed write has one ("No space left on device"), from
+    an OSError or from TensorStore's `[os_error_code='28']`; else the root cause's first line."""
+    for e in (error, error.__cause__, error.__context__):
+        if isinstance(e, OSError) and e.errno:
+            return f"{os.strerror(e.errno)} (errno {e.errno})"
+    code = re.search(r"os_error_code='?(\d+)", str(error))
+    return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})" if code else _first_line(error)
+
+
 def _say(message: str) -> None:
     if jax.process_index() == 0:
         print(f"longctx: {message}", flush=True)
@@ -150,6 +109,8 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        self._saving: int | None = None  # the step of the save in flight
+        self._failed: errors.RunError | None = None
         self._check_model_shape()
 
     # ------------------------------------------------------------------ checks
@@ -158,14 +119,6 @@ class Checkpointer:
     def _saved_config(manager: ocp.CheckpointManager, step: int) -> dict:
         restored = manager.restore(step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()}))
         return restored[_CONFIG]
-
-    def _shape_error(self, where: str, saved_config: dict) -> config_lib.ConfigError | None:
-        diffs = _config_differences(saved_config, self.config.to_dict(), _SHAPE_KEYS)
-        if not diffs:
-            return None
-        return config_lib.ConfigError(
-            f"the model in {where} differs from this config: " + "; ".join(diffs)
-            + ". Use a new workdir, or checkpoint.init_from to start from its parameters.")
 
     def _check_model_shape(self) -> None:
         """A config whose model shape differs from the newest checkpoint's (or from init_from's,
@@ -176,7 +129,7 @@ class Checkpointer:
                 directory, step = _resolve_init_from(self.config.checkpoint.init_from)
                 where = f"checkpoint.init_from={self.config.checkpoint.init_from!r} (step {step})"
                 with _read_only_manager(directory) as manager:
-                    error = self._shape_error(where, _read_or_explain(where, self._saved_config, manager, step))
+                    error = compat.model_shape_error(self.config, where, _read_or_explain(where, self._saved_config, manager, step))
                 if error:
                     raise error
             return
@@ -184,10 +137,10 @@ class Checkpointer:
             saved = self._saved_config(self.manager, step)
         except Exception:  # noqa: BLE001  (unreadable: the restore path reports and skips this step)
             return
-        error = self._shape_error(f"{self.directory} (step {step})", saved)
+        error = compat.model_shape_error(self.config, f"{self.directory} (step {step})", saved)
         if error:
             raise error
-        changed = _section_differences(saved, self.config.to_dict(), "model", skip=_SHAPE_KEYS)
+        changed = compat.section_differences(saved, self.config.to_dict(), "model", skip=compat.SHAPE_KEYS)
         if changed:
             _say("resuming with changed model settings (parameter shapes are the same): " + "; ".join(changed))
 
@@ -209,7 +162,9 @@ class Checkpointer:
             if not _all_processes_agree(error is None):
                 self._set_aside(step, error)
                 continue
-            self._check_fits(step, info, target)  # ConfigError: not corrupt, just not this run's
+            # ConfigError: not corrupt, just not this run's.
+            compat.check_fits(self.config, f"{self.directory} (step {step})", info["config"],
+                              info["arrays"], target)
             data_iterator, result, error = None, None, None
             try:
                 data_iterator = make_data_iterator()
@@ -237,28 +192,17 @@ class Checkpointer:
         that a mismatch is reported as such and not mistaken for corruption."""
         restored = self.manager.restore(step, args=ocp.args.Composite(**{
             _CONFIG: ocp.args.JsonRestore(), _METADATA: ocp.args.JsonRestore()}))
-        arrays = flat_arrays(self.manager.item_metadata(step)[_STATE])
+        arrays = compat.flat_arrays(self.manager.item_metadata(step)[_STATE])
         if not arrays:
             raise ValueError(f"no array metadata under {self.directory}/{step}/{_STATE}")
         return {"config": restored[_CONFIG], "metadata": restored[_METADATA], "arrays": arrays}
-
-    def _check_fits(self, step: int, info: dict, target) -> None:
-        error = self._shape_error(f"{self.directory} (step {step})", info["config"])
-        if error:
-            raise error
-        diffs = _structure_differences(info["arrays"], flat_arrays(target))
-        if diffs:
-            raise config_lib.ConfigError(
-                f"the train state in {self.directory} (step {step}) does not fit this run's "
-                "(optimizer or model settings changed?): " + "; ".join(diffs)
-                + ". Use a new workdir, or checkpoint.init_from to start from its parameters.")
 
     def _restore_step(self, step: int, info: dict, target, data_iterator, make_data_iterator):
         restored = self.manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)}))
         state = restored[_STATE]
         saved_processes = info["metadata"]["process_count"]
         saved_config, current = info["config"], self.config.to_dict()
-        stream_diffs = _config_differences(saved_config, current, _STREAM_KEYS)
+        stream_diffs = compat.config_differences(saved_config, current, compat.STREAM_KEYS)
         if saved_processes != jax.process_count() or stream_diffs:
             # Each process's iterator state describes its own share of one particular stream; with
             # another process count or stream those no longer exist. Start the stream afresh,
@@ -273,7 +217,7 @@ class Checkpointer:
             self.manager.restore(step, args=ocp.args.Composite(**{
                 _DATA: grain.checkpoint.CheckpointRestore(data_iterator.grain_iterator)}))
         except Exception as e:  # noqa: BLE001
-            other = _section_differences(saved_config, current, "data", skip=("data.cache_dir",))
+            other = compat.section_differences(saved_config, current, "data", skip=("data.cache_dir",))
             if not other:
                 raise  # same data config: the saved state itself is bad
             data_iterator.close()
@@ -304,12 +248,12 @@ class Checkpointer:
         directory, step = _resolve_init_from(init_from)
         where = f"checkpoint.init_from={init_from!r} (step {step})"
         with _read_only_manager(directory) as manager:
-            error = self._shape_error(where, _read_or_explain(where, self._saved_config, manager, step))
+            error = compat.model_shape_error(self.config, where, _read_or_explain(where, self._saved_config, manager, step))
             if error:
                 raise error
-            saved = _read_or_explain(where, lambda: flat_arrays(manager.item_metadata(step)[_STATE]))
+            saved = _read_or_explain(where, lambda: compat.flat_arrays(manager.item_metadata(step)[_STATE]))
         saved = {k: v for k, v in saved.items() if k.startswith("params/")}
-        diffs = _structure_differences(saved, flat_arrays({"params": target.params}))
+        diffs = compat.structure_differences(saved, compat.flat_arrays({"params": target.params}))
         if diffs:
             raise config_lib.ConfigError(f"the parameters in {where} do not fit this model: " + "; ".join(diffs) + ".")
         item = {"params": target.params}
@@ -325,37 +269,78 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
+    def is_save_step(self, step: int) -> bool:
+        every = self.config.checkpoint.every_steps
+        return bool(every and step % every == 0)
+
     def maybe_save(self, step: int, state, data_iterator, *, force: bool = False) -> bool:
         """Starts an (async) save when `step` is a save step or `force`; returns whether it did.
         The caller is blocked only while the arrays are copied to host memory and the iterator
-        state (a small JSON) is written; the rest happens in Orbax's background thread."""
-        every = self.config.checkpoint.every_steps
-        if not force and not (every and step % every == 0):
+        state (a small JSON) is written; the rest happens in Orbax's background thread.
+
+        A save that fails (disk full, bucket gone), here or later in the background, raises
+        RunError naming the step and the newest complete one, which is where the next start
+        resumes; nothing already saved is touched."""
+        if not force and not self.is_save_step(step):
             return False
-        if step in self.manager.all_steps():
-            return False
-        metadata = {
-            "step": step,
-            "mesh": {k: int(v) for k, v in state_mesh_shape(state).items()},
-            "process_count": jax.process_count(),
-            "device_count": jax.device_count(),
-            "longctx_version": longctx.__version__,
-            "jax_version": jax.__version__,
-            "saved_at_unix": time.time(),
-        }
-        return self.manager.save(step, args=ocp.args.Composite(**{
-            _STATE: ocp.args.StandardSave(state),
-            _DATA: grain.checkpoint.CheckpointSave(data_iterator.grain_iterator),
-            _CONFIG: ocp.args.JsonSave(self.config.to_dict()),
-            _METADATA: ocp.args.JsonSave(metadata),
-        }), force=True)
+        with self._reporting_failed_save():
+            if step in self.manager.all_steps():
+                return False
+            metadata = {
+                "step": step,
+                "mesh": {k: int(v) for k, v in state_mesh_shape(state).items()},
+                "process_count": jax.process_count(),
+                "device_count": jax.device_count(),
+                "longctx_version": longctx.__version__,
+                "jax_version": jax.__version__,
+                "saved_at_unix": time.time(),
+            }
+            self.manager.wait_until_finished()  # (as Orbax's save would) a failure there names its own step
+            self._saving = step
+            return self.manager.save(step, args=ocp.args.Composite(**{
+                _STATE: ocp.args.StandardSave(state),
+                _DATA: grain.checkpoint.CheckpointSave(data_iterator.grain_iterator),
+                _CONFIG: ocp.args.JsonSave(self.config.to_dict()),
+                _METADATA: ocp.args.JsonSave(metadata),
+            }), force=True)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Blocks until the save in flight is complete (RunError if it failed)."""
+        with self._reporting_failed_save():
+            self.manager.wait_until_finished()
+            self._saving = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Finishes the save in flight and releases Orbax's threads. After a failed save has been
+        reported, closing reports nothing more (the first error is the one the user sees)."""
+        try:
+            self.wait()
+        except errors.RunError:
+            if self._failed is None:
+                raise
+        finally:
+            self.manager.close()
+
+    @contextlib.contextmanager
+    def _reporting_failed_save(self):
+        if self._failed is not None:  # Orbax may raise the same background error again
+            raise self._failed
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001  (OSError locally; assorted errors from buckets)
+            step = self._saving
+            try:
+                self.manager.reload()
+                newest = self.manager.latest_step()
+            except Exception:  # noqa: BLE001
+                newest = None
+            resume = ("no complete checkpoint, so the next start begins afresh" if newest is None else
+                      f"the newest complete checkpoint is step {newest}, where the next start resumes")
+            what = "a checkpoint" if step is None else f"checkpoint step {step}"
+            self._failed = errors.RunError(
+                f"could not save {what} to {self.directory} ({_os_reason(e)}); {resume}. "
+                "Free space there (or point the run at another workdir) and start it again.")
+            raise self._failed from e
 
 
 def _read_only_manager(directory: str) -> ocp.CheckpointManager:

@@ -25,11 +25,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from longctx import checkpoint as checkpoint_lib
 from longctx import config as config_lib
 from longctx import data as data_lib
+from longctx import errors
 from longctx import flops as flops_lib
 from longctx import mesh as mesh_lib
 from longctx import ops
 from longctx import workdir as workdir_lib
-from longctx.metrics import MetricsWriter
+from longctx.metrics import MetricsWindow, MetricsWriter
 from longctx.model import Decoder, model_nll, weight_decay_mask
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
@@ -121,6 +122,15 @@ def _masked_loss(graphdef, params, batch):
     return total / jnp.maximum(count, 1.0), (nll, count)
 
 
+def applied_updates(opt_state) -> jax.Array:
+    """How many updates the optimizer has applied: its schedule's own count, which a skipped
+    (non-finite) step does not advance, unlike `TrainState.step`. The learning rate of the next
+    update is `schedule(applied_updates(opt_state))`."""
+    return optax.tree_utils.tree_get(
+        opt_state, "count",
+        filtering=lambda path, _: getattr(path[-1], "tuple_name", None) == "ScaleByScheduleState")
+
+
 def make_train_step(config, setup: Setup):
     """The pure `train_step(state, batch) -> (state, metrics)`."""
     schedule = learning_rate_schedule(config)
@@ -137,8 +147,8 @@ def make_train_step(config, setup: Setup):
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
             new_state = kept.replace(step=state.step + 1)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
-                   "loss_tokens": count}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": count,
+                   "learning_rate": schedule(applied_updates(state.opt_state))}
         return new_state, metrics
 
     return train_step
@@ -237,38 +247,6 @@ def check_workdir(workdir: str) -> None:
         raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {why}.")
 
 
-def _window_loss(pending: list, train_config) -> tuple[float, int]:
-    """Mean loss over the steps since the last log line, and how many were non-finite.
-
-    `pending` holds (step, device loss) pairs; reading them here, where the loop waits anyway,
-    keeps the host from synchronising on every step. With on_nonfinite=stop the run stops naming
-    the first bad step, not the log step that noticed it.
-    """
-    steps = [step for step, _ in pending]
-    losses = np.asarray(jax.device_get([loss for _, loss in pending]), np.float64)
-    finite = np.isfinite(losses)
-    if not finite.all() and train_config.on_nonfinite == "stop":
-        bad = int(np.argmin(finite))
-        raise FloatingPointError(f"non-finite loss {losses[bad]} at step {steps[bad]}; stopping "
-                                 "(set train.on_nonfinite=skip to skip such steps instead).")
-    mean = float(losses[finite].mean()) if finite.any() else float("nan")
-    return mean, int((~finite).sum())
-
-
-def _host_metrics(metrics, step_time: float | None, config, peak: float | None) -> dict:
-    """The last step's metrics as floats, with throughput and MFU when the step was timed."""
-    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    if step_time is None:  # a step that includes compilation
-        return out
-    tokens = config.data.global_batch_size * config.data.seq_len
-    out["step_time_s"] = step_time
-    out["tokens_per_s"] = tokens / step_time
-    model_tflops = flops_lib.flops_per_step(config) / step_time / 1e12 / jax.device_count()
-    out["model_tflops_per_device"] = model_tflops
-    out["mfu"] = model_tflops / peak if peak else "n/a"
-    return out
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains (resuming if `workdir` holds a checkpoint) and returns the last logged metrics."""
     mesh_lib.maybe_initialize_distributed(config.distributed)
@@ -287,7 +265,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     mesh = mesh_lib.make_mesh(config.mesh)
     layout = resolve_layout(config, sizes[mesh_lib.SP])
-    writer = MetricsWriter(workdir)
     _write_run_info(config, workdir, mesh, layout, data_dir)
     if jax.process_index() == 0:
         print(f"longctx: {jax.process_count()} process(es), {jax.device_count()} {jax.devices()[0].platform} "
@@ -301,16 +278,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     def make_eval_iterator():
         return data_lib.make_batch_iterator(config, mesh, split="validation", layout=layout, data_dir=data_dir)
 
-    with jax.set_mesh(mesh):
-        setup = make_setup(config, mesh, layout)
-        state, train_iter, resumed_from = checkpointer.restore_or_init(setup, make_train_iterator)
-        if jax.process_index() == 0:
-            print(f"longctx: {resumed_from}", flush=True)
-        train_step, eval_step = jit_steps(config, setup)
-        result = _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_iterator,
-                       checkpointer, writer)
-    writer.close()
-    checkpointer.close()
+    writer = None
+    try:
+        with jax.set_mesh(mesh):
+            setup = make_setup(config, mesh, layout)
+            state, train_iter, resumed_from = checkpointer.restore_or_init(setup, make_train_iterator)
+            if jax.process_index() == 0:
+                print(f"longctx: {resumed_from}", flush=True)
+            writer = MetricsWriter(workdir, resume_step=int(jax.device_get(state.step)))
+            train_step, eval_step = jit_steps(config, setup)
+            run = _Run(config, workdir, train_step, eval_step, make_eval_iterator, checkpointer, writer)
+            result = _loop(run, state, train_iter)
+    finally:
+        # Also on an error: the save in flight completes (or is reported) and files are closed.
+        if writer is not None:
+            writer.close()
+        checkpointer.close()
     if jax.process_index() == 0 and result:
         val = f", val loss {result['val_loss']:.4f}" if "val_loss" in result else ""
         speed = f", {result['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in result else ""
@@ -341,80 +324,149 @@ def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str) -> N
     (workdir_lib.resolve(workdir) / "run_info.json").write_text(json.dumps(info, indent=1))
 
 
-def _loop(config, workdir, state, train_iter, train_step, eval_step, make_eval_iterator, checkpointer,
-          writer) -> dict:
-    t = config.train
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """The fixed parts of a run that the loop uses."""
+
+    config: ml_collections.ConfigDict
+    workdir: str
+    train_step: Callable
+    eval_step: Callable
+    make_eval_iterator: Callable
+    checkpointer: checkpoint_lib.Checkpointer
+    writer: MetricsWriter
+
+
+class _Profiler:
+    """A trace of `train.profile_steps` steps from `train.profile_start`, stopped also when the
+    loop leaves early."""
+
+    def __init__(self, train_config, workdir: str):
+        self.start, self.steps = train_config.profile_start, train_config.profile_steps
+        self.directory = str(workdir_lib.resolve(workdir) / "profile")
+        self.running = False
+
+    def before(self, step: int) -> None:
+        if self.start is not None and step == self.start:
+            jax.profiler.start_trace(self.directory)
+            self.running = True
+
+    def after(self, done: int, state) -> None:
+        if self.running and done == self.start + self.steps:
+            jax.block_until_ready(state)
+            self.stop()
+
+    def stop(self) -> None:
+        if self.running:
+            self.running = False
+            jax.profiler.stop_trace()
+
+
+def _nonfinite_error(step: int, loss: float, grad_norm: float, checkpointer) -> errors.RunError:
+    try:
+        checkpointer.wait()
+        newest = checkpointer.manager.latest_step()
+    except errors.RunError:
+        newest = None
+    saved = ("no checkpoint was written" if newest is None else
+             f"the newest checkpoint, step {newest}, holds only finite steps")
+    return errors.RunError(
+        f"non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}); stopped "
+        f"before saving it, and {saved}. Set train.on_nonfinite=skip to skip such steps instead.")
+
+
+def _loop(run: _Run, state, train_iter) -> dict:
+    """Steps until `train.num_steps`, a stop request or an error; returns the last logged metrics.
+
+    The host runs ahead of the device between sync points: a step is dispatched, its loss and
+    gradient norm join the metrics window as device scalars, and nothing is read back. At a sync
+    point (a log, eval or save step, the last step, or an agreed stop) the loop waits for the
+    device and, in this order: checks every step since the last check for a non-finite loss or
+    gradient (with on_nonfinite=stop this raises before anything is saved, so no checkpoint ever
+    holds such a state), logs, evaluates, saves, stops."""
+    config, t, checkpointer = run.config, run.config.train, run.checkpointer
     peak = flops_lib.peak_tflops(jax.devices()[0].device_kind, t.peak_tflops_override)
+    tokens_per_step = config.data.global_batch_size * config.data.seq_len
     first_step = int(jax.device_get(state.step))
-    is_chief = jax.process_index() == 0
-    stop = _StopRequest()
-    last: dict = {}
+    stop, profiler = _StopRequest(), _Profiler(t, run.workdir)
     progress = None
-    if is_chief:
+    if jax.process_index() == 0:
         from tqdm import tqdm
 
         progress = tqdm(total=t.num_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
     say = progress.write if progress is not None else (lambda _: None)
-    # Step time is measured over the steps since the last log line, excluding compilation (the
-    # first step of this process) and evaluation; the logged loss is the mean over those steps.
     compile_start = time.perf_counter()
-    window_step, window_time = first_step, compile_start
-    pending_losses: list = []
+    window = MetricsWindow(first_step, compile_start)
+    last: dict = {}
     try:
         for step in range(first_step, t.num_steps):
-            if t.profile_start is not None and step == t.profile_start:
-                jax.profiler.start_trace(str(workdir_lib.resolve(workdir) / "profile"))
-            batch = next(train_iter)
-            state, metrics = train_step(state, batch)
+            profiler.before(step)
+            state, metrics = run.train_step(state, next(train_iter))
             done = step + 1
-            pending_losses.append((done, metrics["loss"]))
-            if t.profile_start is not None and done == t.profile_start + t.profile_steps:
-                jax.block_until_ready(state)
-                jax.profiler.stop_trace()
-            # The first step is logged on its own, untimed: it includes compilation.
-            if step == first_step or done % t.log_every == 0 or done == t.num_steps:
-                loss, nonfinite = _window_loss(pending_losses, t)
-                now = time.perf_counter()
-                timed = step != first_step and done > window_step
-                last = _host_metrics(metrics, (now - window_time) / (done - window_step) if timed else None,
-                                     config, peak)
-                last.update(loss=loss, loss_window_steps=len(pending_losses), nonfinite_steps=nonfinite)
-                pending_losses = []
-                window_step, window_time = done, now
-                writer.write(done, last, prefix="train/")
-                if timed:
-                    mfu = last["mfu"] if isinstance(last["mfu"], str) else f"{last['mfu']:.3f}"
-                    say(f"step {done}: loss={loss:.4f} grad_norm={last['grad_norm']:.3g} "
-                        f"lr={last['learning_rate']:.3g} step_time={last['step_time_s']:.3f}s "
-                        f"tokens/s={last['tokens_per_s']:.0f} mfu={mfu}")
-                else:
-                    say(f"step {done}: loss={loss:.4f} (compiled and ran the first step in "
-                        f"{now - compile_start:.1f}s)")
-            if t.eval_every and (done % t.eval_every == 0 or done == t.num_steps):
-                val = evaluate(config, eval_step, state.params, make_eval_iterator)
-                if val:
-                    writer.write(done, val, prefix="val/")
-                    say(f"step {done}: val_loss={val['loss']:.4f}")
-                    last.update({f"val_{k}": v for k, v in val.items()})
-                window_step, window_time = done, time.perf_counter()
+            window.add(done, metrics)
+            profiler.after(done, state)
             if progress is not None:
                 progress.update(1)
-            # Agreeing on a stop across processes is a collective that waits for the step to end;
-            # do it only where the loop waits anyway (log and checkpoint steps).
-            every = config.checkpoint.every_steps
-            check_now = (jax.process_count() == 1 or done % t.log_every == 0 or done == t.num_steps
-                         or (every and done % every == 0))
-            stopping = check_now and stop.agreed()
-            checkpointer.maybe_save(done, state, train_iter, force=stopping or done == t.num_steps)
+
+            log = step == first_step or done % t.log_every == 0 or done == t.num_steps
+            evaluate_now = bool(t.eval_every) and (done % t.eval_every == 0 or done == t.num_steps)
+            save = checkpointer.is_save_step(done) or done == t.num_steps
+            sync = log or evaluate_now or save
+            # Agreeing on a stop across processes is a collective that waits for the step: only at
+            # sync points (every step when there is one process, where it costs nothing).
+            stopping = stop.agreed() if (sync or jax.process_count() == 1) else False
+            if not (sync or stopping):
+                continue
+
+            bad = window.first_nonfinite()
+            if bad is not None and t.on_nonfinite == "stop":
+                raise _nonfinite_error(*bad, checkpointer)
+            if log:
+                # The first step is logged on its own, untimed: it includes compilation.
+                now = time.perf_counter()
+                last = {**_step_metrics(metrics), **window.close(done, now, timed=step != first_step)}
+                if "step_time_s" in last:
+                    last.update(_throughput(last["step_time_s"], tokens_per_step, config, peak))
+                run.writer.write(done, last, prefix="train/")
+                say(_log_line(done, last, now - compile_start))
+            if evaluate_now:
+                val = evaluate(config, run.eval_step, state.params, run.make_eval_iterator)
+                if val:
+                    run.writer.write(done, val, prefix="val/")
+                    say(f"step {done}: val_loss={val['loss']:.4f}")
+                    last.update({f"val_{k}": v for k, v in val.items()})
+                window.restart_clock(done, time.perf_counter())
+            if save or stopping:
+                checkpointer.maybe_save(done, state, train_iter, force=True)
             if stopping:
                 checkpointer.wait()
-                if is_chief:
+                if jax.process_index() == 0:
                     print(f"longctx: stop requested; saved step {done} to {checkpointer.directory}; exiting.",
                           flush=True)
                 break
     finally:
+        profiler.stop()
         stop.restore()
         if progress is not None:
             progress.close()
-        checkpointer.wait()
     return last
+
+
+def _step_metrics(metrics) -> dict:
+    """The last step's own metrics (gradient norm, learning rate, loss tokens) as floats."""
+    return {k: float(v) for k, v in jax.device_get(metrics).items() if k != "loss"}
+
+
+def _throughput(step_time: float, tokens_per_step: int, config, peak: float | None) -> dict:
+    model_tflops = flops_lib.flops_per_step(config) / step_time / 1e12 / jax.device_count()
+    return {"tokens_per_s": tokens_per_step / step_time, "model_tflops_per_device": model_tflops,
+            "mfu": model_tflops / peak if peak else "n/a"}
+
+
+def _log_line(step: int, m: dict, since_start: float) -> str:
+    if "step_time_s" not in m:
+        return f"step {step}: loss={m['loss']:.4f} (compiled and ran the first step in {since_start:.1f}s)"
+    mfu = m["mfu"] if isinstance(m["mfu"], str) else f"{m['mfu']:.3f}"
+    skipped = f" nonfinite_steps={m['nonfinite_steps']}" if m["nonfinite_steps"] else ""
+    return (f"step {step}: loss={m['loss']:.4f} grad_norm={m['grad_norm']:.3g} lr={m['learning_rate']:.3g} "
+            f"step_time={m['step_time_s']:.3f}s tokens/s={m['tokens_per_s']:.0f} mfu={mfu}{skipped}")

@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from longctx import checkpoint as checkpoint_lib
+from longctx import checkpoint_compat
 from longctx import config as config_lib
 from longctx import data as data_lib
 from longctx import mesh as mesh_lib
@@ -260,7 +261,7 @@ def _restore_raw(workdir, step):
 
 
 def _assert_states_equal(a, b):
-    fa, fb = checkpoint_lib.flat_arrays(a), checkpoint_lib.flat_arrays(b)
+    fa, fb = checkpoint_compat.flat_arrays(a), checkpoint_compat.flat_arrays(b)
     assert fa == fb
     la = dict(zip(fa, jax.tree.leaves(a)))
     lb = dict(zip(fb, jax.tree.leaves(b)))

@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 from configs import base
 from longctx import mesh as mesh_lib
 from longctx import train
+from longctx.metrics import MetricsWindow
 from tests import synthetic
 
 
@@ -84,9 +85,11 @@ def test_overfits_a_fixed_batch():
 def test_nonfinite_loss_is_skipped_when_configured():
     config = step_config(1, 1, 1)
     config.train.on_nonfinite = "skip"
+    config.optimizer.warmup_steps = 10  # lr 0 at update 0, 1e-3 at update 1: a skipped step shows
     rows = synthetic.packed_rows(4, 512, 97, seed=1)
     poisoned = dict(rows, targets=np.full_like(rows["targets"], 10_000))  # out of vocab -> NaN NLL
     mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:1])
+    schedule = train.learning_rate_schedule(config)
     with jax.set_mesh(mesh):
         setup = train.make_setup(config, mesh, "contiguous")
         step, _ = train.jit_steps(config, setup)
@@ -97,20 +100,26 @@ def test_nonfinite_loss_is_skipped_when_configured():
         assert not np.isfinite(float(metrics["loss"]))
         for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state.params))):
             np.testing.assert_array_equal(a, b)  # the bad step changed nothing...
-        assert int(state.step) == 1
+        assert int(state.step) == 1 and int(train.applied_updates(state.opt_state)) == 0
         state, metrics = step(state, put(rows))  # ...and training goes on
         assert np.isfinite(float(metrics["loss"]))
+        # The logged rate is the one this update used: the optimizer's first, not schedule(1).
+        assert float(metrics["learning_rate"]) == float(schedule(0)) == 0.0
+        state, metrics = step(state, put(rows))
+        assert float(metrics["learning_rate"]) == float(schedule(1)) > 0.0
 
 
-def test_window_loss_is_the_mean_and_names_the_first_bad_step():
-    config = step_config()
-    pending = [(5, np.float32(2.0)), (6, np.float32(4.0))]
-    assert train._window_loss(pending, config.train) == (3.0, 0)
-    pending += [(7, np.float32(np.nan)), (8, np.float32(np.inf))]
-    with pytest.raises(FloatingPointError, match="non-finite loss nan at step 7"):
-        train._window_loss(pending, config.train)
-    config.train.on_nonfinite = "skip"
-    assert train._window_loss(pending, config.train) == (3.0, 2)
+def test_metrics_window_means_and_names_the_first_bad_step():
+    window = MetricsWindow(step=4, now=0.0)
+    for step, loss in ((5, 2.0), (6, 4.0)):
+        window.add(step, {"loss": np.float32(loss), "grad_norm": np.float32(1.0)})
+    assert window.first_nonfinite() is None
+    window.add(7, {"loss": np.float32(3.0), "grad_norm": np.float32(np.inf)})  # a gradient only
+    window.add(8, {"loss": np.float32(np.nan), "grad_norm": np.float32(1.0)})
+    assert window.first_nonfinite() == (7, 3.0, np.inf)
+    summary = window.close(8, now=2.0, timed=True)
+    assert summary == {"loss": 3.0, "loss_window_steps": 4, "nonfinite_steps": 2, "step_time_s": 0.5}
+    assert window.first_nonfinite() is None  # a new window
 
 
 @pytest.mark.parametrize("scan_layers, remat_policy", [(True, "none"), (True, "nothing_saveable"), (False, "dots_saveable")])

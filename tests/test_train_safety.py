@@ -1,0 +1,137 @@
+"""The training loop keeps what it saves and writes sound: no checkpoint holds a non-finite state,
+a failed save is one sentence naming the step and the newest complete one, a resume's metrics read
+as one run, and files and traces are closed when the loop leaves early.
+
+Runs are real (`train_and_evaluate` on the embedded corpus, 8 CPU devices) and small; a divergence
+is injected by wrapping the jitted train step so that one step returns NaN parameters and loss.
+"""
+
+import itertools
+import json
+import os
+import subprocess
+import uuid
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from configs import base
+from longctx import errors
+from longctx import train
+
+# (A module-wide small model: every run compiles in a few seconds.)
+
+
+def _config(num_steps: int, *, every_steps: int, log_every: int):
+    c = base.get_config("tiny")
+    c.unlock()
+    c.model.update(d_model=64, mlp_dim=128, head_dim=16)
+    c.data.update(seq_len=512, global_batch_size=2)
+    c.attention.block_size = 128
+    c.train.update(num_steps=num_steps, log_every=log_every, eval_every=0, loss_chunk_size=128)
+    c.checkpoint.update(every_steps=every_steps, max_to_keep=5)
+    return c
+
+
+def _diverge_at(monkeypatch, bad_step: int):
+    """From call `bad_step` on, the train step's parameters and loss become NaN (a divergence)."""
+    real = train.jit_steps
+
+    def jit_steps(config, setup):
+        train_step, eval_step = real(config, setup)
+        calls = itertools.count(1)
+
+        def step(state, batch):
+            state, metrics = train_step(state, batch)
+            if next(calls) >= bad_step:
+                state = state.replace(params=jax.tree.map(lambda p: p * jnp.nan, state.params))
+                metrics = dict(metrics, loss=metrics["loss"] * jnp.nan)
+            return state, metrics
+
+        return step, eval_step
+
+    monkeypatch.setattr(train, "jit_steps", jit_steps)
+
+
+def _steps(workdir) -> list[int]:
+    directory = os.path.join(workdir, "checkpoints")
+    return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+def _logged_steps(workdir) -> list[int]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
+def test_nonfinite_between_a_save_and_a_log_step_is_never_saved(tmp_path, monkeypatch):
+    """Saves at 4 and 8, logs at 1 and 10: the NaN of step 6 was saved at 8 before the fix."""
+    workdir = str(tmp_path / "run")
+    _diverge_at(monkeypatch, bad_step=6)
+    with pytest.raises(errors.RunError) as error:
+        train.train_and_evaluate(_config(12, every_steps=4, log_every=10), workdir)
+    assert str(error.value).startswith(
+        "non-finite loss or gradient at step 6 (loss nan, grad norm ")
+    assert "the newest checkpoint, step 4, holds only finite steps" in str(error.value)
+    assert _steps(workdir) == [4]
+
+
+def test_resume_drops_metrics_rows_past_the_restored_step(tmp_path, monkeypatch):
+    """Steps 5 and 6 are logged, then the run stops with 4 saved: the resumed run logs 5 and 6
+    again, and metrics.jsonl holds each step once, in order."""
+    workdir = str(tmp_path / "run")
+    with monkeypatch.context() as patch:
+        _diverge_at(patch, bad_step=7)
+        with pytest.raises(errors.RunError, match="at step 7"):
+            train.train_and_evaluate(_config(8, every_steps=4, log_every=1), workdir)
+    assert _steps(workdir) == [4] and _logged_steps(workdir) == [1, 2, 3, 4, 5, 6]
+    train.train_and_evaluate(_config(8, every_steps=4, log_every=1), workdir)
+    assert _logged_steps(workdir) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert _steps(workdir) == [4, 8]
+
+
+def test_a_loop_that_leaves_early_stops_its_profile_trace(tmp_path, monkeypatch):
+    workdir = str(tmp_path / "run")
+    config = _config(6, every_steps=0, log_every=1)
+    config.train.update(profile_start=1, profile_steps=4)  # the trace would stop after step 5
+    _diverge_at(monkeypatch, bad_step=3)
+    with pytest.raises(errors.RunError, match="at step 3"):
+        train.train_and_evaluate(config, workdir)
+    traces = [f for _, _, files in os.walk(os.path.join(workdir, "profile")) for f in files]
+    assert any(f.endswith(".xplane.pb") for f in traces), traces  # written when a trace stops
+    jax.profiler.start_trace(str(tmp_path / "again"))  # raises if the first trace still ran
+    jax.profiler.stop_trace()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2.5 MiB tmpfs: one checkpoint of the small model (1.5 MiB) fits, a second does not. A
+    real full disk, so the error takes Orbax's own path (a background write that fails). Skipped
+    where mounting is not allowed (it needs root, which CI has)."""
+    mount = tmp_path / f"disk-{uuid.uuid4().hex[:8]}"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_during_a_save_names_the_step_and_the_next_start_resumes(small_disk, capsys):
+    workdir = str(small_disk / "run")
+    config = _config(6, every_steps=2, log_every=1)
+    with pytest.raises(errors.RunError) as error:
+        train.train_and_evaluate(config, workdir)
+    message = str(error.value)
+    assert message.startswith(f"could not save checkpoint step 4 to {workdir}/checkpoints ("), message
+    assert "No space left on device" in message
+    assert message.endswith("; the newest complete checkpoint is step 2, where the next start resumes. "
+                            "Free space there (or point the run at another workdir) and start it again.")
+    assert _steps(workdir) == [2]
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    capsys.readouterr()
+    train.train_and_evaluate(config, workdir)
+    assert f"longctx: resumed from {workdir}/checkpoints/2 (step 2)" in capsys.readouterr().out
+    assert _steps(workdir) == [2, 4, 6]
