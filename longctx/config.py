@@ -11,12 +11,20 @@ import ml_collections
 from longctx import mesh as mesh_lib
 from longctx.errors import ConfigError  # noqa: F401  (re-exported: callers use config.ConfigError)
 
-IMPLS = ("splash", "xla")
-LAYOUTS = ("contiguous", "zigzag", "striped", "auto")
-PACKERS = ("first_fit", "best_fit", "concat_then_split")
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
 NONFINITE_ACTIONS = ("stop", "skip")
+
+
+def _choices() -> dict[str, tuple]:
+    """Allowed values of the keys that name an implementation, each from the module that
+    implements them (imported here, not at the top: they import jax, and the model imports
+    this module)."""
+    from longctx import layout, model, ops
+    from longctx.data import packing
+
+    return {"attention.impl": ops.IMPLS, "attention.layout": layout.LAYOUTS + ("auto",),
+            "data.packer": packing.PACKERS, "model.dtype": DTYPES, "model.param_dtype": DTYPES,
+            "model.remat_policy": tuple(model.REMAT_POLICIES), "train.on_nonfinite": NONFINITE_ACTIONS}
 
 
 def _require(condition: bool, message: str) -> None:
@@ -50,10 +58,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     m, a, d, o, t, c = (config.model, config.attention, config.data, config.optimizer,
                         config.train, config.checkpoint)
 
-    for key, choices in (("attention.impl", IMPLS), ("attention.layout", LAYOUTS),
-                         ("data.packer", PACKERS), ("model.dtype", DTYPES),
-                         ("model.param_dtype", DTYPES), ("model.remat_policy", REMAT_POLICIES),
-                         ("train.on_nonfinite", NONFINITE_ACTIONS)):
+    for key, choices in _choices().items():
         _one_of(config, key, choices)
     _positive(config, "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
               "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "attention.block_size",

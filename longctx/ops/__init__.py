@@ -23,7 +23,7 @@ Public API:
 """
 from longctx.masks import resolve_layout, ring_schedule, ring_schedule_efficiency
 from longctx.ops.reference import reference_attention
-from longctx.ops.ring import ring_attention
+from longctx.ops.ring import IMPLS, ring_attention
 
-__all__ = ["ring_attention", "reference_attention", "resolve_layout", "ring_schedule",
+__all__ = ["IMPLS", "ring_attention", "reference_attention", "resolve_layout", "ring_schedule",
            "ring_schedule_efficiency"]

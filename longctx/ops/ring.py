@@ -26,6 +26,9 @@ from jax import lax
 
 from longctx import masks
 
+# The per-step backends: the Pallas TPU splash kernel, and the same math in plain XLA.
+IMPLS = ("splash", "xla")
+
 
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
@@ -280,8 +283,8 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     BlockSizes. Returns [b, L, heads, head_dim] in query's dtype.
     """
     from longctx import layout as layout_lib
-    if impl not in ("splash", "xla"):
-        raise ValueError(f"impl={impl!r} is not one of ('splash', 'xla')")
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
     if layout not in layout_lib.LAYOUTS + ("auto",):
         raise ValueError(f"layout={layout!r} is not one of {layout_lib.LAYOUTS + ('auto',)}")
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
