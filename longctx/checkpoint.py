@@ -28,6 +28,7 @@ fresh shuffle seeded with the step, and the sentence says so.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import time
@@ -41,6 +42,7 @@ import orbax.checkpoint as ocp
 
 import longctx
 from longctx import checkpoint_compat as compat
+from longctx import cli
 from longctx import config as config_lib
 from longctx import errors
 from longctx import workdir as workdir_lib
@@ -93,6 +95,19 @@ def _say(message: str) -> None:
         print(f"longctx: {message}", flush=True)
 
 
+class _OrbaxFailureLogs(logging.Filter):
+    """Drops Orbax's error records (each with a traceback, dozens per failed save) from its
+    background save threads: the same failure is raised where the Checkpointer waits and reported
+    there as one line. With LONGCTX_DEBUG=1 (`--verbose`) they are kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
+        return not (from_orbax and record.levelno >= logging.ERROR and not cli.debug_enabled())
+
+
+_ORBAX_FAILURE_LOGS = _OrbaxFailureLogs()
+
+
 class Checkpointer:
     """One run's checkpoints. Constructed before anything compiles so that a bad checkpoint
     directory or a model-shape mismatch fails fast."""
@@ -109,6 +124,7 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        logging.getLogger("absl").addFilter(_ORBAX_FAILURE_LOGS)  # (added once: filters are a set)
         self._saving: int | None = None  # the step of the save in flight
         self._failed: errors.RunError | None = None
         self._check_model_shape()
