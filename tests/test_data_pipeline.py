@@ -59,9 +59,47 @@ def test_global_batches_sharded_and_laid_out(data_dir):
     perm = layout_lib.permutation("zigzag", SEQ, 4)
     for k in batch:
         assert np.array_equal(np.asarray(batch[k]), np.asarray(nat[k])[:, perm])
+    # Natural order (the layout undone): positions count 0, 1, 2, ... within each segment.
+    inv = layout_lib.inverse_permutation(perm)
+    natural = {k: np.asarray(batch[k])[:, inv] for k in ("segment_ids", "positions")}
+    assert_positions_count_within_segments(natural["segment_ids"], natural["positions"])
     # Device (fsdp=f, sp=d) holds rows [2f, 2f+2) and the global positions perm[d*16:(d+1)*16].
-    shard = batch["positions"].addressable_shards[0]
-    assert shard.data.shape == (2, SEQ // 4)
+    L = SEQ // 4
+    for f in range(2):
+        for d in range(4):
+            device = mesh.devices[0, f, d]
+            for k in ("positions", "segment_ids"):
+                (shard,) = [s for s in batch[k].addressable_shards if s.device == device]
+                want = natural[k][2 * f:2 * f + 2][:, perm[d * L:(d + 1) * L]]
+                np.testing.assert_array_equal(np.asarray(shard.data), want, err_msg=f"{k} on fsdp={f}, sp={d}")
+    it.close()
+
+
+def assert_positions_count_within_segments(segment_ids, positions):
+    """Rows in natural order: real tokens (segment id > 0) come first with non-decreasing ids, then
+    padding (id 0); within each segment (a run of one id) positions are 0, 1, 2, ..."""
+    for row, (seg, pos) in enumerate(zip(segment_ids, positions)):
+        n = int((seg != 0).sum())
+        assert (seg[:n] != 0).all() and (seg[n:] == 0).all(), f"row {row}: padding inside the row: {seg}"
+        assert (np.diff(seg[:n]) >= 0).all(), f"row {row}: segment ids go back: {seg}"
+        starts = np.flatnonzero(np.diff(seg[:n], prepend=-1))  # the first token of each segment
+        lengths = np.diff(np.append(starts, n))
+        expected = np.arange(n) - np.repeat(starts, lengths)
+        np.testing.assert_array_equal(pos[:n], expected, err_msg=f"row {row}: segment ids {seg}")
+
+
+@pytest.mark.parametrize("packer", ["best_fit", "concat_then_split", "first_fit"])
+def test_positions_restart_at_every_segment(data_dir, packer):
+    """Every packer, several batches, laid out and back: positions follow the segment ids."""
+    c = tiny_config(packer=packer)
+    mesh = mesh_of(c)
+    it = make_batch_iterator(c, mesh, split="train", layout="striped", data_dir=data_dir)
+    inv = layout_lib.inverse_permutation(layout_lib.permutation("striped", SEQ, 4))
+    segments = 0
+    for batch in take(it, 4):
+        assert_positions_count_within_segments(batch["segment_ids"][:, inv], batch["positions"][:, inv])
+        segments += sum(len(np.unique(row[row > 0])) for row in batch["segment_ids"])
+    assert segments > 4 * 4  # packed: more documents than rows
     it.close()
 
 
