@@ -14,6 +14,12 @@ Presets:
   tiny             the CPU demo: 2 layers, d=128, 1K-token sequences, 8 virtual devices.
   long_cpu         a few steps of a tiny model on one 65,536-token sequence over 8 CPU devices.
   llama3_8b_128k   Llama-3-8B shape, 131,072 tokens per sequence, ring over sp=16 on v5p-128.
+  llama3_8b_extend_128k   Llama-3-8B converted from Hugging Face, extended to 131,072 tokens with
+                   llama3 RoPE scaling (README "Extend a released model"):
+    python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --out=runs/llama3_8b_hf
+    python scripts/prepare_data.py --input long_docs.jsonl --tokenizer hf:Meta-Llama-3-8B \
+        --output data/llama3_long
+    python scripts/train.py --config=configs/base.py:llama3_8b_extend_128k --workdir=runs/llama3_8b_extend
 """
 
 import ml_collections
@@ -55,6 +61,21 @@ def _base() -> ml_collections.ConfigDict:
             head_dim=64,
             mlp_dim=512,
             rope_theta=500_000.0,
+            # RoPE context extension (longctx/rope.py); Hugging Face's names in parentheses.
+            rope_scaling=ml_collections.ConfigDict(dict(
+                type="none",  # none | linear | llama3 | yarn  (rope_type; "default" is none)
+                factor=1.0,  # linear, llama3, yarn: how many times the trained context is stretched
+                original_max_position=8192,  # llama3, yarn: the context the model was trained at
+                # (original_max_position_embeddings)
+                low_freq_factor=1.0,  # llama3: wavelengths above original/low are divided by factor
+                high_freq_factor=4.0,  # llama3: wavelengths below original/high are kept
+                beta_fast=32.0,  # yarn: rotations over the original context where the ramp starts
+                beta_slow=1.0,  # yarn: ... and where it ends
+                mscale=_optional_float(),  # yarn (DeepSeek): with mscale_all_dim, sets the attention factor
+                mscale_all_dim=_optional_float(),
+                attention_factor=_optional_float(),  # yarn: cos/sin scale; unset = 0.1*ln(factor)+1
+                truncate=True,  # yarn: round the ramp's ends to whole dimensions
+            )),
             norm_eps=1e-5,
             tie_embeddings=False,
             final_logits_soft_cap=_optional_float(),
@@ -111,6 +132,8 @@ def _base() -> ml_collections.ConfigDict:
             log_every=10,
             eval_every=200,
             eval_steps=4,
+            # Passkey retrieval (longctx/needle.py) on validation haystacks every N steps; 0 = never.
+            eval_needle_every=0,
             loss_chunk_size=512,  # tokens per chunk of the output projection + cross-entropy
             on_nonfinite="stop",  # stop | skip
             profile_start=_optional_int(),
@@ -167,8 +190,24 @@ def _llama3_8b_128k(c):
     return c
 
 
+def _llama3_8b_extend_128k(c):
+    """Continued pretraining of Llama-3-8B (trained at 8,192 tokens) on 131,072-token documents:
+    the converted weights (scripts/convert_hf.py to-longctx) via init_from, Llama 3.1's llama3
+    RoPE scaling (factor 8 over the original 8,192), a lower peak learning rate than pretraining
+    with a short warmup, as in published context-extension recipes (Llama 3.1; Fu et al. 2024,
+    2e-5 over ~1B tokens). 2,000 steps of 4 x 131,072 tokens = 1.05B tokens."""
+    c = _llama3_8b_128k(c)
+    c.model.rope_scaling.update(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_position=8192)
+    c.data.update(path="data/llama3_long", seq_len=131_072, global_batch_size=4, packer="best_fit")
+    c.optimizer.update(learning_rate=2e-5, min_learning_rate_ratio=0.1, warmup_steps=50, weight_decay=0.1)
+    c.train.update(num_steps=2000, log_every=10, eval_every=200, eval_needle_every=500)
+    c.checkpoint.update(every_steps=200, keep_period=1000, init_from="runs/llama3_8b_hf")
+    return c
+
+
 PRESETS = {"": lambda c: c, "base": lambda c: c, "tiny": _tiny, "long_cpu": _long_cpu,
-           "llama3_8b_128k": _llama3_8b_128k}
+           "llama3_8b_128k": _llama3_8b_128k, "llama3_8b_extend_128k": _llama3_8b_extend_128k}
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:

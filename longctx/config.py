@@ -80,6 +80,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(m.d_model % fsdp == 0,
              f"model.d_model={m.d_model} is not divisible by the fsdp mesh size {fsdp}.")
 
+    _check_rope_scaling(m.get("rope_scaling"))  # (absent from configs saved before it existed)
+
     # Attention mask.
     if a.sliding_window is not None:
         _require(a.sliding_window > 0, f"attention.sliding_window={a.sliding_window} must be positive.")
@@ -115,11 +117,42 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0 disables eval).")
     _require(t.eval_every == 0 or t.eval_steps > 0,
              f"train.eval_steps={t.eval_steps} must be positive when train.eval_every > 0.")
+    _require(t.get("eval_needle_every", 0) >= 0,
+             f"train.eval_needle_every={t.get('eval_needle_every')} must be >= 0 (0 disables the passkey evaluation).")
     _require(c.every_steps >= 0, f"checkpoint.every_steps={c.every_steps} must be >= 0 (0 = only at the end).")
     _require(c.max_to_keep >= 1, f"checkpoint.max_to_keep={c.max_to_keep} must be at least 1.")
     _require(c.keep_period is None or c.keep_period > 0,
              f"checkpoint.keep_period={c.keep_period} must be positive.")
     return {mesh_lib.DP: dp, mesh_lib.FSDP: fsdp, mesh_lib.SP: sp}
+
+
+def _check_rope_scaling(s) -> None:
+    """The keys `model.rope_scaling.type` reads (longctx/rope.py) must describe a real stretch."""
+    from longctx import rope
+
+    if s is None:
+        return
+    _require(s.type in rope.ROPE_TYPES, f"model.rope_scaling.type={s.type!r} is not one of "
+             f"{', '.join(map(repr, rope.ROPE_TYPES))}.")
+    if s.type == "none":
+        return
+    # A factor below 1 would compress positions: a shorter context, never what scaling is for.
+    _require(s.factor is not None and s.factor >= 1.0,
+             f"model.rope_scaling.factor={s.factor!r} must be at least 1 for {s.type} RoPE scaling.")
+    if s.type in ("llama3", "yarn"):
+        _require(s.original_max_position is not None and s.original_max_position > 0,
+                 f"model.rope_scaling.original_max_position={s.original_max_position!r} must be a "
+                 f"positive number of tokens for {s.type} RoPE scaling.")
+    if s.type == "llama3":
+        _require(0 < s.low_freq_factor < s.high_freq_factor,
+                 f"model.rope_scaling.low_freq_factor={s.low_freq_factor} must be positive and below "
+                 f"model.rope_scaling.high_freq_factor={s.high_freq_factor}.")
+    if s.type == "yarn":
+        _require(0 < s.beta_slow < s.beta_fast,
+                 f"model.rope_scaling.beta_slow={s.beta_slow} must be positive and below "
+                 f"model.rope_scaling.beta_fast={s.beta_fast}.")
+        _require(s.attention_factor is None or s.attention_factor > 0,
+                 f"model.rope_scaling.attention_factor={s.attention_factor} must be positive (or unset).")
 
 
 def num_params_estimate(config) -> int:

@@ -24,6 +24,7 @@ from flax import nnx
 from longctx import config as config_lib
 from longctx import mesh as mesh_lib
 from longctx import ops
+from longctx import rope as rope_lib
 
 # Parameters are created abstractly and sharded by the trainer (eval_shape -> shardings -> jit),
 # so flax must not try to place them eagerly at construction time.
@@ -77,12 +78,16 @@ def rms_norm(x, scale, eps):
     return (x32 * scale).astype(x.dtype)
 
 
-def apply_rope(x, positions, theta: float):
-    """Rotary embedding from each token's own position: packed documents restart at 0."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, h/2]
+def apply_rope(x, positions, rotary: rope_lib.Rotary):
+    """Rotary embedding from each token's own position: packed documents restart at 0.
+
+    The frequencies (and YaRN's cos/sin scale) come from `longctx.rope`. The two halves of the
+    head dimension are rotated as pairs (x_j, x_{j+h/2}), Hugging Face Llama's `rotate_half`
+    convention, so HF checkpoints load without permuting their q/k projections."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rotary.inv_freq)  # [b, t, h/2]
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    if rotary.attention_scaling != 1.0:
+        sin, cos = sin * rotary.attention_scaling, cos * rotary.attention_scaling
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
@@ -157,8 +162,9 @@ class DecoderBlock(nnx.Module):
         q = jnp.einsum("btd,dnh->btnh", y, w(self.wq))
         k = jnp.einsum("btd,dkh->btkh", y, w(self.wk))
         v = jnp.einsum("btd,dkh->btkh", y, w(self.wv))
-        q = _constrain(apply_rope(q, positions, m.rope_theta), _ATTN_ACTIVATION)
-        k = _constrain(apply_rope(k, positions, m.rope_theta), _ATTN_ACTIVATION)
+        rotary = rope_lib.from_model_config(m)
+        q = _constrain(apply_rope(q, positions, rotary), _ATTN_ACTIVATION)
+        k = _constrain(apply_rope(k, positions, rotary), _ATTN_ACTIVATION)
         return q, k, v
 
     def _output_and_mlp(self, x, attention_out, *, config):

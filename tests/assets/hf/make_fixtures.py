@@ -1,0 +1,188 @@
+"""Makes the Hugging Face fixtures in this directory. Run once, in a venv of its own:
+
+  python3 -m venv /tmp/hfvenv
+  /tmp/hfvenv/bin/pip install torch==2.13.0 transformers safetensors numpy
+  /tmp/hfvenv/bin/python tests/assets/hf/make_fixtures.py
+
+The tests read what it writes with numpy and longctx only (no torch, no transformers):
+
+  <model>/config.json, <model>/model.safetensors   tiny random models saved by `save_pretrained`
+                                                   (2 layers, d_model 64, 4 query / 2 KV heads,
+                                                   vocab 512, float32)
+  inputs.npz          two rows of 512 token ids: row 0 one document, row 1 three packed documents
+                      (`segment_ids` 1..3, `positions` restarting at 0 in each)
+  golden_logits.npz   per model, transformers' float32 logits of those rows at every
+                      `LOGIT_STRIDE`-th position (row 1: each document run on its own, so its
+                      positions restart as in longctx's packing); stored strided to keep the
+                      fixture small, the positions still span the whole 512 tokens
+  rope_golden.json    inverse frequencies and the cos/sin scale ("attention_scaling") computed by
+                      transformers' own rotary embedding for HF config.json excerpts in both
+                      spellings (`rope_theta` + `rope_scaling`, and `rope_parameters`)
+  versions.json       the versions this ran with
+
+Weights are drawn with a larger scale than HF's init (std 0.2 instead of 0.02) and the RMSNorm
+gains are randomised, so that attention is far from uniform and logits are O(1): with HF's
+default init every logit is ~0.1 and a RoPE or layout error would hide below the 1e-4 tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+
+import numpy as np
+import safetensors
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SEQ_LEN = 512
+DOCS_ROW1 = (300, 150, 62)  # packed document lengths of row 1
+LOGIT_STRIDE = 4
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            rms_norm_eps=1e-5, initializer_range=0.2)
+
+MODELS = {
+    "llama_untied": (LlamaConfig, LlamaForCausalLM, dict(rope_theta=10_000.0, tie_word_embeddings=False)),
+    "llama_tied": (LlamaConfig, LlamaForCausalLM, dict(rope_theta=10_000.0, tie_word_embeddings=True)),
+    # original_max_position_embeddings=256 puts the 8 frequencies of head_dim 16 in all three of
+    # llama3's bands (kept, smoothed, divided by the factor).
+    "llama3_scaling": (LlamaConfig, LlamaForCausalLM, dict(
+        rope_theta=500_000.0, tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=256))),
+    # A window shorter than the documents, so the window's exact width shows in the logits.
+    "mistral_window": (MistralConfig, MistralForCausalLM, dict(
+        rope_theta=10_000.0, tie_word_embeddings=False, sliding_window=100)),
+}
+
+# config.json excerpts for the RoPE golden values: released-model spellings and edge cases.
+ROPE_CASES = {
+    "default_theta10k_h16": dict(hidden_size=64, num_attention_heads=4, rope_theta=10_000.0),
+    "default_llama3_8b": dict(hidden_size=4096, num_attention_heads=32, rope_theta=500_000.0,
+                              max_position_embeddings=8192),
+    "linear_factor4": dict(hidden_size=4096, num_attention_heads=32, rope_theta=10_000.0,
+                           rope_scaling=dict(type="linear", factor=4.0)),
+    # Llama-3.1-8B's config.json as released (legacy spelling).
+    "llama3_llama31_8b": dict(hidden_size=4096, num_attention_heads=32, rope_theta=500_000.0,
+                              max_position_embeddings=131_072,
+                              rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                original_max_position_embeddings=8192,
+                                                rope_type="llama3")),
+    # The same, as transformers 5 writes it.
+    "llama3_llama31_8b_rope_parameters": dict(
+        hidden_size=4096, num_attention_heads=32, max_position_embeddings=131_072,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500_000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "llama3_tiny_fixture": dict(hidden_size=64, num_attention_heads=4, rope_theta=500_000.0,
+                                max_position_embeddings=2048,
+                                rope_scaling=MODELS["llama3_scaling"][2]["rope_scaling"]),
+    "yarn_factor4": dict(hidden_size=4096, num_attention_heads=32, rope_theta=10_000.0,
+                         max_position_embeddings=16_384,
+                         rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                           original_max_position_embeddings=4096)),
+    "yarn_betas_mscale": dict(hidden_size=2048, num_attention_heads=16, rope_theta=1_000_000.0,
+                              max_position_embeddings=131_072,
+                              rope_parameters=dict(rope_type="yarn", rope_theta=1_000_000.0, factor=32.0,
+                                                   original_max_position_embeddings=4096, beta_fast=16.0,
+                                                   beta_slow=2.0, mscale=0.707, mscale_all_dim=0.707)),
+    "yarn_attention_factor_no_truncate": dict(
+        hidden_size=1024, num_attention_heads=8, rope_theta=10_000.0, max_position_embeddings=32_768,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10_000.0, factor=8.0,
+                             original_max_position_embeddings=4096, attention_factor=1.25,
+                             truncate=False)),
+    "yarn_no_original_max_position": dict(hidden_size=512, num_attention_heads=4, rope_theta=10_000.0,
+                                          max_position_embeddings=4096,
+                                          rope_scaling=dict(type="yarn", factor=2.0)),
+}
+
+
+def make_inputs() -> dict:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, TINY["vocab_size"], (2, SEQ_LEN)).astype(np.int32)
+    segment_ids = np.ones((2, SEQ_LEN), np.int32)
+    positions = np.tile(np.arange(SEQ_LEN, dtype=np.int32), (2, 1))
+    start = 0
+    for i, n in enumerate(DOCS_ROW1):
+        segment_ids[1, start:start + n] = i + 1
+        positions[1, start:start + n] = np.arange(n)
+        start += n
+    assert start == SEQ_LEN
+    return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+
+
+def randomise(model, seed: int) -> None:
+    """Larger weights than HF's init, random norm gains (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def logits_of(model, inputs) -> np.ndarray:
+    """[2, SEQ_LEN, vocab] float32; row 1 one document at a time (positions restart)."""
+    out = np.zeros((2, SEQ_LEN, TINY["vocab_size"]), np.float32)
+    with torch.no_grad():
+        tokens = torch.from_numpy(inputs["tokens"]).long()
+        out[0] = model(tokens[:1]).logits[0].numpy()
+        start = 0
+        for n in DOCS_ROW1:
+            out[1, start:start + n] = model(tokens[1:, start:start + n]).logits[0].numpy()
+            start += n
+    return out
+
+
+def rope_golden() -> dict:
+    out = {}
+    for name, excerpt in ROPE_CASES.items():
+        config = LlamaConfig(**json.loads(json.dumps(excerpt)))  # as from_pretrained reads config.json
+        rotary = LlamaRotaryEmbedding(config)
+        out[name] = {"config": excerpt, "inv_freq": rotary.inv_freq.double().tolist(),
+                     "attention_scaling": float(rotary.attention_scaling)}
+    return out
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    inputs = make_inputs()
+    np.savez(os.path.join(HERE, "inputs.npz"), **inputs)
+    golden = {"positions_index": np.arange(0, SEQ_LEN, LOGIT_STRIDE)}
+    for seed, (name, (config_cls, model_cls, extra)) in enumerate(MODELS.items()):
+        config = config_cls(**TINY, **extra)
+        config._attn_implementation = "eager"  # the plain softmax(QK^T)V reference
+        model = model_cls(config).float().eval()
+        randomise(model, seed)
+        directory = os.path.join(HERE, name)
+        shutil.rmtree(directory, ignore_errors=True)
+        model.save_pretrained(directory, safe_serialization=True)
+        for extra_file in ("generation_config.json",):
+            path = os.path.join(directory, extra_file)
+            if os.path.exists(path):
+                os.remove(path)
+        reloaded = model_cls.from_pretrained(directory, attn_implementation="eager").float().eval()
+        logits = logits_of(reloaded, inputs)
+        np.testing.assert_array_equal(logits, logits_of(model, inputs))
+        golden[name] = logits[:, ::LOGIT_STRIDE]
+        print(f"{name}: logits std {logits.std():.3f}, max |logit| {np.abs(logits).max():.2f}")
+    np.savez(os.path.join(HERE, "golden_logits.npz"), **golden)
+    with open(os.path.join(HERE, "rope_golden.json"), "w") as f:
+        json.dump(rope_golden(), f, indent=1)
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__, "safetensors": safetensors.__version__,
+                "numpy": np.__version__}
+    with open(os.path.join(HERE, "versions.json"), "w") as f:
+        json.dump(versions, f, indent=1)
+    print(versions)
+
+
+if __name__ == "__main__":
+    main()
