@@ -93,8 +93,9 @@ def apply_rope(x, positions, rotary: rope_lib.Rotary):
     return rotated.astype(x.dtype)
 
 
-def ring_attention_over_mesh(q, k, v, segment_ids, sinks, attention_config, layout: str):
-    """Global [b, t, n, h] arrays in, ring attention on each device's sequence shard, global out."""
+def ring_attention_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout: str):
+    """Global [b, t, n, h] arrays in, ring attention on each device's sequence shard, global out.
+    `positions` (in-document) start chunked attention's chunks at each document's start."""
     a = attention_config
     qkv_spec = mesh_lib.logical_to_spec(_ATTN_ACTIVATION)
     token_spec = mesh_lib.logical_to_spec(_TOKEN_ACTIVATION)
@@ -108,14 +109,18 @@ def ring_attention_over_mesh(q, k, v, segment_ids, sinks, attention_config, layo
         block_sizes=a.block_size,
     )
 
-    def per_shard(q, k, v, segment_ids, sinks):
-        return attend(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, softmax_aux=sinks)
+    def per_shard(q, k, v, segment_ids, positions, sinks):
+        return attend(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                      positions=positions, softmax_aux=sinks)
 
+    if segment_ids is None:
+        positions = None  # one document per row: chunks are on row positions
     in_specs = (qkv_spec, qkv_spec, qkv_spec,
                 None if segment_ids is None else token_spec,
+                None if positions is None else token_spec,
                 None if sinks is None else mesh_lib.logical_to_spec(None))
     return jax.shard_map(per_shard, in_specs=in_specs, out_specs=qkv_spec)(
-        q, k, v, segment_ids, sinks)
+        q, k, v, segment_ids, positions, sinks)
 
 
 class DecoderBlock(nnx.Module):
@@ -150,7 +155,7 @@ class DecoderBlock(nnx.Module):
                  else (lambda f: jax.checkpoint(f, policy=policy, prevent_cse=not m.scan_layers)))
         q, k, v = remat(functools.partial(self._qkv, config=config))(x, positions)
         sinks = None if self.sinks is None else self.sinks[...]
-        out = ring_attention_over_mesh(q, k, v, segment_ids, sinks, config.attention, layout)
+        out = ring_attention_over_mesh(q, k, v, segment_ids, positions, sinks, config.attention, layout)
         return remat(functools.partial(self._output_and_mlp, config=config))(x, out)
 
     def _weight(self, param, config):

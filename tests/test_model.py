@@ -54,7 +54,8 @@ def plain_nll(params, rows, config):
         q = plain_rope(jnp.einsum("bsd,dnh->bsnh", y, p["wq"]), rows["positions"], m.rope_theta)
         k = plain_rope(jnp.einsum("bsd,dkh->bskh", y, p["wk"]), rows["positions"], m.rope_theta)
         v = jnp.einsum("bsd,dkh->bskh", y, p["wv"])
-        o = reference_attention(q, k, v, segments, segments, p.get("sinks"), causal=a.causal,
+        o = reference_attention(q, k, v, segments, segments, p.get("sinks"),
+                                positions=jnp.asarray(rows["positions"]), causal=a.causal,
                                 sliding_window=None if a.sliding_window is None else (a.sliding_window, 0),
                                 chunk_size=a.chunk_size, logits_soft_cap=a.logits_soft_cap)
         x = x + jnp.einsum("bsnh,nhd->bsd", o, p["wo"])

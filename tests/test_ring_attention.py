@@ -51,6 +51,13 @@ def _segments(rng, batch, seq_len):
     return np.cumsum(starts, axis=1).astype(np.int32)
 
 
+def _positions(seg):
+    """In-document positions [b, S] (0 at every document's start) of natural-order segment ids."""
+    index = jnp.arange(seg.shape[1], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
 def _inputs(seed, batch, seq_len, kv_heads, dtype=np.float32):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((batch, seq_len, HEADS, HEAD_DIM))
@@ -71,18 +78,19 @@ def _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_se
     perm = layout_lib.permutation(resolve_layout(layout, seq_len, sp, **kw), seq_len, sp)
     data = P(("dp", "fsdp"), "sp")
 
-    def per_shard(q, k, v, qs, ks, aux):
-        return ring_attention(q, k, v, qs, ks, aux, logits_soft_cap=soft_cap, axis_name="sp",
-                              layout=layout, impl=impl, block_sizes=BLOCK, **kw)
+    def per_shard(q, k, v, qs, ks, pos, aux):
+        return ring_attention(q, k, v, qs, ks, aux, positions=pos, logits_soft_cap=soft_cap,
+                              axis_name="sp", layout=layout, impl=impl, block_sizes=BLOCK, **kw)
 
     def ring(q, k, v, qs, ks, aux):
         f = jax.shard_map(per_shard, mesh=mesh,
                           in_specs=(data, data, data, data if with_seg else None,
                                     data if kv_segments_differ else None,
-                                    P() if with_aux else None),
+                                    data if with_seg else None, P() if with_aux else None),
                           out_specs=data)
         to_layout = lambda x: None if x is None else x[:, perm]
-        out = f(*map(to_layout, (q, k, v, qs, ks)), aux)
+        pos = None if qs is None else _positions(qs)
+        out = f(*map(to_layout, (q, k, v, qs, ks, pos)), aux)
         return out[:, layout_lib.inverse_permutation(perm)]
 
     return jax.jit(functools.partial(_out_and_grads, ring))
@@ -95,7 +103,11 @@ def _out_and_grads(fn, q, k, v, qs, ks, aux, dout):
 
 @functools.lru_cache(maxsize=None)
 def _ref_program(mask_items, soft_cap):
-    ref = functools.partial(reference_attention, logits_soft_cap=soft_cap, **dict(mask_items))
+    def ref(q, k, v, qs, ks, aux):
+        pos = None if qs is None else _positions(qs)
+        return reference_attention(q, k, v, qs, ks, aux, positions=pos, logits_soft_cap=soft_cap,
+                                   **dict(mask_items))
+
     return jax.jit(functools.partial(_out_and_grads, ref))
 
 

@@ -2,12 +2,12 @@
 
 Public API:
   ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None,
-                 *, causal=False, sliding_window=None, chunk_size=None, logits_soft_cap=None,
-                 softmax_scale=None, axis_name="sp", layout="contiguous", impl="splash",
-                 block_sizes=None) -> [batch, L, heads, head_dim]
+                 *, positions=None, causal=False, sliding_window=None, chunk_size=None,
+                 logits_soft_cap=None, softmax_scale=None, axis_name="sp", layout="contiguous",
+                 impl="splash", block_sizes=None) -> [batch, L, heads, head_dim]
       Call inside jax.shard_map with `axis_name` bound, on this device's shard in layout order.
   reference_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, *,
-                      causal, sliding_window, chunk_size, logits_soft_cap, softmax_scale)
+                      positions, causal, sliding_window, chunk_size, logits_soft_cap, softmax_scale)
       Dense oracle on whole natural-order sequences (tests).
   resolve_layout(layout, seq_len, num_shards, *, causal=False, sliding_window=None,
                  chunk_size=None) -> str
@@ -21,9 +21,10 @@ Public API:
       concrete layout (benchmarks, configs). `ring_schedule(...)` returns the full Schedule:
       computed_blocks [device, step], run_steps, efficiency, steps, critical_path.
 """
-from longctx.masks import resolve_layout, ring_schedule, ring_schedule_efficiency
+from longctx.masks import resolve_layout
 from longctx.ops.reference import reference_attention
 from longctx.ops.ring import IMPLS, ring_attention
+from longctx.ops.tables import ring_schedule, ring_schedule_efficiency
 
 __all__ = ["IMPLS", "ring_attention", "reference_attention", "resolve_layout", "ring_schedule",
            "ring_schedule_efficiency"]

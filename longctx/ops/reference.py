@@ -29,13 +29,17 @@ def _dense_mask(seq_len, causal, sliding_window, chunk_size):
 
 
 def reference_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None,
-                        *, causal=False, sliding_window=None, chunk_size=None,
+                        *, positions=None, causal=False, sliding_window=None, chunk_size=None,
                         logits_soft_cap=None, softmax_scale=None):
     """softmax(mask(cap(scale * q k^T))) v with an optional per-head sink logit.
 
     q: [b, S, heads, h]; k, v: [b, S, kv_heads, h]; segment ids [b, S]; softmax_aux [heads].
-    The sink (gpt-oss style) adds exp(aux[head]) to the softmax denominator only; it has no value
-    vector. Rows with nothing to attend to (and no sink) give 0. Returns q.dtype.
+    With segment ids, a query sees keys of its own document only, and an id <= 0 (padding) sees
+    nothing and is seen by nothing. positions [b, S] (in-document): with segment ids and
+    chunk_size, chunks are counted from each document's start (i and j in one chunk when
+    p_i // chunk == p_j // chunk, in the same document). The sink (gpt-oss style) adds
+    exp(aux[head]) to the softmax denominator only; it has no value vector. Rows with nothing to
+    attend to (and no sink) give 0. Returns q.dtype.
     """
     b, seq_len, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -50,11 +54,19 @@ def reference_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, softma
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
 
-    mask = _dense_mask(seq_len, causal, sliding_window, chunk_size)[None]  # [1, t, s]
-    if q_segment_ids is not None or kv_segment_ids is not None:
+    documents = q_segment_ids is not None or kv_segment_ids is not None
+    per_document_chunks = documents and chunk_size is not None
+    mask = _dense_mask(seq_len, causal or per_document_chunks, sliding_window,
+                       None if per_document_chunks else chunk_size)[None]  # [1, t, s]
+    if documents:
         qs = q_segment_ids if q_segment_ids is not None else kv_segment_ids
         ks = kv_segment_ids if kv_segment_ids is not None else q_segment_ids
-        mask = mask & (qs[:, :, None] == ks[:, None, :])  # [b, t, s]
+        mask = mask & (qs[:, :, None] == ks[:, None, :]) & (qs > 0)[:, :, None] & (ks > 0)[:, None, :]
+    if per_document_chunks:
+        if positions is None:
+            raise ValueError("chunk_size with segment ids needs positions")
+        chunk = positions // chunk_size
+        mask = mask & (chunk[:, :, None] == chunk[:, None, :])
     mask = mask[:, None, None]  # [b, 1, 1, t, s]
     logits = jnp.where(mask, logits, -jnp.inf)
 

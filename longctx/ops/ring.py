@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from longctx import masks
+from longctx.ops import tables as tables_lib
+from longctx.ops.shmap import pick, vary_like
 
 # The per-step backends: the Pallas TPU splash kernel, and the same math in plain XLA.
 IMPLS = ("splash", "xla")
@@ -48,43 +50,17 @@ class RingConfig:
     interpret: bool
 
     @property
-    def tables(self) -> masks.RingTables:
-        return masks.ring_tables(self.spec, self.layout, self.seq_len, self.sp, self.bq, self.bkv)
+    def tables(self) -> tables_lib.RingTables:
+        return tables_lib.ring_tables(self.spec, self.layout, self.seq_len, self.sp, self.bq, self.bkv)
 
 
 def _backend(cfg):
-    # Imported lazily: each backend imports this module's helpers.
+    # Imported when first used: the splash backend pulls in Pallas.
     if cfg.impl == "splash":
         from longctx.ops import splash
         return splash
     from longctx.ops import xla
     return xla
-
-
-def pick(table, d, t):
-    """table[d, t] of a host table, with d = this device and t = traced run-step index."""
-    return jnp.asarray(table)[d, t]
-
-
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax >= 0.9: manual-axis type; older: aval.vma
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def vary_like(tree, ref):
-    """Marks `tree` as varying over the mesh axes `ref` varies over (shard_map's vma typing).
-
-    Fresh constants (zeros, -inf) are device-invariant; loop carries and cond branches must
-    have the same type as the device-varying values they are combined with.
-    """
-    want = _varying_axes(ref)
-
-    def one(x):
-        missing = tuple(sorted(want - _varying_axes(x)))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree)
 
 
 def _shift(tree, hops, cfg):
@@ -140,18 +116,28 @@ def _merge(o, lse, o_s, lse_s):
     return o * w[..., None] + o_s * w_s[..., None], new
 
 
+def _live(cfg, d, t, q_ranges, ks_t):
+    """bool [b or 1, q_blocks, kv_blocks]: the blocks of run step t this device computes (the
+    static mask's, less those whose queries and keys share no document)."""
+    kv_ranges = None if ks_t is None else tables_lib.document_ranges(ks_t, cfg.bkv)
+    return tables_lib.live_blocks(pick(cfg.tables.classes, d, t), q_ranges, kv_ranges)
+
+
 def _forward(cfg, q, k, v, qs, ks, aux):
-    backend, tables = _backend(cfg), cfg.tables
+    backend = _backend(cfg)
     d = lax.axis_index(cfg.axis_name)
     qx = (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
     b, L, n, h = q.shape
+    q_ranges = None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
 
     def body(t, travel, acc, state):
         k_t, v_t, ks_t = travel
         o, lse = state
+        live = _live(cfg, d, t, q_ranges, ks_t)
+        # A step with no live block in any row skips its kernel (the K/V travel on regardless).
         o_s, lse_s = lax.cond(
-            pick(tables.active, d, t),
-            lambda: backend.fwd_step(cfg, qx, k_t, v_t, qs, ks_t, d, t),
+            jnp.any(live),
+            lambda: backend.fwd_step(cfg, qx, k_t, v_t, qs, ks_t, live, d, t),
             lambda: empty)
         return acc, _merge(o, lse, o_s, lse_s)
 
@@ -170,7 +156,6 @@ def _forward(cfg, q, k, v, qs, ks, aux):
 def _backward(cfg, res, do):
     q, k, v, qs, ks, aux, out, lse = res
     backend = _backend(cfg)
-    tables = cfg.tables
     d = lax.axis_index(cfg.axis_name)
     qx = (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
     do = do.astype(q.dtype)
@@ -180,12 +165,15 @@ def _backward(cfg, res, do):
     # kernels' p = exp(masked - lse) exactly 0 there, so their gradients are 0, not NaN.
     lse_k = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
+    q_ranges = None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
+
     def body(t, travel, acc, dq):
         k_t, v_t, ks_t = travel
         dk, dv = acc
+        live = _live(cfg, d, t, q_ranges, ks_t)
         dq_s, dk_s, dv_s = lax.cond(
-            pick(tables.active, d, t),
-            lambda: backend.bwd_step(cfg, qx, k_t, v_t, qs, ks_t, lse_k, do, di, d, t),
+            jnp.any(live),
+            lambda: backend.bwd_step(cfg, qx, k_t, v_t, qs, ks_t, lse_k, do, di, live, d, t),
             lambda: (zq, zk, zk))
         return (dk + dk_s, dv + dv_s), dq + dq_s
 
@@ -200,6 +188,29 @@ def _backward(cfg, res, do):
         p_sink = jnp.exp(aux.astype(jnp.float32)[None, None, :] - lse_k)
         daux = (-jnp.sum(p_sink * di, axis=(0, 1))).astype(aux.dtype)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, daux
+
+
+# What padding becomes inside the ring: different ids on the query and key side, so that the
+# kernels' id comparison never pairs a padding query with a padding key.
+_PAD_Q, _PAD_KV = -1, -2
+
+
+def _kernel_segment_ids(q_ids, kv_ids, positions, chunk_size, shard_positions, axis_name):
+    """The int32 ids the kernels compare: padding (<= 0) split into _PAD_Q / _PAD_KV, and with
+    `chunk_size` every (document, chunk of the document) made its own id.
+
+    A chunk's id is 1 + the global position where it starts, g - (p mod chunk_size) for a token
+    at global position g and in-document position p: unique per chunk (a chunk starts inside its
+    own document) and non-decreasing along the sequence, as packed ids are, so the block ranges
+    of ops/tables.py stay tight. Only the query side needs this device's global positions; the
+    K/V side is computed here, before the ring, and travels with K/V."""
+    q_ids, kv_ids = jnp.asarray(q_ids).astype(jnp.int32), jnp.asarray(kv_ids).astype(jnp.int32)
+    if chunk_size is not None:
+        g = jnp.asarray(shard_positions, jnp.int32)[lax.axis_index(axis_name)][None, :]
+        chunk_start = g - jnp.asarray(positions, jnp.int32) % chunk_size + 1
+        q_ids = jnp.where(q_ids > 0, chunk_start, q_ids)
+        kv_ids = jnp.where(kv_ids > 0, chunk_start, kv_ids)
+    return jnp.where(q_ids > 0, q_ids, _PAD_Q), jnp.where(kv_ids > 0, kv_ids, _PAD_KV)
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,18 +280,22 @@ def _on_tpu():
 
 
 def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
-                   softmax_aux=None, *, causal=False, sliding_window=None, chunk_size=None,
-                   logits_soft_cap=None, softmax_scale=None, axis_name="sp",
+                   softmax_aux=None, *, positions=None, causal=False, sliding_window=None,
+                   chunk_size=None, logits_soft_cap=None, softmax_scale=None, axis_name="sp",
                    layout="contiguous", impl="splash", block_sizes=None):
     """Attention of this device's query shard over the whole sequence split across `axis_name`.
 
     Call inside `jax.shard_map` with `axis_name` bound. query [b, L, heads, head_dim] and
     key/value [b, L, kv_heads, head_dim] are this device's shards in `layout` order; masks are
     evaluated on global natural-order positions (see longctx.layout). Segment ids [b, L] int32
-    travel with K/V; softmax_aux [heads] are attention-sink logits (differentiable).
-    impl="splash" runs the Pallas TPU kernel (interpret mode off TPU); impl="xla" the same
-    schedule in plain XLA. block_sizes: None (512/256/128 dividing L), an int, or a splash
-    BlockSizes. Returns [b, L, heads, head_dim] in query's dtype.
+    (documents) travel with K/V; an id <= 0 is padding, which attends to nothing and is attended
+    by nothing. Blocks whose queries and keys share no document are skipped (ops/tables.py).
+    positions [b, L]: each token's position in its document (the model's RoPE positions); with
+    segment ids and chunk_size they make chunked attention per document, chunks counted from
+    each document's start, as at inference. softmax_aux [heads] are attention-sink logits
+    (differentiable). impl="splash" runs the Pallas TPU kernel (interpret mode off TPU);
+    impl="xla" the same schedule in plain XLA. block_sizes: None (512/256/128 dividing L), an
+    int, or a splash BlockSizes. Returns [b, L, heads, head_dim] in query's dtype.
     """
     from longctx import layout as layout_lib
     if impl not in IMPLS:
@@ -306,9 +321,12 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     for name, seg in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
         if seg is not None and tuple(seg.shape) != (b, L):
             raise ValueError(f"{name} has shape {tuple(seg.shape)}, expected (batch, L) = {(b, L)}")
-    if q_segment_ids is not None:  # the kernels compare int32 ids
-        q_segment_ids = jnp.asarray(q_segment_ids).astype(jnp.int32)
-        kv_segment_ids = jnp.asarray(kv_segment_ids).astype(jnp.int32)
+    if positions is not None and tuple(positions.shape) != (b, L):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected (batch, L) = {(b, L)}")
+    per_document_chunks = chunk_size is not None and q_segment_ids is not None
+    if per_document_chunks and positions is None:
+        raise ValueError("chunk_size with segment ids needs positions (each token's position in "
+                         "its document): chunks start at every document's start")
     if softmax_aux is not None and tuple(softmax_aux.shape) != (heads,):
         raise ValueError(f"softmax_aux has shape {tuple(softmax_aux.shape)}, expected (heads,) = "
                          f"{(heads,)}")
@@ -323,6 +341,14 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     seq_len = L * sp
     layout = masks.resolve_layout(layout, seq_len, sp, causal=causal,
                                   sliding_window=sliding_window, chunk_size=chunk_size)
+    if q_segment_ids is not None:
+        q_segment_ids, kv_segment_ids = _kernel_segment_ids(
+            q_segment_ids, kv_segment_ids, positions, chunk_size if per_document_chunks else None,
+            layout_lib.shard_positions(layout, seq_len, sp), axis_name)
+    if per_document_chunks:
+        # Chunks are now in the ids; what stays static is that a chunk spans at most chunk_size
+        # tokens: a causal window of chunk_size - 1, which keeps the ring's pruning.
+        spec = masks.within_chunk_window(spec)
     bq, bkv, bkvc, bkvc_dkv = _block_sizes(block_sizes, L, impl)
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     cfg = RingConfig(spec=spec, layout=layout, seq_len=seq_len, sp=sp, bq=bq, bkv=bkv,

@@ -20,25 +20,49 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 from jax.sharding import PartitionSpec as P
 
-from longctx.ops.ring import pick, vary_like
+from longctx.ops import tables as tables_lib
+from longctx.ops.shmap import pick, vary_like
 
 MASK_VALUE = sk.DEFAULT_MASK_VALUE
 _HEAD_MINOR = sk.QKVLayout.HEAD_DIM_MINOR
 
 
-def _mask_info(cfg, d, t, kind):
+def _mask_infos(cfg, d, t, live, kind):
+    """((data_next, block_mask, mask_next), partial blocks) of run step t: the static tables with
+    the blocks that are not live switched off and not fetched (tables.skip_dead_entries), one
+    set per batch row [b, ...], or one for all rows when `live` has a single row (no segment
+    ids)."""
     tb = cfg.tables
-    if kind == "fwd":  # forward and dq kernels: rows = q blocks
-        data, block, nxt = tb.fwd_data_next, tb.fwd_block_mask, tb.fwd_mask_next
+    if kind == "fwd":  # forward and dq kernels: rows = q blocks, entries along the grid width
+        data, block, nxt, axis = tb.fwd_data_next, tb.fwd_block_mask, tb.fwd_mask_next, -1
         partial = tb.partial
-    else:  # dkv kernel: columns = kv blocks, partial blocks stored [kv, q]
-        data, block, nxt = tb.dkv_data_next, tb.dkv_block_mask, tb.dkv_mask_next
+    else:  # dkv kernel: columns = kv blocks, entries along the grid height; partial as [kv, q]
+        data, block, nxt, axis = tb.dkv_data_next, tb.dkv_block_mask, tb.dkv_mask_next, -2
         partial = None if tb.partial is None else tb.partial.swapaxes(1, 2)
-    return mi.MaskInfo(
-        data_next=pick(data, d, t), block_mask=pick(block, d, t),
-        mask_next=None if nxt is None else pick(nxt, d, t),
-        partial_mask_blocks=None if partial is None else jnp.asarray(partial),
-        q_sequence=None)
+    rows = live.shape[0]
+    data, block = pick(data, d, t), pick(block, d, t)  # [1, q or grid blocks, grid or kv blocks]
+    nxt = None if nxt is None else pick(nxt, d, t)
+    batch = lambda x: None if x is None else jnp.broadcast_to(x[None], (rows, *x.shape))  # noqa: E731
+    # Is entry e live? The block it names: (q block, data[e]) forward, (data[e], kv block) dkv.
+    entry_live = jnp.take_along_axis(live[:, None], batch(data), axis=axis) & (batch(block) > 0)
+    arrays = tables_lib.skip_dead_entries(batch(data), batch(block), batch(nxt), entry_live, axis=axis)
+    if rows == 1:  # one MaskInfo for every row
+        arrays = tuple(None if x is None else x[0] for x in arrays)
+    return arrays, None if partial is None else jnp.asarray(partial)
+
+
+def _info(arrays, partial):
+    data, block, nxt = arrays
+    return mi.MaskInfo(data_next=data, block_mask=block, mask_next=nxt,
+                       partial_mask_blocks=partial, q_sequence=None)
+
+
+def _over_rows(one_row, live):
+    """vmap of `one_row(mask info arrays, *per-row arrays)` over the batch. The MaskInfo arrays
+    are batched only when they differ per row (segment ids); shared ones keep a single kernel
+    call for the whole batch (per-row scalar tables make Pallas loop over the rows)."""
+    return lambda info, *rows: jax.vmap(
+        one_row, in_axes=(0 if live.shape[0] > 1 else None,) + (0,) * len(rows))(info, *rows)
 
 
 def _local(fn, ref, *args):
@@ -65,24 +89,25 @@ def _heads_major(x):
     return jnp.swapaxes(x, 1, 2)  # [b, L, heads, h] <-> [b, heads, L, h]
 
 
-def fwd_step(cfg, q, k, v, qs, ks, d, t):
+def fwd_step(cfg, q, k, v, qs, ks, live, d, t):
     del d  # the tables are picked inside the local region, from its own axis_index
     sizes = sk.BlockSizes(block_q=cfg.bq, block_kv=cfg.bkv, block_kv_compute=cfg.bkv_compute)
 
-    def local(q, k, v, qs, ks, t):
-        info = _mask_info(cfg, lax.axis_index(cfg.axis_name), t, "fwd")
+    def local(q, k, v, qs, ks, live, t):
+        arrays, partial = _mask_infos(cfg, lax.axis_index(cfg.axis_name), t, live, "fwd")
 
-        def one_row(q1, k1, v1, seg):
+        def one_row(arrays, q1, k1, v1, seg):
             out, (lse,) = sk._splash_attention_forward(  # pylint: disable=protected-access
-                info, q1, k1, v1, seg, None, mask_value=MASK_VALUE, is_mqa=False,
-                block_sizes=sizes, residual_checkpoint_name=None, save_residuals=True,
-                mask_function=None, attn_logits_soft_cap=cfg.soft_cap, interpret=cfg.interpret)
+                _info(arrays, partial), q1, k1, v1, seg, None, mask_value=MASK_VALUE,
+                is_mqa=False, block_sizes=sizes, residual_checkpoint_name=None,
+                save_residuals=True, mask_function=None, attn_logits_soft_cap=cfg.soft_cap,
+                interpret=cfg.interpret)
             return out, lse
 
-        return jax.vmap(one_row)(_heads_major(q), _heads_major(k), _heads_major(v),
-                                 _segments(qs, ks))
+        return _over_rows(one_row, live)(arrays, _heads_major(q), _heads_major(k),
+                                         _heads_major(v), _segments(qs, ks))
 
-    out, lse = _local(local, q, q, k, v, qs, ks, t)
+    out, lse = _local(local, q, q, k, v, qs, ks, live, t)
     out = _heads_major(out).astype(jnp.float32)
     lse = jnp.swapaxes(lse, 1, 2)  # [b, L, n]
     # A row with no allowed key in this step gets lse ~ MASK_VALUE (masked logits inside a
@@ -92,31 +117,31 @@ def fwd_step(cfg, q, k, v, qs, ks, d, t):
     return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
 
 
-def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, d, t):
+def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, live, d, t):
     del d  # see fwd_step
     layouts = dict(q_layout=_HEAD_MINOR, k_layout=_HEAD_MINOR, v_layout=_HEAD_MINOR)
     common = dict(is_mqa=False, mask_value=MASK_VALUE, attn_logits_soft_cap=cfg.soft_cap,
                   mask_function=None, interpret=cfg.interpret, **layouts)
 
-    def local(q, k, v, qs, ks, lse, do, di, t):
+    def local(q, k, v, qs, ks, lse, do, di, live, t):
         d = lax.axis_index(cfg.axis_name)
-        fwd_info = _mask_info(cfg, d, t, "fwd")
-        dkv_info = _mask_info(cfg, d, t, "dkv")
+        (fwd_arrays, fwd_partial), (dkv_arrays, dkv_partial) = (
+            _mask_infos(cfg, d, t, live, kind) for kind in ("fwd", "dkv"))
 
-        def one_row(q1, k1, v1, seg, lse1, do1, di1):
+        def one_row(arrays, q1, k1, v1, seg, lse1, do1, di1):
             dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
                 q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
-                mask_info=fwd_info, **common)
+                mask_info=_info(arrays[0], fwd_partial), **common)
             _, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
                 q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
-                bkv_compute=cfg.bkv_dkv_compute, mask_info=dkv_info, use_fused_bwd_kernel=False,
-                **common)
+                bkv_compute=cfg.bkv_dkv_compute, mask_info=_info(arrays[1], dkv_partial),
+                use_fused_bwd_kernel=False, **common)
             return dq, dk, dv
 
-        return jax.vmap(one_row)(
-            _heads_major(q), _heads_major(k), _heads_major(v), _segments(qs, ks),
-            jnp.swapaxes(lse, 1, 2), _heads_major(do), jnp.swapaxes(di, 1, 2))
+        return _over_rows(one_row, live)(
+            (fwd_arrays, dkv_arrays), _heads_major(q), _heads_major(k), _heads_major(v),
+            _segments(qs, ks), jnp.swapaxes(lse, 1, 2), _heads_major(do), jnp.swapaxes(di, 1, 2))
 
-    dq, dk, dv = _local(local, q, q, k, v, qs, ks, lse, do, di, t)
+    dq, dk, dv = _local(local, q, q, k, v, qs, ks, lse, do, di, live, t)
     f = lambda x: _heads_major(x).astype(jnp.float32)
     return f(dq), f(dk), f(dv)

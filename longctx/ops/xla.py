@@ -1,11 +1,15 @@
-"""The ring step in plain XLA: KV-chunked online softmax, recomputation in the backward.
+"""The ring step in plain XLA: block-sparse online softmax, recomputation in the backward.
 
 Same contract as splash.py (see ring.py for shapes): the step's normalised output and
-logsumexp in the forward, float32 dQ/dK/dV of the step in the backward, with the same
-host tables (the mask comes from global positions, kv chunks no query touches are skipped).
-Memory per device is O(b * n * L * chunk): K/V are visited one chunk (= block_kv) at a time.
+logsumexp in the forward, float32 dQ/dK/dV of the step in the backward. The step visits the
+(q block, kv block) pairs of its static table (tables.RingTables.pairs: the blocks the mask
+keeps, row-major) one at a time and computes a pair only when it is live in some batch row
+(the segment ids give its queries and keys a common document), so it computes exactly the
+blocks splash does and a balanced layout costs no more work than a contiguous one. Inside a
+pair the mask is applied element by element from global positions and segment ids. Memory
+per device is O(b * n * L) for the running statistics plus one block pair of logits.
 
-Letters: b batch, t query positions (this shard), s key positions (one chunk), k kv heads,
+Letters: b batch, t query positions (one q block), s key positions (one kv block), k kv heads,
 g query heads per kv head, h head_dim.
 """
 from __future__ import annotations
@@ -13,38 +17,50 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from longctx.ops.ring import pick, vary_like
+from longctx.ops.shmap import pick, vary_like
 
 f32 = jnp.float32
 
 
-def _chunked(x, c):
-    """[b, L, ...] -> [L // c, b, c, ...], chunks leading for lax.scan."""
-    if x is None:
-        return None
-    b, L = x.shape[:2]
-    return jnp.swapaxes(x.reshape(b, L // c, c, *x.shape[2:]), 0, 1)
+def _slice(x, start, size, axis):
+    return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _setup(cfg, q, k, v, ks, d, t):
-    tables, c = cfg.tables, cfg.bkv
-    b, L, n, h = q.shape
-    kvh = k.shape[2]
-    q5 = q.reshape(b, L, kvh, n // kvh, h)
-    positions = jnp.asarray(tables.q_positions)  # [device, L], S int32 in all
-    qpos, kpos = positions[d], positions[pick(tables.kv_source, d, t)]
-    xs = (_chunked(k, c), _chunked(v, c), kpos.reshape(-1, c),
-          _chunked(ks, c), pick(tables.kv_block_active, d, t))
-    return q5, qpos, xs
+def _update(x, block, start, axis):
+    return lax.dynamic_update_slice_in_dim(x, block, start, axis)
 
 
-def _logits(cfg, q5, kc, qpos, kp, qs, ksc):
-    """Raw logits [b, k, g, t, s] (float32) and the mask, broadcastable to them."""
-    raw = jnp.einsum("btkgh,bskh->bkgts", q5, kc, preferred_element_type=f32)
-    mask = cfg.spec.allowed(qpos[:, None], kp[None, :])[None]  # [1, t, s]
-    if qs is not None:
-        mask = mask & (qs[:, :, None] == ksc[:, None, :])  # [b, t, s]
-    return raw, mask[:, None, None]
+class _Step:
+    """The fixed inputs of one ring step, and how to cut the pair (i, j) out of them."""
+
+    def __init__(self, cfg, q, k, v, qs, ks, live, d, t):
+        tables = cfg.tables
+        self.cfg, self.live = cfg, live
+        b, L, n, h = q.shape
+        self.kvh = k.shape[2]
+        self.q5 = q.reshape(b, L, self.kvh, n // self.kvh, h)
+        self.k, self.v, self.qs, self.ks = k, v, qs, ks
+        positions = jnp.asarray(tables.q_positions)  # [device, L], global positions
+        self.qpos, self.kpos = positions[d], positions[pick(tables.kv_source, d, t)]
+        self.pairs, self.valid = pick(tables.pairs, d, t), pick(tables.pair_valid, d, t)
+
+    def pair(self, p):
+        """(i, j, live): the pair's q block, kv block, and whether any row computes it."""
+        i, j = self.pairs[p, 0], self.pairs[p, 1]
+        return i, j, self.valid[p] & jnp.any(self.live[:, i, j])
+
+    def logits(self, i, j):
+        """Raw logits [b, k, g, t, s] (float32) of pair (i, j) and its mask, broadcastable."""
+        cfg = self.cfg
+        qi = _slice(self.q5, i * cfg.bq, cfg.bq, 1)
+        kj = _slice(self.k, j * cfg.bkv, cfg.bkv, 1)
+        raw = jnp.einsum("btkgh,bskh->bkgts", qi, kj, preferred_element_type=f32)
+        qp, kp = _slice(self.qpos, i * cfg.bq, cfg.bq, 0), _slice(self.kpos, j * cfg.bkv, cfg.bkv, 0)
+        mask = cfg.spec.allowed(qp[:, None], kp[None, :])[None]  # [1, t, s]
+        if self.qs is not None:
+            qsi, ksj = _slice(self.qs, i * cfg.bq, cfg.bq, 1), _slice(self.ks, j * cfg.bkv, cfg.bkv, 1)
+            mask = mask & (qsi[:, :, None] == ksj[:, None, :])  # [b, t, s]
+        return raw, mask[:, None, None]
 
 
 def _cap(cfg, raw):
@@ -63,64 +79,73 @@ def _to_bkgt(x, kvh):
     return jnp.moveaxis(x.reshape(b, L, kvh, n // kvh), 1, 3)
 
 
-def fwd_step(cfg, q, k, v, qs, ks, d, t):
+def fwd_step(cfg, q, k, v, qs, ks, live, d, t):
     b, L, n, h = q.shape
-    kvh = k.shape[2]
-    q5, qpos, xs = _setup(cfg, q, k, v, ks, d, t)
+    step = _Step(cfg, q, k, v, qs, ks, live, d, t)
+    kvh, bq = step.kvh, cfg.bq
 
-    def chunk(carry, x):
-        kc, vc, kp, ksc, active = x
+    def visit(p, carry):
+        i, j, is_live = step.pair(p)
 
         def run():
-            m, l, o = carry
-            raw, mask = _logits(cfg, q5, kc, qpos, kp, qs, ksc)
+            m_all, l_all, o_all = carry
+            m, l = _slice(m_all, i * bq, bq, 3), _slice(l_all, i * bq, bq, 3)
+            o = _slice(o_all, i * bq, bq, 1)
+            raw, mask = step.logits(i, j)
             s = jnp.where(mask, _cap(cfg, raw), -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
             safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # row still empty: keep exp() finite
-            p = jnp.exp(s - safe[..., None])
+            prob = jnp.exp(s - safe[..., None])
             alpha = jnp.exp(m - safe)
-            pv = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), vc, preferred_element_type=f32)
+            vj = _slice(v, j * cfg.bkv, cfg.bkv, 1)
+            pv = jnp.einsum("bkgts,bskh->btkgh", prob.astype(v.dtype), vj, preferred_element_type=f32)
             o = o * jnp.moveaxis(alpha, 3, 1)[..., None] + pv
-            return m_new, alpha * l + p.sum(-1), o
+            return (_update(m_all, m_new, i * bq, 3), _update(l_all, alpha * l + prob.sum(-1), i * bq, 3),
+                    _update(o_all, o, i * bq, 1))
 
-        return lax.cond(active, run, lambda: carry), None
+        return lax.cond(is_live, run, lambda: carry)
 
     init = vary_like((jnp.full((b, kvh, n // kvh, L), -jnp.inf, f32),
                       jnp.zeros((b, kvh, n // kvh, L), f32),
                       jnp.zeros((b, L, kvh, n // kvh, h), f32)), q)
-    (m, l, o), _ = lax.scan(chunk, init, xs)
+    m, l, o = lax.fori_loop(0, step.pairs.shape[0], visit, init)
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     o = o / jnp.moveaxis(jnp.where(l > 0, l, 1.0), 3, 1)[..., None]
     return o.reshape(b, L, n, h), _to_btn(lse)
 
 
-def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, d, t):
+def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, live, d, t):
     b, L, n, h = q.shape
-    kvh = k.shape[2]
-    q5, qpos, xs = _setup(cfg, q, k, v, ks, d, t)
-    do5 = do.reshape(q5.shape)
+    step = _Step(cfg, q, k, v, qs, ks, live, d, t)
+    kvh, bq, bkv = step.kvh, cfg.bq, cfg.bkv
+    do5 = do.reshape(step.q5.shape)
     lse4, di4 = _to_bkgt(lse, kvh), _to_bkgt(di, kvh)
-    c = cfg.bkv
 
-    def chunk(dq, x):
-        kc, vc, kp, ksc, active = x
+    def visit(p, carry):
+        i, j, is_live = step.pair(p)
 
         def run():
-            raw, mask = _logits(cfg, q5, kc, qpos, kp, qs, ksc)
+            dq_all, dk_all, dv_all = carry
+            raw, mask = step.logits(i, j)
             # Recompute the probabilities from the stored global logsumexp.
-            p = jnp.where(mask, jnp.exp(_cap(cfg, raw) - lse4[..., None]), 0.0)
-            dv = jnp.einsum("bkgts,btkgh->bskh", p.astype(do.dtype), do5, preferred_element_type=f32)
-            dp = jnp.einsum("btkgh,bskh->bkgts", do5, vc, preferred_element_type=f32)
-            ds = p * (dp - di4[..., None])
+            lse_i, di_i = _slice(lse4, i * bq, bq, 3), _slice(di4, i * bq, bq, 3)
+            prob = jnp.where(mask, jnp.exp(_cap(cfg, raw) - lse_i[..., None]), 0.0)
+            do_i, q_i = _slice(do5, i * bq, bq, 1), _slice(step.q5, i * bq, bq, 1)
+            k_j, v_j = _slice(k, j * bkv, bkv, 1), _slice(v, j * bkv, bkv, 1)
+            dv = jnp.einsum("bkgts,btkgh->bskh", prob.astype(do.dtype), do_i, preferred_element_type=f32)
+            dp = jnp.einsum("btkgh,bskh->bkgts", do_i, v_j, preferred_element_type=f32)
+            ds = prob * (dp - di_i[..., None])
             if cfg.soft_cap is not None:  # d cap(x)/dx = 1 - tanh(x / cap)^2
                 ds = ds * (1.0 - jnp.square(jnp.tanh(raw / cfg.soft_cap)))
-            dq_c = jnp.einsum("bkgts,bskh->btkgh", ds.astype(k.dtype), kc, preferred_element_type=f32)
-            dk = jnp.einsum("bkgts,btkgh->bskh", ds.astype(q.dtype), q5, preferred_element_type=f32)
-            return dq + dq_c, (dk, dv)
+            dq = jnp.einsum("bkgts,bskh->btkgh", ds.astype(k.dtype), k_j, preferred_element_type=f32)
+            dk = jnp.einsum("bkgts,btkgh->bskh", ds.astype(q.dtype), q_i, preferred_element_type=f32)
+            add = lambda total, part, start: _update(  # noqa: E731
+                total, _slice(total, start, part.shape[1], 1) + part, start, 1)
+            return add(dq_all, dq, i * bq), add(dk_all, dk, j * bkv), add(dv_all, dv, j * bkv)
 
-        zeros = vary_like(jnp.zeros((b, c, kvh, h), f32), q)
-        return lax.cond(active, run, lambda: (dq, (zeros, zeros)))
+        return lax.cond(is_live, run, lambda: carry)
 
-    dq, (dk, dv) = lax.scan(chunk, vary_like(jnp.zeros(q5.shape, f32), q), xs)
-    unchunk = lambda x: jnp.swapaxes(x, 0, 1).reshape(b, L, kvh, h)
-    return dq.reshape(b, L, n, h), unchunk(dk), unchunk(dv)
+    init = vary_like((jnp.zeros(step.q5.shape, f32), jnp.zeros(k.shape, f32),
+                      jnp.zeros(k.shape, f32)), q)
+    dq, dk, dv = lax.fori_loop(0, step.pairs.shape[0], visit, init)
+    return dq.reshape(b, L, n, h), dk, dv

@@ -1,0 +1,32 @@
+"""Small helpers for code running inside `jax.shard_map`, shared by the ring and its backends."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def pick(table, d, t):
+    """table[d, t] of a host table, with d = this device and t = traced run-step index."""
+    return jnp.asarray(table)[d, t]
+
+
+def _varying_axes(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.9: manual-axis type; older: aval.vma
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def vary_like(tree, ref):
+    """Marks `tree` as varying over the mesh axes `ref` varies over (shard_map's vma typing).
+
+    Fresh constants (zeros, -inf) are device-invariant; loop carries and cond branches must
+    have the same type as the device-varying values they are combined with.
+    """
+    want = _varying_axes(ref)
+
+    def one(x):
+        missing = tuple(sorted(want - _varying_axes(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)

@@ -1,0 +1,220 @@
+"""The ring's block tables and schedule stats, checked against dense masks built from global
+positions: static (mask x layout) and dynamic (segment ids)."""
+
+import numpy as np
+import pytest
+
+from longctx import layout as layout_lib
+from longctx import masks
+from longctx.ops import tables
+
+MASKS = {
+    "full": {},
+    "causal": dict(causal=True),
+    "causal_window": dict(causal=True, sliding_window=40),
+    "two_sided_window": dict(sliding_window=(30, 9)),
+    "chunked": dict(chunk_size=24),
+    "chunked_window": dict(chunk_size=48, sliding_window=20),
+}
+
+
+def _dense(spec, qpos, kpos):
+    return spec.allowed(qpos[:, None].astype(np.int64), kpos[None, :].astype(np.int64))
+
+
+def _from_fwd_tables(tb, d, t, shard_len, bq, bkv):
+    out = np.zeros((shard_len, shard_len), bool)
+    seen = np.zeros((shard_len // bq, shard_len // bkv), int)
+    data, blk = tb.fwd_data_next[d, t, 0], tb.fwd_block_mask[d, t, 0]
+    for i, j in zip(*np.nonzero(blk)):
+        kv = data[i, j]
+        seen[i, kv] += 1
+        rows, cols = slice(i * bq, (i + 1) * bq), slice(kv * bkv, (kv + 1) * bkv)
+        out[rows, cols] = True if blk[i, j] == 2 else tb.partial[tb.fwd_mask_next[d, t, 0, i, j]]
+    assert seen.max(initial=0) <= 1, "a block is visited twice"
+    return out
+
+
+def _from_dkv_tables(tb, d, t, shard_len, bq, bkv):
+    out = np.zeros((shard_len, shard_len), bool)
+    data, blk = tb.dkv_data_next[d, t, 0], tb.dkv_block_mask[d, t, 0]
+    for r, j in zip(*np.nonzero(blk)):
+        i = data[r, j]
+        rows, cols = slice(i * bq, (i + 1) * bq), slice(j * bkv, (j + 1) * bkv)
+        # the dkv kernel reads partial blocks transposed: [kv, q]
+        out[rows, cols] = True if blk[r, j] == 2 else tb.partial.swapaxes(1, 2)[
+            tb.dkv_mask_next[d, t, 0, r, j]].T
+    return out
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("layout", layout_lib.LAYOUTS)
+@pytest.mark.parametrize("bq,bkv", [(16, 16), (32, 16)])
+def test_tables_reproduce_the_dense_mask(name, layout, bq, bkv):
+    sp, seq_len = 4, 256
+    shard_len = seq_len // sp
+    spec = masks.make_mask_spec(**MASKS[name])
+    tb = tables.ring_tables(spec, layout, seq_len, sp, bq, bkv)
+    pos = layout_lib.shard_positions(layout, seq_len, sp)
+    for d in range(sp):
+        for s in range(sp):
+            dense = _dense(spec, pos[d], pos[(d - s) % sp])
+            if s not in tb.run_steps:
+                assert not dense.any(), f"step {s} has work but is pruned"
+                continue
+            t = tb.run_steps.index(s)
+            np.testing.assert_array_equal(_from_fwd_tables(tb, d, t, shard_len, bq, bkv), dense)
+            np.testing.assert_array_equal(_from_dkv_tables(tb, d, t, shard_len, bq, bkv), dense)
+            assert tb.active[d, t] == dense.any()
+            blocks = dense.reshape(shard_len // bq, bq, shard_len // bkv, bkv)
+            kept, full = blocks.any(axis=(1, 3)), blocks.all(axis=(1, 3))
+            np.testing.assert_array_equal(tb.classes[d, t], np.where(full, 2, np.where(kept, 1, 0)))
+            n = int(kept.sum())
+            np.testing.assert_array_equal(tb.pairs[d, t, :n], np.argwhere(kept))
+            assert tb.pair_valid[d, t, :n].all() and not tb.pair_valid[d, t, n:].any()
+            assert tb.kv_source[d, t] == (d - s) % sp
+
+
+def test_partial_blocks_are_deduplicated():
+    tb = tables.ring_tables(masks.make_mask_spec(causal=True), "contiguous", 1024, 4, 64, 64)
+    assert tb.partial.shape[0] == 1  # only the diagonal block is partial, and it is shared
+
+
+def test_schedule_targets_at_131072_tokens_on_8_devices():
+    S, sp, block = 131072, 8, 512
+    contiguous = tables.ring_schedule(S, sp, block, "contiguous", causal=True)
+    assert 0.5 < contiguous.efficiency < 0.6 and contiguous.steps == 8
+    best = masks.resolve_layout("auto", S, sp, causal=True)
+    assert tables.ring_schedule(S, sp, block, best, causal=True).efficiency >= 0.95
+    best = masks.resolve_layout("auto", S, sp, causal=True, sliding_window=4096)
+    window = tables.ring_schedule(S, sp, block, best, causal=True, sliding_window=4096)
+    assert window.steps <= 2 and window.efficiency >= 0.9
+    best = masks.resolve_layout("auto", S, sp, causal=True, chunk_size=8192)
+    assert tables.ring_schedule(S, sp, block, best, causal=True, chunk_size=8192).steps == 1
+
+
+def test_efficiency_formula_on_a_hand_computed_case():
+    # contiguous causal, sp=2, 2 blocks per shard: step 0 computes 3 blocks on each device
+    # (lower triangle of 2x2 blocks), step 1 computes 4 on device 1 and 0 on device 0.
+    sched = tables.ring_schedule(8, 2, 2, "contiguous", causal=True)
+    np.testing.assert_array_equal(sched.computed_blocks, [[3, 0], [3, 4]])
+    assert sched.run_steps == (0, 1)
+    assert sched.efficiency == pytest.approx(10 / (2 * (3 + 4)))
+
+
+def test_auto_prefers_fewer_wasted_steps_for_windows():
+    assert masks.resolve_layout("auto", 4096, 4, causal=True) in ("zigzag", "striped")
+    assert masks.resolve_layout("auto", 4096, 4, causal=True, sliding_window=128) == "contiguous"
+    # zigzag is impossible when seq_len is not divisible by 2*sp; auto never picks it then
+    assert masks.resolve_layout("auto", 12, 4, causal=True) != "zigzag"
+    assert masks.resolve_layout("striped", 12, 4) == "striped"
+
+
+def test_bad_mask_arguments():
+    with pytest.raises(ValueError, match=r"sliding_window=-3 must be non-negative"):
+        masks.make_mask_spec(sliding_window=-3)
+    with pytest.raises(ValueError, match=r"sliding_window=\(4, -1\)"):
+        masks.make_mask_spec(sliding_window=(4, -1))
+    with pytest.raises(ValueError, match=r"sliding_window='big'"):
+        masks.make_mask_spec(sliding_window="big")
+    with pytest.raises(ValueError, match=r"chunk_size=0"):
+        masks.make_mask_spec(chunk_size=0)
+    with pytest.raises(ValueError, match=r"block_size=48 does not divide the shard length 64"):
+        tables.ring_schedule(256, 4, 48, "contiguous")
+    with pytest.raises(ValueError, match=r"layout='auto'"):
+        tables.ring_schedule(256, 4, 16, "auto")
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def _packed_ids(rng, batch, seq_len, mean_doc, padding=True):
+    """Natural-order packed ids: documents 1, 2, ... of random lengths (1-token ones included),
+    then a padding tail (0) in some rows."""
+    ids = np.zeros((batch, seq_len), np.int32)
+    for b in range(batch):
+        used = seq_len - (int(rng.integers(0, seq_len // 4)) if padding else 0)
+        t, doc = 0, 1
+        while t < used:
+            n = min(int(rng.integers(1, 2 * mean_doc)), used - t)
+            ids[b, t:t + n], t, doc = doc, t + n, doc + 1
+    return ids
+
+
+def _live(tb, spec, layout, seq_len, sp, ids, bq, bkv):
+    """live[d][t] [b, q_blocks, kv_blocks] from the device functions, on each shard's ids."""
+    shard = ids[:, layout_lib.permutation(layout, seq_len, sp)].reshape(ids.shape[0], sp, -1)
+    return [[np.asarray(tables.live_blocks(
+        tb.classes[d, t], tables.document_ranges(shard[:, d], bq),
+        tables.document_ranges(shard[:, tb.kv_source[d, t]], bkv))) for t in range(len(tb.run_steps))]
+        for d in range(sp)]
+
+
+@pytest.mark.parametrize("name", ["causal", "causal_window", "full", "chunked"])
+@pytest.mark.parametrize("layout", layout_lib.LAYOUTS)
+def test_live_blocks_never_drop_a_needed_block(name, layout):
+    """Every block holding a (query, key) pair that the mask and the documents allow is live
+    (padding allows nothing); for causal masks on contiguous and zigzag shards the ranges are
+    exact, so the live blocks are exactly the needed ones."""
+    sp, seq_len, bq, bkv = 4, 256, 16, 16
+    spec = masks.make_mask_spec(**MASKS[name])
+    tb = tables.ring_tables(spec, layout, seq_len, sp, bq, bkv)
+    ids = _packed_ids(np.random.default_rng(0), 3, seq_len, mean_doc=20)
+    pos = layout_lib.shard_positions(layout, seq_len, sp)
+    perm = layout_lib.permutation(layout, seq_len, sp)
+    shard_ids = ids[:, perm].reshape(3, sp, -1)
+    live = _live(tb, spec, layout, seq_len, sp, ids, bq, bkv)
+    for d in range(sp):
+        for t, s in enumerate(tb.run_steps):
+            src = (d - s) % sp
+            qi, ki = shard_ids[:, d], shard_ids[:, src]
+            allowed = (_dense(spec, pos[d], pos[src])[None] & (qi[:, :, None] == ki[:, None, :])
+                       & (qi > 0)[:, :, None] & (ki > 0)[:, None, :])
+            needed = allowed.reshape(3, -1, bq, allowed.shape[2] // bkv, bkv).any(axis=(2, 4))
+            assert not (needed & ~live[d][t]).any(), f"a needed block is not live (d={d}, s={s})"
+            if name == "causal" and layout != "striped":
+                np.testing.assert_array_equal(live[d][t], needed)
+
+
+def test_documents_inside_shards_skip_every_other_step():
+    """Rows whose documents never cross a shard edge: no block of any step but the first is
+    live, so the ring runs one kernel per device and only passes K/V on."""
+    sp, seq_len, block = 4, 256, 16
+    shard = seq_len // sp
+    ids = np.concatenate([_packed_ids(np.random.default_rng(d), 2, shard, mean_doc=12) + 100 * d
+                          for d in range(sp)], axis=1)  # ids keep increasing; padding stays 0
+    ids = np.where(ids % 100 == 0, 0, ids)
+    spec = masks.make_mask_spec(causal=True)
+    tb = tables.ring_tables(spec, "contiguous", seq_len, sp, block, block)
+    assert tb.run_steps == (0, 1, 2, 3)  # the static mask alone needs every step
+    live = _live(tb, spec, "contiguous", seq_len, sp, ids, block, block)
+    for d in range(sp):
+        assert live[d][0].any()
+        assert not any(live[d][t].any() for t in range(1, sp)), f"device {d} computes off its shard"
+
+
+def test_an_all_padding_block_is_never_live():
+    ids = np.array([[0, 0, 0, 0, 3, 3, 4, 4]], np.int32)
+    first, last = (np.asarray(x) for x in tables.document_ranges(ids, 4))
+    assert first[0, 0] > last[0, 0]  # empty range
+    np.testing.assert_array_equal((first[0, 1], last[0, 1]), (3, 4))
+    live = np.asarray(tables.live_blocks(np.full((2, 2), 2, np.int8), (first, last), (first, last)))
+    np.testing.assert_array_equal(live[0], [[False, False], [False, True]])
+
+
+def test_dead_entries_are_off_and_fetch_nothing():
+    """Grid entries that are not live: block_mask 0, and data_next / mask_next repeating the
+    previous live entry (the first live one before any), so the DMA index does not change."""
+    data = np.array([[3, 5, 6, 7]], np.int32)
+    block = np.array([[2, 1, 2, 1]], np.int32)
+    nxt = np.array([[0, 4, 0, 9]], np.int32)
+    live = np.array([[False, True, False, True]])
+    d, b, n = (np.asarray(x) for x in tables.skip_dead_entries(data, block, nxt, live))
+    np.testing.assert_array_equal(b, [[0, 1, 0, 1]])
+    np.testing.assert_array_equal(d, [[5, 5, 5, 7]])
+    np.testing.assert_array_equal(n, [[4, 4, 4, 9]])
+    # along the other axis (the dkv tables pack q blocks along axis -2)
+    d2, b2, _ = (None if x is None else np.asarray(x)
+                 for x in tables.skip_dead_entries(data.T, block.T, None, live.T, axis=-2))
+    np.testing.assert_array_equal(d2, d.T)
+    np.testing.assert_array_equal(b2, b.T)
