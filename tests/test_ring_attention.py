@@ -112,9 +112,11 @@ def _ref_program(mask_items, soft_cap):
 
 
 def _check(*, impl, layout, mask, with_seg, kv_heads, with_aux, soft_cap, sp=4, fsdp=2,
-           seed=0):
+           seed=0, segments=None):
+    """`segments`, if given, replaces the random documents: natural-order ids [batch, S]."""
     seq_len, batch = SHARD * sp, 2 * fsdp
     q, k, v, seg, aux, dout = _inputs(seed, batch, seq_len, kv_heads)
+    seg = seg if segments is None else segments
     qs = seg if with_seg else None
     aux = aux if with_aux else None
     mask_items = tuple(sorted(MASKS[mask].items()))
@@ -171,6 +173,37 @@ def test_splash_ring_matches_reference(layout, mask, with_seg, kv_heads, with_au
 def test_other_ring_sizes(impl, sp, fsdp, layout, mask):
     _check(impl=impl, layout=layout, mask=mask, with_seg=True, kv_heads=2, with_aux=True,
            soft_cap=None, sp=sp, fsdp=fsdp)
+
+
+def _edge_documents(case, batch=4, seq_len=SHARD * 4):
+    """Natural-order segment ids for the document edge cases (0 = padding)."""
+    rng = np.random.default_rng(11)
+    if case == "one_token_documents":  # every token its own document: only the diagonal attends
+        return np.broadcast_to(np.arange(1, seq_len + 1, dtype=np.int32), (batch, seq_len)).copy()
+    if case == "one_document_everywhere":  # a document that spans every shard
+        return np.ones((batch, seq_len), np.int32)
+    if case == "padding_rows":  # an all-padding row, a padded tail, and a normal row
+        seg = _segments(rng, batch, seq_len)
+        seg[0] = 0
+        seg[1, seq_len // 3:] = 0
+        return seg
+    if case == "documents_inside_shards":  # contiguous shards; no document crosses an edge
+        seg = _segments(rng, batch, seq_len)
+        return seg + 1000 * (np.arange(seq_len) // SHARD)[None, :].astype(np.int32)
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("impl,case", [
+    ("xla", "one_token_documents"), ("xla", "one_document_everywhere"), ("xla", "padding_rows"),
+    ("xla", "documents_inside_shards"), ("splash", "padding_rows"),
+    ("splash", "documents_inside_shards"),
+])
+def test_document_edge_cases(impl, case):
+    """Exact forward and gradients where document skipping has the most to get wrong; padding
+    (id 0) attends to nothing and is attended by nothing, so its rows are 0."""
+    _check(impl=impl, layout="contiguous" if case == "documents_inside_shards" else "zigzag",
+           mask="causal", with_seg=True, kv_heads=2, with_aux=False, soft_cap=None,
+           segments=_edge_documents(case))
 
 
 def test_auto_layout_is_what_the_data_pipeline_is_told():
