@@ -3,6 +3,7 @@ launchers through their --dry-run output (they need gcloud / kubectl and a TPU t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,6 +14,8 @@ import textwrap
 import time
 
 import pytest
+
+from tests import child_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = os.path.join(ROOT, "launch", "local.py")
@@ -26,10 +29,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(args, script=None, timeout=120, **kwargs):
+def _launch(args, script=None, timeout=120, script_args=(), **kwargs):
     command = [sys.executable, LOCAL, *args]
     if script is not None:
-        command += ["--", sys.executable, "-c", textwrap.dedent(script)]
+        command += ["--", sys.executable, "-c", textwrap.dedent(script), *script_args]
     return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout,
                           **kwargs)
 
@@ -78,6 +81,8 @@ def _read_pid(path) -> int:
 
 
 ONE_JOB = """
+import json, os, sys
+
 from longctx import platform
 platform.configure_cpu_devices()
 
@@ -91,10 +96,10 @@ from longctx import mesh as mesh_lib
 
 mesh_lib.maybe_initialize_distributed(base.get_config("tiny").distributed)  # empty settings: env
 pid = jax.process_index()
-print(f"RESULT process={pid} count={jax.process_count()} devices={jax.device_count()} "
-      f"local={jax.local_device_count()}", flush=True)
+result = dict(process=pid, count=jax.process_count(), devices=jax.device_count(),
+              local=jax.local_device_count())
 gathered = multihost_utils.process_allgather(np.array([10 * pid + 1], np.int32))
-print("RESULT allgather=" + ",".join(str(int(v)) for v in np.ravel(gathered)), flush=True)
+result["allgather"] = [int(v) for v in np.ravel(gathered)]
 
 # A psum over a mesh axis whose 8 devices live in both processes.
 mesh = Mesh(np.asarray(jax.devices()), ("sp",))
@@ -102,21 +107,35 @@ x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("sp")),
                                  lambda idx: np.arange(1, 9, dtype=np.float32)[idx])
 psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "sp"), mesh=mesh, in_specs=P("sp"),
                              out_specs=P()))(x)
-print(f"RESULT psum={float(np.asarray(psum.addressable_data(0)).ravel()[0]):g}", flush=True)
+result["psum"] = float(np.asarray(psum.addressable_data(0)).ravel()[0])
+
+# Results go to a file: gloo's C++ logging writes into this process's stdout from its own threads,
+# in pieces, and can land inside a printed line (and a print writes its text and its newline
+# separately). Only a done-marker goes to stdout, as one write.
+path = os.path.join(sys.argv[1], f"result{pid}.json")
+with open(path + ".tmp", "w") as f:
+    json.dump(result, f)
+os.replace(path + ".tmp", path)
+sys.stdout.write(f"ONE_JOB_DONE process={pid}\\n")
 """
 
 
 @pytest.mark.slow
-def test_two_processes_form_one_jax_job():
+def test_two_processes_form_one_jax_job(tmp_path):
     t0 = time.monotonic()
-    r = _launch(["--num-processes", "2", "--devices-per-process", "4"], ONE_JOB, timeout=240)
+    # A writer like gloo's shares the children's stdout in every run: the test must not be spliced.
+    r = _launch(["--num-processes", "2", "--devices-per-process", "4"], child_output.foreign_writer() + ONE_JOB,
+                timeout=240, script_args=[str(tmp_path)])
     out = r.stdout + r.stderr
-    assert r.returncode == 0, out
+    assert r.returncode == 0, out[-5000:]
     for i in range(2):
-        assert f"[p{i}] RESULT process={i} count=2 devices=8 local=4" in r.stdout, out
-        assert f"[p{i}] RESULT allgather=1,11" in r.stdout, out
-        # 1 + 2 + ... + 8 summed across both processes' devices
-        assert f"[p{i}] RESULT psum=36" in r.stdout, out
+        with open(tmp_path / f"result{i}.json") as f:
+            result = json.load(f)
+        # allgather: 10 * pid + 1 from each process; psum: 1 + 2 + ... + 8 across both processes' devices
+        assert result == dict(process=i, count=2, devices=8, local=4, allgather=[1, 11], psum=36.0), result
+        # each child's stdout reaches ours under its prefix, whatever other writers put before the marker
+        assert child_output.find(r.stdout, i, rf"ONE_JOB_DONE process={i}$"), out[-5000:]
+    assert "[foreign] piece" in r.stdout  # the foreign writer did write into the same lines
     # every child line carries its prefix
     for line in r.stdout.splitlines():
         assert re.match(r"\[p[01]\] ", line), line
