@@ -218,3 +218,22 @@ def test_dead_entries_are_off_and_fetch_nothing():
                  for x in tables.skip_dead_entries(data.T, block.T, None, live.T, axis=-2))
     np.testing.assert_array_equal(d2, d.T)
     np.testing.assert_array_equal(b2, b.T)
+
+
+def test_document_schedule_by_hand():
+    """S = 64 on 2 devices, blocks of 8, causal. Documents of 8 tokens on block edges: only the 8
+    diagonal blocks are needed, all at step 0, 4 per device: efficiency 8 / (2 x 4) = 1. One
+    document of 64 tokens: the whole causal triangle of blocks, 36, of which device 1 computes
+    the 16 of step 1 alone: 36 / (2 x (10 + 16))."""
+    spec = masks.make_mask_spec(causal=True)
+    aligned = np.repeat(np.arange(1, 9, dtype=np.int32), 8)[None]
+    sched = tables.document_schedule(spec, "contiguous", 64, 2, 8, aligned)
+    assert sched.kept_blocks == 8 and sched.run_steps == (0,)
+    np.testing.assert_array_equal(sched.computed_blocks, [[4, 0], [4, 0]])
+    assert sched.efficiency == 1.0
+    one = tables.document_schedule(spec, "contiguous", 64, 2, 8, np.ones((1, 64), np.int32))
+    np.testing.assert_array_equal(one.computed_blocks, [[10, 0], [10, 16]])
+    assert one.kept_blocks == 36 and one.efficiency == pytest.approx(36 / (2 * 26))
+    # a padding row adds nothing
+    padded = np.concatenate([aligned, np.zeros((1, 64), np.int32)])
+    assert tables.document_schedule(spec, "contiguous", 64, 2, 8, padded).kept_blocks == 8

@@ -48,6 +48,7 @@ class RingConfig:
     scale: float
     axis_name: str
     interpret: bool
+    skip_documents: bool = True
 
     @property
     def tables(self) -> tables_lib.RingTables:
@@ -119,7 +120,9 @@ def _merge(o, lse, o_s, lse_s):
 def _live(cfg, d, t, q_ranges, ks_t):
     """bool [b or 1, q_blocks, kv_blocks]: the blocks of run step t this device computes (the
     static mask's, less those whose queries and keys share no document)."""
-    kv_ranges = None if ks_t is None else tables_lib.document_ranges(ks_t, cfg.bkv)
+    if not cfg.skip_documents:
+        q_ranges = None
+    kv_ranges = None if q_ranges is None else tables_lib.document_ranges(ks_t, cfg.bkv)
     return tables_lib.live_blocks(pick(cfg.tables.classes, d, t), q_ranges, kv_ranges)
 
 
@@ -282,7 +285,7 @@ def _on_tpu():
 def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
                    softmax_aux=None, *, positions=None, causal=False, sliding_window=None,
                    chunk_size=None, logits_soft_cap=None, softmax_scale=None, axis_name="sp",
-                   layout="contiguous", impl="splash", block_sizes=None):
+                   layout="contiguous", impl="splash", block_sizes=None, skip_documents=True):
     """Attention of this device's query shard over the whole sequence split across `axis_name`.
 
     Call inside `jax.shard_map` with `axis_name` bound. query [b, L, heads, head_dim] and
@@ -295,7 +298,9 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     each document's start, as at inference. softmax_aux [heads] are attention-sink logits
     (differentiable). impl="splash" runs the Pallas TPU kernel (interpret mode off TPU);
     impl="xla" the same schedule in plain XLA. block_sizes: None (512/256/128 dividing L), an
-    int, or a splash BlockSizes. Returns [b, L, heads, head_dim] in query's dtype.
+    int, or a splash BlockSizes. skip_documents=False computes every block the static mask keeps
+    and leaves documents to the element-wise mask (the same result, slower: for measuring what
+    the skipping buys). Returns [b, L, heads, head_dim] in query's dtype.
     """
     from longctx import layout as layout_lib
     if impl not in IMPLS:
@@ -355,7 +360,8 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
                      bkv_compute=bkvc, bkv_dkv_compute=bkvc_dkv, impl=impl,
                      soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                      scale=scale, axis_name=axis_name,
-                     interpret=impl == "splash" and not _on_tpu())
+                     interpret=impl == "splash" and not _on_tpu(),
+                     skip_documents=bool(skip_documents))
     if softmax_aux is not None:
         # The sink gradient of a replicated aux is summed over devices by the cast's transpose.
         softmax_aux = vary_like(softmax_aux, query)

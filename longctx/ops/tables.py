@@ -263,3 +263,57 @@ def skip_dead_entries(data_next, block_mask, mask_next, live, axis: int = -1):
     take = lambda x: None if x is None else jnp.take_along_axis(x, source, axis=-1)  # noqa: E731
     back = lambda x: None if x is None else jnp.moveaxis(x, -1, axis)  # noqa: E731
     return back(take(data_next)), back(jnp.where(live, block_mask, 0)), back(take(mask_next))
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentSchedule:
+    """What the ring computes for given rows of documents (the schedule report with documents).
+
+    kept_blocks: blocks holding a (query, key) pair that the mask and the documents allow, i.e.
+    the blocks any exact kernel must compute; computed_blocks [device, ring step]: the blocks
+    the ring computes (live blocks), summed over the rows; both over every row given."""
+    kept_blocks: int
+    computed_blocks: np.ndarray
+    run_steps: tuple[int, ...]
+
+    @property
+    def critical_path(self) -> int:
+        """Blocks on the slowest path: sum over the steps that run of the busiest device's."""
+        return int(sum(self.computed_blocks[:, s].max() for s in self.run_steps))
+
+    @property
+    def efficiency(self) -> float:
+        """kept / (sp x critical path): 1 when every device computes only needed blocks and all
+        are equally busy at every step."""
+        busiest = self.critical_path
+        return self.kept_blocks / (self.computed_blocks.shape[0] * busiest) if busiest else 1.0
+
+
+def document_schedule(spec: MaskSpec, layout: str, seq_len: int, num_shards: int, block: int,
+                      segment_ids: np.ndarray) -> DocumentSchedule:
+    """The ring's schedule for natural-order rows of packed documents `segment_ids` [rows, S]
+    (0 = padding), computed on the host with the same functions the ring runs on device. A step
+    runs when some device has a live block in it (the ring skips a device's kernel, not the
+    step: K/V still travel)."""
+    ids = np.asarray(segment_ids, np.int32)
+    sp, shard = num_shards, seq_len // num_shards
+    tb = ring_tables(spec, layout, seq_len, sp, block, block)
+    pos = layout_lib.shard_positions(layout, seq_len, sp)
+    shard_ids = ids[:, np.asarray(pos).reshape(-1)].reshape(len(ids), sp, shard)
+    computed = np.zeros((sp, sp), np.int64)
+    kept = 0
+    for d in range(sp):
+        q_ranges = document_ranges(shard_ids[:, d], block)
+        for t, s in enumerate(tb.run_steps):
+            src = (d - s) % sp
+            live = np.asarray(live_blocks(tb.classes[d, t], q_ranges,
+                                          document_ranges(shard_ids[:, src], block)))
+            computed[d, s] = live.sum()
+            for r, i, j in zip(*np.nonzero(live)):  # which live blocks are needed
+                rows, cols = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
+                qi, kj = shard_ids[r, d, rows], shard_ids[r, src, cols]
+                same = (qi[:, None] == kj[None, :]) & (qi > 0)[:, None]
+                kept += bool((same & spec.allowed(pos[d, rows][:, None].astype(np.int64),
+                                                  pos[src, cols][None, :].astype(np.int64))).any())
+    run = tuple(int(s) for s in np.nonzero(computed.any(axis=0))[0])
+    return DocumentSchedule(kept_blocks=kept, computed_blocks=computed, run_steps=run)
