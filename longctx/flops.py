@@ -1,8 +1,12 @@
 """Model FLOPs per step and the chips' peak, for MFU.
 
-Attention FLOPs count only the (query, key) pairs the mask keeps — a causal or sliding-window run
-must not look better than it is by being credited for blocks it never computes. Document masking is
-data-dependent and is not subtracted (the kernel still visits those blocks).
+Attention FLOPs count only the (query, key) pairs the static mask keeps — a causal or
+sliding-window run must not look better than it is by being credited for blocks it never computes.
+Documents are not subtracted: the count is that of a row holding one document. With packed
+documents the ring skips the blocks no document needs, so the useful attention FLOPs are fewer
+than counted and MFU reads high by up to the attention's share of the step (for a causal row of
+many short documents, nearly all of it); `scripts/ring_report.py --doc-lengths` shows how many
+blocks the documents keep.
 """
 
 from __future__ import annotations
