@@ -6,8 +6,9 @@ One module-scoped set of real training runs (scripts/train.py in subprocesses, 8
 
   phase 1, side by side:  ref   8 steps uninterrupted
                           term  the same run, SIGTERM once step 2 is logged
-                          kill  the same run, SIGKILL while a save is in flight (a *.orbax-checkpoint-tmp
-                                directory exists)
+                          kill  the same run, SIGKILL inside the save of step 3, which
+                                tests/stalled_save.py holds mid-write (its *.orbax-checkpoint-tmp
+                                directory exists, nothing committed) so the kill lands there every time
   phase 2, side by side:  term  resumed to step 8
                           kill  resumed to step 8
                           4dev  a copy of ref cut back to step 4, resumed on 4 devices (mesh 1x2x2)
@@ -45,11 +46,13 @@ from longctx import train as train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
+STALLED_SAVE = os.path.join(ROOT, "tests", "stalled_save.py")
 sys.path.insert(0, ROOT)
 from configs import base as base_config  # noqa: E402
 
 NUM_STEPS = 8
 CUT_AT = 4  # the mesh-change runs resume from ref's step CUT_AT
+KILL_IN_SAVE_OF = 3  # the kill run's save of this step stalls mid-write; SIGKILL lands there
 # Not bitwise on another mesh: float32 end to end, but the cross-device reductions are ordered
 # differently (the same tolerance as tests/test_multiprocess.py).
 LOSS_RTOL = 1e-5
@@ -100,12 +103,16 @@ def _env(devices: int = 8) -> dict[str, str]:
 class Run:
     started: list = []
 
-    def __init__(self, name: str, workdir, *extra, devices: int = 8):
+    def __init__(self, name: str, workdir, *extra, devices: int = 8, stall_save_at: int | None = None):
         self.workdir = str(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.log_path = os.path.join(os.path.dirname(self.workdir), name + ".log")
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, TRAIN, f"--workdir={self.workdir}", *OVERRIDES, *extra],
+        self.marker = os.path.join(os.path.dirname(self.workdir), name + ".mid_save.json")
+        # tests/stalled_save.py runs scripts/train.py with the save of `stall_save_at` blocked mid-write.
+        program = [TRAIN] if stall_save_at is None else [STALLED_SAVE, f"--stall-step={stall_save_at}",
+                                                         f"--marker={self.marker}", "--"]
+        self.proc = subprocess.Popen([sys.executable, *program, f"--workdir={self.workdir}", *OVERRIDES, *extra],
                                      cwd=ROOT, env=_env(devices), stdout=self.log, stderr=subprocess.STDOUT)
         Run.started.append(self)
 
@@ -207,29 +214,29 @@ def runs(tmp_path_factory):
 
 def _runs(base):
     t0 = time.monotonic()
-    ref, term, kill = Run("ref", base / "ref"), Run("term", base / "term"), Run("kill", base / "kill")
+    ref, term = Run("ref", base / "ref"), Run("term", base / "term")
+    kill = Run("kill", base / "kill", stall_save_at=KILL_IN_SAVE_OF)
+    out = {"kill_pid": kill.proc.pid}
 
     # SIGTERM once step 2 is in metrics.jsonl: the loop finishes its step, saves and exits 0.
     if _wait_for(lambda: 2 in _logged(term.workdir), term.proc, "term step 2"):
         term.proc.send_signal(signal.SIGTERM)
-    # SIGKILL while a save is in flight, once step 2 is complete on disk.
-    killed_mid_save = _wait_for(
-        lambda: 2 in _steps(kill.workdir) and any(int(os.path.basename(p).split(".")[0]) > 2
-                                                 for p in _tmp_dirs(kill.workdir)),
-        kill.proc, "a save in flight")
+    # SIGKILL inside a real save: the stalled save's hook has written its marker, so the step's
+    # *.orbax-checkpoint-tmp directory exists and the save cannot have been committed.
+    mid_save = _wait_for(lambda: os.path.exists(kill.marker), kill.proc, "the kill run's stalled save")
+    out["kill_alive_at_kill"] = kill.proc.poll() is None
+    if mid_save:
+        with open(kill.marker) as f:
+            out["kill_marker"] = json.load(f)
+        out["kill_tmp_at_kill"], out["kill_steps_at_kill"] = _tmp_dirs(kill.workdir), _steps(kill.workdir)
     kill.proc.kill()
-    out = {"ref_rc": ref.wait(), "term_rc": term.wait(), "kill_rc": kill.wait(), "base": base,
-           "ref": ref.workdir, "term": term.workdir, "kill": kill.workdir,
-           "term_out1": term.output(), "ref_out": ref.output()}
+    out.update({"ref_rc": ref.wait(), "term_rc": term.wait(), "kill_rc": kill.wait(), "base": base,
+                "ref": ref.workdir, "term": term.workdir, "kill": kill.workdir,
+                "term_out1": term.output(), "ref_out": ref.output(), "kill_out1": kill.output()})
     assert out["ref_rc"] == 0, ref.output()[-3000:]
     out["kill_tmp_after_kill"] = _tmp_dirs(kill.workdir)
     out["kill_steps_after_kill"] = _steps(kill.workdir)
-    out["killed_mid_save"] = killed_mid_save and bool(out["kill_tmp_after_kill"])
-    if not out["killed_mid_save"]:
-        assert max(out["kill_steps_after_kill"]) < NUM_STEPS, "the kill run finished before it was killed"
-        # The save window was missed (the run finished or was killed between saves): leave a
-        # partial save behind by hand, as a kill mid-save would (no commit, a truncated array file).
-        out["kill_tmp_after_kill"] = [_plant_partial_save(kill.workdir)]
+    out["killed_mid_save"] = mid_save and out["kill_alive_at_kill"]
     out["phase1_s"] = time.monotonic() - t0
 
     four = _copy_cut(ref.workdir, base / "four", CUT_AT)
@@ -311,11 +318,17 @@ def test_resume_is_the_same_run(runs):
 
 @pytest.mark.slow
 def test_sigkill_mid_save_resumes_from_previous_complete(runs):
+    # The SIGKILL landed inside a real save of step KILL_IN_SAVE_OF (tests/stalled_save.py held it
+    # mid-write): the process was alive, the step's tmp directory existed, nothing of it committed.
+    assert runs["killed_mid_save"], runs["kill_out1"][-3000:]
+    assert runs["kill_rc"] == -signal.SIGKILL
+    marker = runs["kill_marker"]
+    assert marker["step"] == KILL_IN_SAVE_OF and marker["pid"] == runs["kill_pid"], marker
+    assert re.fullmatch(rf"{KILL_IN_SAVE_OF}\.orbax-checkpoint-tmp.*", os.path.basename(marker["tmp_dir"]))
+    assert marker["tmp_dir"] in runs["kill_tmp_at_kill"] and marker["tmp_dir"] in runs["kill_tmp_after_kill"]
+    assert runs["kill_steps_at_kill"] == runs["kill_steps_after_kill"] == list(range(1, KILL_IN_SAVE_OF))
     out = runs["kill2_out"]
     newest_complete = max(runs["kill_steps_after_kill"])
-    partial_steps = [int(os.path.basename(p).split(".")[0]) for p in runs["kill_tmp_after_kill"]]
-    if runs["killed_mid_save"]:
-        assert partial_steps and max(partial_steps) > newest_complete
     assert runs["kill2_rc"] == 0, out[-3000:]
     assert f"resumed from {runs['kill']}/checkpoints/{newest_complete} (step {newest_complete})" in out, out[-3000:]
     assert "WARNING" not in out and not os.path.exists(os.path.join(runs["kill"], "checkpoints_unreadable"))
