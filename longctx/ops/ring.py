@@ -10,10 +10,11 @@ At ring step s device d holds the K/V (and kv segment ids) that started on devic
 Only `run_steps` (steps with work on some device) execute; consecutive run steps are a
 `lax.fori_loop` passing K/V one hop per iteration, and a gap between runs is a single ppermute
 of the gap's length, so K/V never travel further than the last run step and the traced program
-does not grow with sp. A device with nothing to do at a step skips its kernel (`lax.cond` on a
-host-computed table). The per-step math lives in a backend (splash.py or xla.py) that returns
-the step's normalised output and logsumexp; merging, sinks and the sink gradient live here,
-once.
+does not grow with sp. At every step each device works out its live blocks (tables.py: the
+static mask's blocks, less those whose queries and keys share no document, per batch row) and
+skips its kernel when there are none (`lax.cond`). The per-step math lives in a backend
+(splash.py or xla.py) that returns the step's normalised output and logsumexp, computing only
+live blocks; merging, sinks and the sink gradient live here, once.
 """
 from __future__ import annotations
 
@@ -167,7 +168,6 @@ def _backward(cfg, res, do):
     # Rows with nothing to attend to (and no sink) have lse = -inf; any finite value makes the
     # kernels' p = exp(masked - lse) exactly 0 there, so their gradients are 0, not NaN.
     lse_k = jnp.where(jnp.isfinite(lse), lse, 0.0)
-
     q_ranges = None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
 
     def body(t, travel, acc, dq):
