@@ -4,13 +4,18 @@ Each script runs as a subprocess, as a user would run it, writing into a tempora
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from configs import base
 from longctx import aot
+from longctx import config as config_lib
+from longctx import flops
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -19,6 +24,20 @@ import bench_common  # noqa: E402
 
 needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(),
                                   reason="libtpu is not installed (the [tpu] extra)")
+
+# An upper bound on any CPU core's float32 rate: 2 FMA units x 16 lanes (AVX-512) x 2 FLOP x 4 GHz.
+# A benchmark whose FLOPs over its time beat cores x this did not time the work it reports.
+CPU_CORE_PEAK_FLOPS = 2 * 16 * 2 * 4e9
+BATCH_KEYS = 5  # int32 [rows, L] arrays per batch: tokens, segment_ids, positions, targets, loss_mask
+
+
+def _state_bytes(config) -> int:
+    """float32 parameters and AdamW's two moments."""
+    return 12 * config_lib.num_params_estimate(config)
+
+
+def _assert_memory_adds_up(r):
+    assert r["total_bytes"] == r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"], r
 
 
 def run(*args, env=None, timeout=300):
@@ -36,8 +55,18 @@ def test_estimate_tiny_on_v5p_fits_and_prints_memory():
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
     assert out["fits"] is True and out["num_devices"] == 8 and out["device_kind"].startswith("TPU v5")
-    assert out["argument_bytes"] > 0 and out["temp_bytes"] > 0
-    assert out["total_bytes"] < out["hbm_bytes"] and out["remedies"] == []
+    assert out["hbm_bytes"] == 95 * aot.GIB  # a v5p chip
+    # Per device, from the shapes: the donated train state lies between sharded over all 8 devices
+    # and replicated; the only other argument is this device's batch shard (rows x L int32 arrays).
+    c = base.get_config("tiny")
+    mesh = out["mesh_shape"]
+    assert mesh == {"dp": 1, "fsdp": 2, "sp": 4}
+    state = _state_bytes(c)
+    assert state / 8 <= out["alias_bytes"] <= state + 1024, (out["alias_bytes"], state)
+    rows, shard = c.data.global_batch_size // (mesh["dp"] * mesh["fsdp"]), c.data.seq_len // mesh["sp"]
+    assert out["argument_bytes"] - out["alias_bytes"] == BATCH_KEYS * 4 * rows * shard
+    _assert_memory_adds_up(out)
+    assert 0 < out["temp_bytes"] and out["total_bytes"] < out["hbm_bytes"] and out["remedies"] == []
 
 
 @needs_libtpu
@@ -104,10 +133,33 @@ def test_bench_attention_quick(tmp_path):
             "--md", str(tmp_path / "b.md"))
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.load(open(tmp_path / "a.json"))
-    row = out["timings"][0]
-    for name in ("ring", "contig", "unpruned", "dense"):
-        assert row[name]["median_s"] > 0
-    assert {c["sp"] for c in out["compile"]} == {2, 4}
+    (row,) = out["timings"]  # --quick: xla, causal, S=1024, sp=4
+    S, sp, block = row["seq_len"], row["sp"], row["block"]
+    assert (row["impl"], row["mask"], S, sp, row["layout"]) == ("xla", "causal", 1024, 4, "zigzag")
+    # The schedule, from S, sp and the block: causal keeps the n(n+1)/2 blocks on and below the
+    # diagonal of n = S/block; unpruned computes all n^2. Zigzag gives every device the same work
+    # at every step (efficiency 1); contiguous leaves step 0 (m(m+1)/2 blocks of m = n/sp) short
+    # and, at step s, the s devices whose K/V come from later positions idle.
+    n, m = S // block, S // block // sp
+    assert row["ring"]["computed_blocks"] == row["contig"]["computed_blocks"] == n * (n + 1) // 2
+    assert row["unpruned"]["computed_blocks"] == n * n
+    assert row["ring"]["efficiency"] == 1.0 and row["unpruned"]["efficiency"] == 1.0
+    contig = n * (n + 1) / 2 / (sp * (m * (m + 1) / 2 + (sp - 1) * m * m))
+    assert row["contig"]["efficiency"] == pytest.approx(contig, abs=5e-4)
+    assert all(row[v]["ring_steps"] == sp for v in ("ring", "contig", "unpruned"))
+    # The times: one per round; no faster than the FLOPs allow (fwd QK^T, PV + bwd 5 matmuls = 14
+    # FLOP per (query, key, head_dim) element; batch 1, 4 heads of 64); ratios as reported.
+    cores = out["machine"]["cpu_count"]
+    blocks = {"ring": n * (n + 1) // 2, "contig": n * (n + 1) // 2, "unpruned": n * n, "dense": n * n}
+    for name, computed in blocks.items():
+        t = row[name]
+        assert len(t["times_s"]) == out["repeats"] and t["min_s"] == min(t["times_s"]) <= t["median_s"]
+        work = 14 * computed * block * block * 64 * 4
+        assert t["min_s"] >= work / (cores * CPU_CORE_PEAK_FLOPS), (name, t["min_s"], work)
+    assert row["speedup_vs_unpruned"] == pytest.approx(row["unpruned"]["min_s"] / row["ring"]["min_s"])
+    assert row["speedup_vs_dense"] == pytest.approx(row["dense"]["min_s"] / row["ring"]["min_s"])
+    assert sorted(c["sp"] for c in out["compile"]) == [2, 4]
+    assert all(0 < c["lower_s"] <= c["compile_s"] for c in out["compile"])
     assert "BEGIN bench_attention" in open(tmp_path / "b.md").read()
 
 
@@ -117,9 +169,28 @@ def test_bench_memory_quick_cpu(tmp_path):
             "--md", str(tmp_path / "b.md"))
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.load(open(tmp_path / "m.json"))
-    assert [r["sp"] for r in out["weak"]] == [2, 4]
+    assert [r["sp"] for r in out["weak"]] == [r["sp"] for r in out["strong"]] == [2, 4]
+    # bench_memory.model_config(quick=True): the model every row compiles, replicated (fsdp=1).
+    c = base.get_config("tiny")
+    c.unlock()
+    c.model.update(vocab_size=512, d_model=512, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
+                   mlp_dim=768)
+    state = _state_bytes(c)
     for r in out["weak"] + out["strong"]:
-        assert r["total_bytes"] > 0 and r["arrays_with_two_dims_ge_L"] == []
+        assert r["arrays_with_two_dims_ge_L"] == [], r  # no L x L score matrix anywhere
+        assert r["L"] == r["seq_len"] // r["sp"] and r["mesh"] == {"dp": 16 // r["sp"], "fsdp": 1, "sp": r["sp"]}
+        # The donated state (+ a few scalars), and one row of L tokens per device besides.
+        assert state <= r["alias_bytes"] <= state + 1024, (r["alias_bytes"], state)
+        assert r["argument_bytes"] - r["alias_bytes"] == BATCH_KEYS * 4 * r["L"]
+        _assert_memory_adds_up(r)
+    # What the script exists to show. Weak scaling (L fixed): per-device memory flat, within the
+    # script's own 10% target. Strong scaling (S fixed): halving L (sp 2 -> 4) cuts the activation
+    # (temporary) memory by at most half (less means something grows faster than L) and by at
+    # least a fifth (most of it scales with L).
+    weak = [r["total_bytes"] for r in out["weak"]]
+    assert max(weak) <= 1.10 * min(weak), weak
+    temp2, temp4 = (r["temp_bytes"] for r in out["strong"])
+    assert 0.5 <= temp4 / temp2 < 0.8, (temp2, temp4)
     assert "BEGIN bench_memory" in open(tmp_path / "b.md").read()
 
 
@@ -128,4 +199,47 @@ def test_bench_train_quick(tmp_path):
             "--md", str(tmp_path / "b.md"))
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.load(open(tmp_path / "t.json"))
-    assert out["rows"] and all(r["tokens_per_s"] > 0 for r in out["rows"])
+    (row,) = out["rows"]  # --quick: mesh 1x2x4, 1 timed step of 2 x 256 tokens
+    assert row["mesh"] == {"dp": 1, "fsdp": 2, "sp": 4} and row["layout"] == "zigzag"
+    tokens = out["batch"] * out["seq_len"]
+    assert len(row["step_times_s"]) == out["steps"] and row["median_step_s"] == np.median(row["step_times_s"])
+    assert row["tokens_per_s"] == pytest.approx(tokens / row["median_step_s"], rel=1e-9)
+    assert row["compile_and_first_step_s"] > row["median_step_s"]  # the first step also compiles
+    # The step did the model's work: its FLOPs in its time fit on this machine's cores, and the loss
+    # on uniformly random tokens, two steps from a random init, is about ln(vocab) (never below).
+    c = base.get_config("tiny")
+    c.unlock()
+    c.data.update(seq_len=out["seq_len"], global_batch_size=out["batch"])
+    assert flops.flops_per_step(c) / row["median_step_s"] <= out["machine"]["cpu_count"] * CPU_CORE_PEAK_FLOPS
+    assert math.log(c.model.vocab_size) - 0.1 < row["loss"] < math.log(c.model.vocab_size) + 1.5, row["loss"]
+
+
+def test_bench_data_quick(tmp_path):
+    p = run("scripts/bench_data.py", "--seq-lens", "8192", "--packers", "best_fit", "concat_then_split",
+            "--workers", "0", "--tokens", "1e5", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr[-2000:]
+    results = {r["packer"]: r for r in json.load(open(tmp_path / "bench_data.json"))["results"]}
+    for r in results.values():
+        # at least 4 batches of 4 rows x 8192 positions; the rate is those positions over the time
+        assert r["tokens"] == 4 * r["batch_size"] * r["seq_len"] == 4 * 4 * 8192
+        assert r["tokens"] / r["tokens_per_s"] == pytest.approx(r["seconds"], abs=6e-4)
+    # The figure the script exists for: the share of positions that carry a real token.
+    assert 0.9 < results["best_fit"]["non_padding"] <= 1.0
+    assert results["concat_then_split"]["non_padding"] == 1.0  # cuts documents, never pads
+
+
+def test_bench_checkpoint_small(tmp_path):
+    p = run("scripts/bench_checkpoint.py", "--d-model", "128", "--num-layers", "1", "--mlp-dim", "256",
+            "--saves", "3", "--out", str(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.load(open(tmp_path / "bench_checkpoint.json"))
+    # The state is float32 parameters and two AdamW moments; on disk, that (compressed or not) plus
+    # metadata. What it measures: every save blocks the loop no longer than the whole save takes,
+    # and the restore gives back the saved state bit for bit.
+    assert out["state_mb"] == pytest.approx(12 * out["num_params"] / 1e6, abs=0.06)
+    assert 0.25 * out["state_mb"] <= out["checkpoint_on_disk_mb"] <= 1.1 * out["state_mb"] + 0.5
+    assert len(out["saves"]) == 3
+    for s in out["saves"]:
+        assert 0 < s["blocked_s"] <= s["total_s"] and s["fraction"] == pytest.approx(s["blocked_s"] / s["total_s"],
+                                                                                   abs=1e-3)
+    assert out["restore_bitwise_equal"] is True and out["saved_then_donated_mid_save_bitwise_equal"] is True
