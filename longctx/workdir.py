@@ -8,6 +8,8 @@ work. (gs:// needs a GCS backend for epath: `pip install gcsfs`, which the `gcs`
 from __future__ import annotations
 
 import os
+import secrets
+import sys
 
 from etils import epath
 
@@ -22,16 +24,57 @@ def resolve(path: str) -> epath.Path:
 
 
 def check_writable(path: str) -> str | None:
-    """Creates `path` if needed and writes a probe file; returns why it failed, or None."""
+    """Creates `path` if needed and writes a probe file; returns why it failed, or None.
+
+    The probe's name is unique per process and call (`.write_probe-p<jax process index>-<random>`):
+    on a pod every host may run Python as PID 1 and probe the same shared directory at once.
+    """
     try:
         directory = resolve(path)
+        if directory.exists() and not directory.is_dir():
+            return f"{directory} is a file, not a directory"
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write_probe_{os.getpid()}"
+        probe = directory / probe_name()
         probe.write_text("ok")
         probe.unlink()
     except Exception as e:  # noqa: BLE001  (OSError locally; assorted errors from GCS clients)
-        return getattr(e, "strerror", None) or str(e).splitlines()[0]
+        return _file_in_the_way(path) or getattr(e, "strerror", None) or str(e).splitlines()[0]
     return None
+
+
+def probe_name() -> str:
+    return f".write_probe-p{_process_index()}-{secrets.token_hex(8)}"
+
+
+def _process_index() -> int:
+    """jax.process_index() once jax's backends run (asking earlier would start them before
+    jax.distributed is initialized); before that, the launcher's LONGCTX_PROCESS_ID."""
+    if "jax" in sys.modules:
+        try:
+            from jax._src import xla_bridge
+
+            if xla_bridge.backends_are_initialized():
+                return int(sys.modules["jax"].process_index())
+        except Exception:  # noqa: BLE001  (private API moved: the random part keeps names apart)
+            pass
+    try:
+        return int(os.environ.get("LONGCTX_PROCESS_ID", 0))
+    except ValueError:
+        return 0
+
+
+def _file_in_the_way(path: str) -> str | None:
+    """'<file> is a file, not a directory' when `path` or a parent of it is a file (local paths)."""
+    if is_remote(path):
+        return None
+    p = os.path.abspath(path)
+    while True:
+        if os.path.isfile(p):
+            return f"{p} is a file, not a directory"
+        parent = os.path.dirname(p)
+        if parent == p:
+            return None
+        p = parent
 
 
 def move(source: epath.Path, destination: epath.Path) -> None:
