@@ -5,11 +5,14 @@
       .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/mp
 
 Every child gets the environment that `longctx.mesh.maybe_initialize_distributed` and
-`longctx.platform.configure_cpu_devices` read:
+`longctx.devices.configure_cpu_devices` read:
 
   LONGCTX_COORDINATOR=127.0.0.1:<port>   (a free port, or --port)
   LONGCTX_NUM_PROCESSES=P   LONGCTX_PROCESS_ID=i   LONGCTX_CPU_DEVICES=D
-  XLA_FLAGS=... --xla_force_host_platform_device_count=D   JAX_PLATFORMS=cpu   PYTHONUNBUFFERED=1
+  JAX_NUM_CPU_DEVICES=D   JAX_PLATFORMS=cpu   PYTHONUNBUFFERED=1
+
+(JAX_NUM_CPU_DEVICES takes precedence over a device count in the parent's XLA_FLAGS, which is
+passed on untouched, so even a child that imports jax without longctx gets D devices.)
 
 so the P processes form one `jax.distributed` job (gloo collectives) with P*D devices.
 
@@ -160,13 +163,12 @@ def choose_port(requested: int) -> int:
 def child_env(base: dict[str, str], port: int, num_processes: int, process_id: int,
               devices: int) -> dict[str, str]:
     env = dict(base)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", ""))
     env.update(
         LONGCTX_COORDINATOR=f"127.0.0.1:{port}",
         LONGCTX_NUM_PROCESSES=str(num_processes),
         LONGCTX_PROCESS_ID=str(process_id),
         LONGCTX_CPU_DEVICES=str(devices),
-        XLA_FLAGS=" ".join(flags.split() + [f"--xla_force_host_platform_device_count={devices}"]),
+        JAX_NUM_CPU_DEVICES=str(devices),
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
     )

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-from longctx.config import ConfigError
+from longctx.errors import ConfigError, RunError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,8 +108,8 @@ def run_grid(grid_path: str, workdir: str, *, dry_run: bool = False, echo=print)
         echo(f"ablate: {variant.name}: {'resuming' if os.path.isdir(run_dir) else 'starting'}")
         result = subprocess.run(command, cwd=REPO)
         if result.returncode != 0:
-            raise RuntimeError(f"variant {variant.name!r} failed with exit code {result.returncode}: "
-                               f"{shlex.join(command)}")
+            raise RunError(f"variant {variant.name!r} failed with exit code {result.returncode} "
+                           f"(its message is above): {shlex.join(command)}")
     return variants
 
 

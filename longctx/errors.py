@@ -17,3 +17,7 @@ class ConfigError(LongctxError, ValueError):
 
 class RunError(LongctxError):
     """A run that started and had to stop (non-finite loss, a save that failed); names the step."""
+
+
+class MissingFileError(ConfigError, FileNotFoundError):
+    """A file or directory the input names does not exist (also a FileNotFoundError)."""

@@ -9,14 +9,14 @@ Re-running skips finished variants and resumes unfinished ones from their checkp
 """
 
 import argparse
-import os
 import shlex
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from longctx import cli
+
+cli.start(cpu_devices=None)  # the training runs it starts set up their own devices
 
 from longctx import ablation  # noqa: E402
-from longctx.config import ConfigError  # noqa: E402
 
 
 def main() -> int:
@@ -25,11 +25,7 @@ def main() -> int:
     parser.add_argument("--workdir", required=True, help="one sub-directory per variant goes here")
     parser.add_argument("--dry-run", action="store_true", help="print the commands (for a cluster) and stop")
     args = parser.parse_args()
-    try:
-        variants = ablation.run_grid(args.grid, args.workdir, dry_run=args.dry_run)
-    except (ConfigError, RuntimeError) as e:
-        print(f"ablate: {e}", file=sys.stderr)
-        return 1
+    variants = ablation.run_grid(args.grid, args.workdir, dry_run=args.dry_run)
     if args.dry_run:
         return 0
     rows = ablation.summarize(variants, args.workdir)
@@ -40,4 +36,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -21,17 +21,12 @@ Compile time: lower+compile of the same fwd+bwd (xla, causal, auto) for sp = 2..
 L; with libtpu also the splash ring for TPU topologies of 4 and 16 chips (ahead of time).
 Writes docs/bench_attention.json and its section of docs/benchmarks.md.
 """
-import os
-import sys
+from longctx import cli
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-os.environ.setdefault("LONGCTX_CPU_DEVICES", "16")
-
-from longctx import platform  # noqa: E402
-
-platform.configure_cpu_devices()
+cli.start(cpu_devices=16)  # before jax is imported
 
 import argparse  # noqa: E402
+import os  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -42,7 +37,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 from longctx import aot  # noqa: E402
-from longctx import masks  # noqa: E402
+from longctx import masks, ops  # noqa: E402
 from longctx.ops import reference_attention, ring_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BATCH = 4, 2, 64, 1
@@ -96,16 +91,6 @@ def inputs(seq_len, sharding=None):
     return [jax.device_put(a, sharding) for a in arrs]
 
 
-def time_variant(name, attention, args, repeats):
-    f = fwd_bwd(attention)
-    start = time.perf_counter()
-    jax.block_until_ready(f(*args))  # compile + first run
-    first = time.perf_counter() - start
-    t = bc.time_it(lambda: jax.block_until_ready(f(*args)), warmup=0, repeats=repeats)
-    t["first_call_s"] = first
-    return t
-
-
 def interleaved(fns, repeats):
     """Compiles and warms every variant, then times them round-robin, `repeats` rounds: a
     change in the machine's background load hits all variants alike. Reports min and median."""
@@ -130,11 +115,7 @@ def run_grid(args, result):
     for impl, sizes, sps, masks_ in args.grid:
         for mask in masks_:
             for S in sizes:
-                dense_t = None
-                if args.dense and S <= args.dense_max:
-                    kw = mask_kwargs(mask, S, 1)
-                    dense_t = None  # the dense mask depends on sp for window/chunk: per sp below
-                for sp in sps:
+                for sp in sps:  # the dense mask depends on sp for window/chunk: built per sp
                     mesh = make_mesh(cpu[:sp])
                     kw = mask_kwargs(mask, S, sp)
                     # >= 4 kv chunks per shard (room to skip); splash blocks are multiples of 128
@@ -151,7 +132,7 @@ def run_grid(args, result):
                     for name, vkw, vlayout in variants:
                         attention, sharding = ring_fn(mesh, vkw, vlayout, impl, block)
                         fns[name] = (fwd_bwd(attention), inputs(S, sharding))
-                        sched = masks.ring_schedule(S, sp, block, vlayout, **vkw)
+                        sched = ops.ring_schedule(S, sp, block, vlayout, **vkw)
                         row[name] = {"layout": vlayout, "ring_steps": sched.steps,
                                      "computed_blocks": int(sched.computed_blocks.sum()),
                                      "efficiency": round(sched.efficiency, 3)}
@@ -220,9 +201,9 @@ def critical_paths(r):
     kw = dict(r["mask_kwargs"])
     if kw.get("sliding_window") is not None:
         kw["sliding_window"] = tuple(kw["sliding_window"])
-    ring = masks.ring_schedule(r["seq_len"], r["sp"], r["block"], r["layout"], **kw)
-    contig = masks.ring_schedule(r["seq_len"], r["sp"], r["block"], "contiguous", **kw)
-    full = masks.ring_schedule(r["seq_len"], r["sp"], r["block"], "contiguous", causal=False)
+    ring = ops.ring_schedule(r["seq_len"], r["sp"], r["block"], r["layout"], **kw)
+    contig = ops.ring_schedule(r["seq_len"], r["sp"], r["block"], "contiguous", **kw)
+    full = ops.ring_schedule(r["seq_len"], r["sp"], r["block"], "contiguous", causal=False)
     return ring.critical_path, contig.critical_path, full.critical_path
 
 
@@ -329,4 +310,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -21,33 +21,27 @@ checked bitwise against the state that was saved last.
 
 from __future__ import annotations
 
-import argparse
-import os
-import shlex
-import shutil
-import statistics
-import sys
-import tempfile
-import time
+from longctx import cli
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+cli.start()  # before jax is imported
 
-from longctx import platform  # noqa: E402
-
-platform.configure_cpu_devices()
+import argparse  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import bench_common as bc  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
 TARGET_FRACTION = 0.10
 
 
 def _config(args):
-    sys.path.insert(0, REPO)
-    from configs import base
-
-    c = base.get_config("tiny")
+    c = bc.base_config("tiny")
     c.mesh.dp, c.mesh.fsdp, c.mesh.sp = 1, -1, 1
     c.model.d_model, c.model.num_layers, c.model.mlp_dim = args.d_model, args.num_layers, args.mlp_dim
     c.model.num_heads, c.model.num_kv_heads, c.model.head_dim = args.d_model // 128, args.d_model // 128, 128
@@ -65,11 +59,6 @@ def _by_name(tree) -> dict:
             for path, leaf in leaves}
 
 
-def _command() -> str:
-    return " ".join([".venv/bin/python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO)]
-                    + [shlex.quote(a) for a in sys.argv[1:]])
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--d-model", type=int, default=1024)
@@ -79,7 +68,7 @@ def main():
     parser.add_argument("--saves", type=int, default=6)
     parser.add_argument("--steps-between", type=int, default=2, help="donated updates between saves")
     parser.add_argument("--workdir", default="", help="where to save (default: a fresh temporary directory)")
-    parser.add_argument("--out", default=os.path.join(REPO, "docs"), help="where the .json and .md go")
+    parser.add_argument("--out", default=bc.DOCS, help="where the .json and .md go")
     args = parser.parse_args()
 
     from absl import logging as absl_logging
@@ -189,7 +178,7 @@ def main():
     size_on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
                        os.walk(os.path.join(workdir, "checkpoints", str(saved_step))) for f in fs)
     result = {
-        "command": _command(),
+        "command": bc.command_line(),
         "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
                     "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
                     "jax": jax.__version__},
@@ -212,12 +201,7 @@ def main():
 
 
 def _write(result, out_dir):
-    import json
-
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_checkpoint.json"), "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+    bc.write_json(os.path.join(out_dir, "bench_checkpoint.json"), result)
     s, first = result["steady"], result["first_save"]
     rows = [f"| {i + 1} | {x['step']} | {x['blocked_s']:.3f} | {x['total_s']:.3f} | {x['fraction']:.1%} |"
             for i, x in enumerate(result["saves"])]
@@ -266,10 +250,9 @@ def _write(result, out_dir):
         "```",
         "",
     ]
-    with open(os.path.join(out_dir, "bench_checkpoint.md"), "w") as f:
-        f.write("\n".join(md))
+    bc.write_markdown(os.path.join(out_dir, "bench_checkpoint.md"), "\n".join(md))
     print("\n".join(md))
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

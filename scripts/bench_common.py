@@ -1,16 +1,18 @@
-"""Shared by the bench_*.py scripts: JSON + markdown output, the command line, HLO checks.
+"""Shared by the scripts that write reports (bench_*.py, estimate.py): the one JSON + markdown
+writer, the command line, the machine, the base config, HLO checks.
 
 docs/benchmarks.md holds one section per script between `<!-- BEGIN name -->` and
 `<!-- END name -->` markers; `write_section` replaces only its own section, so the scripts can be
-rerun in any order.
+rerun in any order. Scripts with a document of their own write it with `write_markdown`.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import re
 import shlex
-import statistics
 import sys
 import time
 
@@ -27,11 +29,32 @@ def command_line() -> str:
     return " ".join([".venv/bin/python", script] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
+def base_config(preset: str):
+    """`configs/base.py`'s `get_config(preset)` (configs/ is not an installed package: by path)."""
+    return _configs_base().get_config(preset)
+
+
+@functools.lru_cache(maxsize=None)
+def _configs_base():
+    spec = importlib.util.spec_from_file_location("longctx_configs_base",
+                                                  os.path.join(REPO, "configs", "base.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_json(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=False)
         f.write("\n")
+
+
+def write_markdown(path: str, markdown: str) -> None:
+    """Writes a whole markdown document (ending in one newline)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(markdown.rstrip("\n") + "\n")
 
 
 def write_section(name: str, markdown: str, path: str = BENCHMARKS_MD) -> None:
@@ -80,18 +103,6 @@ def max_dim_product(hlo_text: str) -> int:
                 n *= int(d)
         best = max(best, n)
     return best
-
-
-def time_it(fn, *, warmup: int = 1, repeats: int = 3) -> dict:
-    """Median wall seconds of fn() (which must block until done) after warm-up calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
 
 
 def machine() -> dict:

@@ -16,15 +16,14 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from longctx import cli
 
+cli.start(cpu_devices=None)  # numpy batches only: no jax devices
 
+import bench_common as bc  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from longctx.data import packing, pipeline, prepare  # noqa: E402
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def bench_one(data_dir, meta, packer, seq_len, workers, batch_size, tokens, sp=4):
@@ -53,10 +52,7 @@ def bench_one(data_dir, meta, packer, seq_len, workers, batch_size, tokens, sp=4
 
 
 def write_docs(results, info, out_dir):
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_data.json"), "w") as f:
-        json.dump({"machine": info, "results": results}, f, indent=2)
-        f.write("\n")
+    bc.write_json(os.path.join(out_dir, "bench_data.json"), {"machine": info, "results": results})
     lines = [
         "# Data pipeline benchmark",
         "",
@@ -86,8 +82,7 @@ def write_docs(results, info, out_dir):
         "`longctx.data.packing.num_packing_bins`). Concat-then-split never pads, but cuts "
         "documents at row boundaries.",
     ]
-    with open(os.path.join(out_dir, "bench_data.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    bc.write_markdown(os.path.join(out_dir, "bench_data.md"), "\n".join(lines))
 
 
 def main():
@@ -98,7 +93,7 @@ def main():
     p.add_argument("--batch-size", type=int, default=4, help="process-local rows per batch")
     p.add_argument("--tokens", type=float, default=3e7, help="positions timed per configuration")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "longctx"))
-    p.add_argument("--out", default=os.path.join(ROOT, "docs"))
+    p.add_argument("--out", default=bc.DOCS)
     args = p.parse_args()
 
     data_dir = prepare.prepare_stdlib(args.cache_dir, progress=True)
@@ -119,4 +114,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -16,23 +16,18 @@ always holds one sequence shard of L = S/sp tokens and a full copy of the (small
 Also checks the compiled HLO for any array with two dimensions >= L (an L x L or S x S score
 matrix); there must be none. Writes docs/bench_memory.json and its section of docs/benchmarks.md.
 """
-import os
-import sys
+from longctx import cli
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-os.environ.setdefault("LONGCTX_CPU_DEVICES", "16")
-
-from longctx import platform  # noqa: E402
-
-platform.configure_cpu_devices()
+cli.start(cpu_devices=16)  # before jax is imported
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 import jax  # noqa: E402
 
-import bench_common as bc  # noqa: E402
-from configs import base  # noqa: E402
+import bench_common as bc  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from longctx import aot  # noqa: E402
 
 MIB = 2 ** 20
@@ -40,7 +35,7 @@ MIB = 2 ** 20
 
 def model_config(seq_len: int, sp: int, num_devices: int, impl: str, quick: bool = False,
                  scan: bool = False):
-    c = base.get_config("tiny")
+    c = bc.base_config("tiny")
     c.unlock()
     dp = num_devices // sp
     c.mesh.update(dp=dp, fsdp=1, sp=sp)
@@ -222,4 +217,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -9,24 +9,18 @@ Each shape: one compile+warm-up step, then the median of --steps timed steps
 (block_until_ready on the metrics and state). Writes docs/bench_train.json and its section of
 docs/benchmarks.md.
 """
-import os
-import sys
+from longctx import cli
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-os.environ.setdefault("LONGCTX_CPU_DEVICES", "8")
-
-from longctx import platform  # noqa: E402
-
-platform.configure_cpu_devices()
+cli.start(cpu_devices=8)  # before jax is imported
 
 import argparse  # noqa: E402
+import os  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import bench_common as bc  # noqa: E402
-from configs import base  # noqa: E402
+import bench_common as bc  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from longctx import layout as layout_lib  # noqa: E402
 from longctx import mesh as mesh_lib  # noqa: E402
 from longctx import train  # noqa: E402
@@ -52,7 +46,7 @@ def synthetic_rows(batch, seq_len, vocab, seed=0, mean_doc=256):
 
 
 def config_for(shape, args):
-    c = base.get_config("tiny")
+    c = bc.base_config("tiny")
     c.unlock()
     dp, fsdp, sp = shape
     c.mesh.update(dp=dp, fsdp=fsdp, sp=sp)
@@ -129,7 +123,7 @@ def main():
         shapes, args.steps, args.seq_len, args.batch = [(1, 2, 4)], 1, 256, 2
     n = jax.device_count()
     shapes = [s for s in shapes if int(np.prod(s)) <= n]
-    c = base.get_config("tiny")
+    c = bc.base_config("tiny")
     model = (f"{c.model.num_layers} layers, d_model {c.model.d_model}, {c.model.num_heads} heads, "
              f"{c.model.dtype}, attention {c.attention.impl}")
     result = {"command": bc.command_line(), "machine": bc.machine(), "model": model,
@@ -141,4 +135,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

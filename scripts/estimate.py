@@ -10,7 +10,7 @@ kernels and the optimizer go through the real TPU compiler for the named topolog
 v6e, e.g. "v5p:4x4x4", "v5e:8x8"), nothing runs. Prints per-device arguments, outputs,
 temporaries and total, the chip's HBM, whether it fits and, when it does not, the overrides that
 should make it fit. `--json` prints the same as one JSON object. Exit status 0 fits, 1 does not
-fit, 2 bad input (one sentence on stderr).
+fit, 2 bad input (one line on stderr, `longctx: ...`).
 
 Sweep: the longest sequence that fits, per chip type and sp (docs/fit_llama3_8b.md + .json):
   python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --sweep \
@@ -21,26 +21,25 @@ For each topology and sp the mesh is dp=1, fsdp=N/sp, sp with one sequence per f
 the whole model at that length; nothing is extrapolated.
 """
 
-import os
-import sys
+from longctx import cli
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from longctx import platform  # noqa: E402  (sets XLA_FLAGS before jax is imported)
-
-platform.configure_cpu_devices()
+cli.start()  # before jax is imported
 
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+import bench_common as bc  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from longctx import aot  # noqa: E402
 from longctx import config as config_lib  # noqa: E402
 from longctx import mesh as mesh_lib  # noqa: E402
+from longctx.errors import ConfigError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:llama3_8b_128k.",
                                           lock_config=True)
@@ -54,24 +53,20 @@ _SWEEP_SP = flags.DEFINE_list("sweep_sp", ["16", "32"], "sp sizes for --sweep.")
 _SWEEP_START = flags.DEFINE_integer("sweep_start_shard", 8192, "First L = S/sp tried by --sweep.")
 _SWEEP_MAX = flags.DEFINE_integer("sweep_max_shard", 131072, "Largest L = S/sp tried by --sweep.")
 _SWEEP_MIN = flags.DEFINE_integer("sweep_min_shard", 1024, "Smallest L = S/sp tried by --sweep.")
-_SWEEP_LAYERS = flags.DEFINE_list(
-    "sweep_layers", [], "With --sweep: compile these (few) layer counts at two shard lengths "
-    "(--sweep_shards) and extrapolate linearly to model.num_layers; an explicitly labelled "
-    "estimate for when compiling every layer is too slow (unrolled layers compile in minutes).")
-_SWEEP_SHARDS = flags.DEFINE_list("sweep_shards", ["8192", "16384"],
-                                  "Two shard lengths L for --sweep_layers.")
 _SWEEP_OUT = flags.DEFINE_string("sweep_out", "docs/fit_llama3_8b", "Output path stem (.md, .json).")
 
 
 def estimate(config, topology: str) -> aot.CompiledStep:
-    """Compiles `config`'s train step for `topology`; ValueError (one sentence) on bad input."""
+    """Compiles `config`'s train step for `topology`; ConfigError (one sentence) on bad input."""
     if not aot.libtpu_available():
-        raise ValueError("libtpu is not installed, so TPU programs cannot be compiled here "
-                         "(pip install -e '.[tpu]').")
+        raise ConfigError("libtpu is not installed, so TPU programs cannot be compiled here "
+                          "(pip install -e '.[tpu]').")
     try:
         return aot.compile_train_step(config, topology)
-    except config_lib.ConfigError as e:
-        raise ValueError(f"the config does not fit topology {topology}: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"the config does not fit topology {topology}: {e}") from None
+    except ValueError as e:  # aot: a topology libtpu does not know
+        raise ConfigError(str(e)) from None
 
 
 def result_dict(config, result: aot.CompiledStep) -> dict:
@@ -109,8 +104,6 @@ def sweep_point(config, topology: str, sp: int, shard_len: int) -> dict:
 
 def sweep(config, topologies, sps, start, lo_limit, hi_limit, out_stem) -> dict:
     """Doubling search of the longest per-chip shard L (power of two) that fits."""
-    import bench_common as bc  # scripts/ is on sys.path when run as a script
-
     results = {"command": bc.command_line(), "model": _model_line(config), "points": [],
                "best": []}
     # Points of an earlier sweep of the same model are reused (compiles take minutes).
@@ -193,134 +186,13 @@ def _model_line(config) -> str:
             f"layout {config.attention.layout}, causal {config.attention.causal})")
 
 
-def sweep_extrapolated(config, topologies, sps, layer_counts, shards, hi_limit, out_stem) -> dict:
-    """Longest power-of-two L per cell from compiles with few layers, extrapolated.
-
-    Per cell, compiles every (layers, L) in layer_counts x shards; per-device bytes are modelled
-    as M = c0 + c1 L + n (c2 + c3 L) (n layers), exact through the four compiles, then evaluated
-    at the config's num_layers for L = powers of two. Every number in the output is labelled
-    as extrapolated; the compiled points are listed too.
-    """
-    import bench_common as bc
-
-    n_full = config.model.num_layers
-    (n1, n2), (l1, l2) = sorted(layer_counts)[:2], sorted(shards)[:2]
-    results = {"command": bc.command_line(), "model": _model_line(config), "mode": "extrapolated",
-               "layers_compiled": [n1, n2], "shards_compiled": [l1, l2], "points": [], "best": []}
-
-    save = functools.partial(_save_sweep, out_stem, results)
-
-    for topology in topologies:
-        try:
-            n = len(aot.topology_devices(topology))
-        except ValueError as e:
-            print(f"estimate: {e}", file=sys.stderr)
-            continue
-        for sp in sps:
-            try:
-                c = _sweep_config(config, n, sp, l1)
-                config_lib.validate(c, num_devices=n)
-                mesh_lib.make_mesh(c.mesh, devices=aot.topology_devices(topology))
-            except Exception as e:  # noqa: BLE001
-                print(f"sweep: skipping {topology} sp={sp}: {str(e).splitlines()[0][:200]}")
-                continue
-            m = {}
-            for layers in (n1, n2):
-                for L in (l1, l2):
-                    c = copy.deepcopy(config)
-                    c.unlock()
-                    c.model.num_layers = layers
-                    p = sweep_point(c, topology, sp, L)
-                    p["num_layers"] = layers
-                    results["points"].append(p)
-                    if "error" in p:
-                        print(f"  {topology} sp={sp} layers={layers} L={L}: error {p['error']}")
-                        continue
-                    m[(layers, L)] = p["total_bytes"]
-                    print(f"  {topology:11s} sp={sp:3d} layers={layers} L={L:6d}: "
-                          f"{p['total_bytes'] / aot.GIB:7.2f} GiB ({p['compile_seconds']:.0f}s)", flush=True)
-                    save()
-            if len(m) < 4:
-                continue
-            per_layer = {L: (m[(n2, L)] - m[(n1, L)]) / (n2 - n1) for L in (l1, l2)}
-            base = {L: m[(n1, L)] - n1 * per_layer[L] for L in (l1, l2)}
-            full = {L: base[L] + n_full * per_layer[L] for L in (l1, l2)}
-            slope = (full[l2] - full[l1]) / (l2 - l1)
-
-            def predict(L):
-                return full[l1] + slope * (L - l1)
-
-            hbm = next(p["hbm_bytes"] for p in results["points"][-4:] if "error" not in p)
-            kind = next(p["device_kind"] for p in results["points"][-4:] if "error" not in p)
-            best, L = None, 1024
-            while L <= hi_limit:
-                if predict(L) <= hbm:
-                    best = L
-                L *= 2
-            results["best"].append({
-                "topology": topology, "device_kind": kind, "sp": sp, "fsdp": n // sp,
-                "hbm_gib": hbm / aot.GIB, "longest_shard_len": best,
-                "longest_seq_len": None if best is None else best * sp,
-                "total_gib_at_best": None if best is None else predict(best) / aot.GIB,
-                "predicted_gib": {str(L): predict(L) / aot.GIB for L in (l1, l2)},
-                "gib_per_1k_tokens_per_chip": slope * 1024 / aot.GIB,
-                "compiles": 4, "errors": [], "extrapolated": True})
-            save()
-    return results
-
-
-def _sweep_markdown_extrapolated(results) -> str:
-    import bench_common as bc
-
-    n1, n2 = results["layers_compiled"]
-    l1, l2 = results["shards_compiled"]
-    lines = ["# Longest sequence that fits: Llama-3-8B-shaped model, per chip type and sp\n",
-             f"Generated by `{results['command']}`.\n",
-             f"Model: {results['model']}.\n",
-             f"**Extrapolated, not compiled at full depth**: each cell compiles the train step with "
-             f"{n1} and {n2} layers at L = {l1} and {l2} tokens per chip (four real TPU compiles) "
-             "and models per-device bytes as c0 + c1 L + layers (c2 + c3 L), evaluated at the "
-             "full depth for L = powers of two. Mesh dp=1, fsdp=N/sp, sp; global batch = fsdp, so "
-             "every chip holds one shard of L = S/sp tokens.\n"]
-    rows = []
-    for b in results["best"]:
-        rows.append([b["topology"], b["device_kind"], f"{b['hbm_gib']:.1f}", b["sp"], b["fsdp"],
-                     b["longest_seq_len"] or "none", b["longest_shard_len"] or "-",
-                     f"{b['total_gib_at_best']:.1f}" if b["total_gib_at_best"] else "-",
-                     f"{b['gib_per_1k_tokens_per_chip']:.2f}"])
-    lines.append(bc.table(["topology", "chip", "HBM GiB/device", "sp", "fsdp", "longest S (est.)",
-                           "L = S/sp", "GiB/device at that S (est.)", "GiB per 1K tokens/chip"],
-                          rows))
-    lines.append("\n## The compiles behind it\n")
-    prow = []
-    for p in results["points"]:
-        if "error" in p:
-            prow.append([p["topology"], p["sp"], p.get("num_layers"), p["shard_len"], "-", "-",
-                         "-", p["error"][:120]])
-        else:
-            g = lambda k: f"{p[k] / aot.GIB:.2f}"  # noqa: E731
-            prow.append([p["topology"], p["sp"], p["num_layers"], p["shard_len"],
-                         g("argument_bytes"), g("temp_bytes"), g("total_bytes"),
-                         f"{p['compile_seconds']:.0f}"])
-    lines.append(bc.table(["topology", "sp", "layers", "L", "arguments GiB", "temporaries GiB",
-                           "total GiB", "compile s"], prow))
-    return "\n".join(lines) + "\n"
-
-
 def _save_sweep(out_stem: str, results: dict) -> None:
     """Writes the sweep so far (JSON + markdown): a long sweep keeps what it has if interrupted."""
-    import bench_common as bc
-
     bc.write_json(out_stem + ".json", results)
-    with open(out_stem + ".md", "w") as f:
-        f.write(_sweep_markdown(results))
+    bc.write_markdown(out_stem + ".md", _sweep_markdown(results))
 
 
 def _sweep_markdown(results) -> str:
-    import bench_common as bc
-
-    if results.get("mode") == "extrapolated":
-        return _sweep_markdown_extrapolated(results)
     lines = ["# Longest sequence that fits: Llama-3-8B-shaped model, per chip type and sp\n",
              f"Generated by `{results['command']}`.\n",
              f"Model: {results['model']}. Mesh dp=1, fsdp=N/sp, sp; global batch = fsdp, so every "
@@ -358,23 +230,13 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
-    if _SWEEP.value and _SWEEP_LAYERS.value:
-        sweep_extrapolated(config, _SWEEP_TOPOLOGIES.value, [int(x) for x in _SWEEP_SP.value],
-                           [int(x) for x in _SWEEP_LAYERS.value],
-                           [int(x) for x in _SWEEP_SHARDS.value], _SWEEP_MAX.value, _SWEEP_OUT.value)
-        return
     if _SWEEP.value:
         sweep(config, _SWEEP_TOPOLOGIES.value, [int(x) for x in _SWEEP_SP.value], _SWEEP_START.value,
               _SWEEP_MIN.value, _SWEEP_MAX.value, _SWEEP_OUT.value)
         return
     if not _TOPOLOGY.value:
-        print("estimate: give --topology (e.g. v5p:4x4x4) or --sweep.", file=sys.stderr)
-        sys.exit(2)
-    try:
-        result = estimate(config, _TOPOLOGY.value)
-    except ValueError as e:
-        print(f"estimate: {e}", file=sys.stderr)
-        sys.exit(2)
+        raise ConfigError("give --topology (e.g. v5p:4x4x4) or --sweep.")
+    result = estimate(config, _TOPOLOGY.value)
     if _JSON.value:
         print(json.dumps(result_dict(config, result), indent=1))
     else:
@@ -383,4 +245,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_absl(main)

@@ -6,17 +6,21 @@
   python scripts/prepare_data.py --input corpus.jsonl --train-sentencepiece 8000 --output d
 
 Plain files are one document each; `.jsonl` files give one document per line (field
---text-field); directories are walked for files matching --glob. Output: train-*.array_record,
-validation-*.array_record (int32 ids, BOS ... EOS per record), metadata.json, and tokenizer.model
-for SentencePiece. Re-running on the same input writes byte-identical files. Train with it via
---config.data.path=DIR (and model.vocab_size >= the vocab_size in metadata.json).
+--text-field); directories are walked for files matching --glob. Plain files that are not text
+in --encoding (they do not decode, or hold NUL bytes) are skipped, and one line on stderr says
+how many and names one. Output: train-*.array_record, validation-*.array_record (int32 ids,
+BOS ... EOS per record), metadata.json, and tokenizer.model for SentencePiece. An existing
+--output is replaced only with --overwrite. Re-running on the same input writes byte-identical
+files. Train with it via --config.data.path=DIR (and model.vocab_size >= the vocab_size in
+metadata.json).
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from longctx import cli
+
+cli.start(cpu_devices=None)  # no jax here
 
 from longctx.data import prepare  # noqa: E402
 
@@ -27,25 +31,29 @@ def main(argv=None) -> int:
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="text files, .jsonl files or directories")
     p.add_argument("--output", required=True, metavar="DIR")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing dataset in --output")
     p.add_argument("--tokenizer", default="byte", help="byte | sentencepiece:MODEL_FILE")
     p.add_argument("--train-sentencepiece", type=int, default=None, metavar="VOCAB",
                    help="train a BPE SentencePiece model of this vocabulary size on the input first")
     p.add_argument("--text-field", default="text", help="jsonl field holding the document")
+    p.add_argument("--encoding", default="utf-8",
+                   help="encoding of plain text files; files that do not decode are skipped")
     p.add_argument("--glob", default="*", help="file-name pattern for directory inputs")
     p.add_argument("--val-fraction", type=float, default=0.01)
     p.add_argument("--shard-mb", type=int, default=prepare.DEFAULT_SHARD_BYTES >> 20,
                    help="start a new ArrayRecord file after this many MiB of token ids")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    try:
-        meta = prepare.prepare(
-            args.input, args.output, tokenizer=args.tokenizer, text_field=args.text_field,
-            glob=args.glob, val_fraction=args.val_fraction,
-            train_sentencepiece=args.train_sentencepiece, shard_bytes=args.shard_mb << 20,
-            progress=not args.quiet)
-    except (ValueError, OSError) as e:
-        print(f"prepare_data: {e}", file=sys.stderr)
-        return 2
+    meta = prepare.prepare(
+        args.input, args.output, overwrite=args.overwrite, tokenizer=args.tokenizer,
+        text_field=args.text_field, encoding=args.encoding, glob=args.glob,
+        val_fraction=args.val_fraction, train_sentencepiece=args.train_sentencepiece,
+        shard_bytes=args.shard_mb << 20, progress=not args.quiet)
+    if meta["num_skipped_files"]:
+        print(f"prepare_data: skipped {meta['num_skipped_files']} of {meta['num_source_files']} "
+              f"input files that are not {meta['encoding']} text, e.g. "
+              f"{meta['skipped_file_example']}.", file=sys.stderr)
     s = meta["splits"]
     print(f"prepare_data: {args.output}: {meta['num_documents']:,} documents, "
           f"{meta['num_tokens']:,} tokens (train {s['train']['num_documents']:,} docs / "
@@ -56,4 +64,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

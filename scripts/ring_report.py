@@ -13,12 +13,14 @@ useful blocks / (sp * sum over run steps of max over devices of computed blocks)
 """
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from longctx import cli
 
-from longctx import masks  # noqa: E402
+cli.start()  # longctx.ops imports jax: CPU platform set before
+
+from longctx import masks, ops  # noqa: E402
+from longctx.errors import ConfigError  # noqa: E402
 
 
 def _window(text):
@@ -68,10 +70,9 @@ def main(argv=None) -> int:
     mask_kw = dict(causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
     try:
         layout = masks.resolve_layout(a.layout, a.seq_len, a.sp, **mask_kw)
-        sched = masks.ring_schedule(a.seq_len, a.sp, a.block, layout, **mask_kw)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        sched = ops.ring_schedule(a.seq_len, a.sp, a.block, layout, **mask_kw)
+    except ValueError as e:  # masks' messages name the argument
+        raise ConfigError(str(e)) from None
     blocks = sched.computed_blocks[:, list(sched.run_steps)]
     mask_desc = ", ".join(f"{k}={v}" for k, v in mask_kw.items() if v) or "full"
     title = (f"S={a.seq_len} sp={a.sp} block={a.block} {mask_desc} layout={layout}: "
@@ -99,4 +100,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -4,22 +4,17 @@
   python scripts/train.py --config=configs/base.py:tiny --workdir=runs/x --config.model.num_layers=4
 
 Off TPU, set LONGCTX_CPU_DEVICES=N (default 8 when no accelerator is found) to run on N virtual
-CPU devices.
+CPU devices. A failure prints one line (`longctx: ...`; exit status 2 for bad input, 1 for a run
+that failed); `--verbose` or LONGCTX_DEBUG=1 adds the traceback.
 """
 
-import os
-import sys
+from longctx import cli
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+cli.start()  # before jax is imported
 
-from longctx import platform  # noqa: E402  (sets XLA_FLAGS before jax is imported)
-
-platform.configure_cpu_devices()
-
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from longctx import config as config_lib  # noqa: E402
 from longctx import train  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:tiny.",
@@ -31,11 +26,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-    try:
-        train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    except config_lib.ConfigError as e:
-        sys.exit(f"longctx: bad input: {e}")
+    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_absl(main)

@@ -92,9 +92,7 @@ def _config(**mesh):
 
 def _env(devices: int = 8) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_")}
-    # conftest put the 8-device flag into XLA_FLAGS; the child sets its own from LONGCTX_CPU_DEVICES.
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
-    env["LONGCTX_CPU_DEVICES"] = str(devices)
+    env["LONGCTX_CPU_DEVICES"] = str(devices)  # the child's device count
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -462,7 +460,7 @@ def test_data_state_that_cannot_carry_over_restarts_the_stream(runs, tmp_path):
 def test_model_shape_mismatch_fails_before_touching_anything(runs):
     out = runs["shape_out"]
     assert runs["shape_rc"] != 0
-    assert "bad input" in out and "model.d_model: checkpoint 128 vs config 64" in out, out[-3000:]
+    assert re.search(r"^longctx: .*model\.d_model: checkpoint 128 vs config 64", out, re.M), out[-3000:]
     assert "compiled" not in out
     assert runs["ref_snapshot_after_shape"] == runs["ref_snapshot_before_shape"]
 

@@ -19,10 +19,10 @@ SEQ, BATCH, STEPS = 64, 4, 3
 
 
 def worker(data_dir: str, out_dir: str, dp: int, sp: int) -> None:
-    sys.path.insert(0, ROOT)
-    from longctx import platform
+    sys.path.insert(0, ROOT)  # for configs/ (longctx itself is installed)
+    from longctx import devices
 
-    platform.configure_cpu_devices()
+    devices.configure_cpu_devices()
     import jax
 
     from configs import base
@@ -60,7 +60,6 @@ def data_dir(tmp_path_factory):
 
 def run_two(data_dir, out_dir, dp, sp):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_")}
-    env.pop("XLA_FLAGS", None)
     env["PYTHONPATH"] = ROOT
     r = subprocess.run([sys.executable, LOCAL, "--num-processes", "2", "--devices-per-process", "4",
                         "--", sys.executable, os.path.abspath(__file__), data_dir, str(out_dir),

@@ -83,9 +83,9 @@ def test_byte_text_and_jsonl_byte_identical_reruns(corpus, tmp_path):
     assert meta["tokenizer"] == "byte" and meta["vocab_size"] == 259
     assert (meta["bos_id"], meta["eos_id"], meta["pad_id"]) == (256, 257, 258)
     assert digest(out_a) == digest(out_b)
-    # Re-running into an existing output replaces it with the same bytes.
+    # Re-running into an existing output replaces it with the same bytes (given --overwrite).
     assert run("--input", corpus / "txt", corpus / "docs.jsonl", "--glob", "*.txt",
-               "--output", out_a, "--val-fraction", "0.1").returncode == 0
+               "--output", out_a, "--val-fraction", "0.1", "--overwrite").returncode == 0
     assert digest(out_a) == digest(out_b)
 
 

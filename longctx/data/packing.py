@@ -27,6 +27,8 @@ import numpy as np
 import grain
 from grain import experimental as gx
 
+from longctx.errors import ConfigError
+
 PACKERS = ("first_fit", "best_fit", "concat_then_split")
 FEATURE = "tt"  # the packed [len, 2] (input, target) feature
 KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
@@ -71,7 +73,7 @@ def pack(ds: grain.IterDataset, packer: str, seq_len: int, *, batch_size: int, p
         # Full-length pieces pass straight through instead of being cut at an arbitrary offset.
         return gx.ConcatThenSplitIterDataset(ds, length_struct=length,
                                              split_full_length_features=False)
-    raise ValueError(f"data.packer={packer!r} is not one of {PACKERS}.")
+    raise ConfigError(f"data.packer={packer!r} is not one of {PACKERS}.")
 
 
 def segment_positions(segment_ids: np.ndarray) -> np.ndarray:

@@ -56,9 +56,17 @@ import numpy as np
 from longctx.data import packing
 from longctx.data import prepare as prepare_lib
 from longctx.data import sharding as sharding_lib
+from longctx.errors import ConfigError, MissingFileError
 
 _SPLIT_NAMES = {"train": "train", "validation": "validation", "eval": "validation"}
 _REQUIRED_META = ("tokenizer", "vocab_size", "bos_id", "eos_id", "pad_id", "splits")
+_REDO = "prepare the data again with scripts/prepare_data.py (or restore the file from a copy)."
+
+
+def _reason(error: Exception) -> str:
+    """` (Type: first line of the message)`, or "" when the reader gave no message."""
+    text = " ".join(str(error).split())
+    return f" ({type(error).__name__}: {text})" if text else ""
 
 
 def resolve_dataset(config) -> str:
@@ -66,8 +74,13 @@ def resolve_dataset(config) -> str:
     path = config.data.path
     if path:
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"data.path={path} does not exist.")
-        load_metadata(path)  # fails here, with the file named, rather than inside a worker
+            raise MissingFileError(f"data.path={path} does not exist.")
+        # A missing or corrupt file fails here, with the file named, before anything else starts
+        # (not inside a worker, and not while a checkpoint is being restored).
+        meta = load_metadata(path)
+        for split in prepare_lib.SPLITS:
+            for entry in (meta["splits"].get(split) or {}).get("files", []):
+                check_shard(os.path.join(path, entry["path"]), entry["num_documents"])
         return path
     cache = config.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "longctx")
     return prepare_lib.prepare_stdlib(cache)
@@ -76,44 +89,58 @@ def resolve_dataset(config) -> str:
 def load_metadata(data_dir: str) -> dict:
     path = os.path.join(data_dir, prepare_lib.METADATA)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist; prepare the data with scripts/prepare_data.py.")
+        raise MissingFileError(f"{path} does not exist; prepare the data with scripts/prepare_data.py.")
     try:
         with open(path) as f:
             meta = json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg}).") from None
+        raise ConfigError(f"{path} is not valid JSON ({e.msg}).") from None
     for key in _REQUIRED_META:
         if key not in meta:
-            raise ValueError(f"{path} has no key {key!r}.")
+            raise ConfigError(f"{path} has no key {key!r}.")
     return meta
+
+
+def check_shard(path: str, num_documents: int) -> None:
+    """ConfigError unless `path` is a readable ArrayRecord file of `num_documents` records."""
+    if not os.path.isfile(path):
+        raise MissingFileError(f"{path} is listed in metadata.json but does not exist.")
+    st = os.stat(path)
+    n = _num_records(path, st.st_size, st.st_mtime_ns)
+    if n != num_documents:
+        raise ConfigError(f"{path} is corrupt: it holds {n} records but metadata.json lists "
+                          f"{num_documents}; {_REDO}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _num_records(path: str, size: int, mtime_ns: int) -> int:
+    """Records in an ArrayRecord file (its footer is read once per version of the file)."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    del size, mtime_ns  # the cache key: a rewritten file is read again
+    try:
+        reader = ArrayRecordReader(path)
+        n = reader.num_records()
+        reader.close()
+    except Exception as e:  # noqa: BLE001  (the reader raises assorted status errors)
+        raise ConfigError(f"{path} is corrupt: not a readable ArrayRecord file{_reason(e)}; "
+                          f"{_REDO}") from None
+    return n
 
 
 class TokenSource(grain.sources.RandomAccessDataSource):
     """One split's documents as int32 arrays; checks each file and each record it reads."""
 
     def __init__(self, data_dir: str, split: str, meta: dict):
-        from array_record.python.array_record_module import ArrayRecordReader
-
         info = meta["splits"].get(split)
         if not info or not info["files"]:
-            raise ValueError(f"{data_dir} has no {split!r} documents (metadata.json splits.{split}).")
+            raise ConfigError(f"{data_dir} has no {split!r} documents (metadata.json splits.{split}).")
         self._paths, counts = [], []
         for entry in info["files"]:
             p = os.path.join(data_dir, entry["path"])
-            if not os.path.isfile(p):
-                raise FileNotFoundError(f"{p} is listed in metadata.json but does not exist.")
-            try:
-                reader = ArrayRecordReader(p)
-                n = reader.num_records()
-                reader.close()
-            except Exception as e:  # the reader raises assorted status errors
-                raise ValueError(f"{p} is corrupt: not a readable ArrayRecord file "
-                                 f"({type(e).__name__}: {e}).") from None
-            if n != entry["num_documents"]:
-                raise ValueError(f"{p} is corrupt: it holds {n} records but metadata.json lists "
-                                 f"{entry['num_documents']}.")
+            check_shard(p, entry["num_documents"])
             self._paths.append(p)
-            counts.append(n)
+            counts.append(entry["num_documents"])
         self._starts = np.cumsum([0] + counts).tolist()
         self._vocab = int(meta["vocab_size"])
         self._src = grain.sources.ArrayRecordDataSource(self._paths)
@@ -128,16 +155,16 @@ class TokenSource(grain.sources.RandomAccessDataSource):
     def __getitem__(self, index: int) -> np.ndarray:
         try:
             record = self._src[index]
-        except Exception as e:
-            raise ValueError(f"{self._where(index)} is corrupt ({e}).") from None
+        except Exception as e:  # noqa: BLE001  (assorted status errors from the reader)
+            raise ConfigError(f"{self._where(index)} is corrupt{_reason(e)}; {_REDO}") from None
         if len(record) % 4 or len(record) < 8:
-            raise ValueError(f"{self._where(index)} is corrupt: {len(record)} bytes is not a "
-                             "document of int32 ids.")
+            raise ConfigError(f"{self._where(index)} is corrupt: {len(record)} bytes is not a "
+                              f"document of int32 ids; {_REDO}")
         ids = np.frombuffer(record, dtype="<i4")
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self._vocab:
-            raise ValueError(f"{self._where(index)} has token id {hi if hi >= self._vocab else lo} "
-                             f"outside the vocabulary [0, {self._vocab}).")
+            raise ConfigError(f"{self._where(index)} has token id {hi if hi >= self._vocab else lo} "
+                              f"outside the vocabulary [0, {self._vocab}).")
         return ids
 
     def __repr__(self) -> str:
@@ -155,15 +182,15 @@ def packed_rows(data_dir: str, split: str, *, seq_len: int, packer: str, seed: i
     meta = meta or load_metadata(data_dir)
     split = _SPLIT_NAMES.get(split, split)
     if split not in prepare_lib.SPLITS:
-        raise ValueError(f"split={split!r} must be 'train' or 'validation'.")
+        raise ConfigError(f"split={split!r} must be 'train' or 'validation'.")
     if seq_len <= 0:
-        raise ValueError(f"data.seq_len={seq_len} must be positive.")
+        raise ConfigError(f"data.seq_len={seq_len} must be positive.")
     source = TokenSource(data_dir, split, meta)
     if not 0 <= shard_index < shard_count:
-        raise ValueError(f"data shard {shard_index} is out of range for {shard_count} shards.")
+        raise ConfigError(f"data shard {shard_index} is out of range for {shard_count} shards.")
     if len(source) < shard_count:
-        raise ValueError(f"{data_dir} has {len(source)} {split} documents, fewer than the "
-                         f"{shard_count} data shards that read it.")
+        raise ConfigError(f"{data_dir} has {len(source)} {split} documents, fewer than the "
+                          f"{shard_count} data shards that read it.")
     seed = int(seed) % 2**32
     ds = grain.MapDataset.source(source)
     if shuffle:
@@ -248,15 +275,15 @@ def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data
     d = config.data
     meta = load_metadata(data_dir)
     if int(config.model.vocab_size) < int(meta["vocab_size"]):
-        raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
-                         f"tokenizer's vocabulary ({meta['vocab_size']}, {data_dir}/metadata.json).")
+        raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
+                          f"tokenizer's vocabulary ({meta['vocab_size']}, {data_dir}/metadata.json).")
     if d.packer not in packing.PACKERS:
-        raise ValueError(f"data.packer={d.packer!r} is not one of {packing.PACKERS}.")
+        raise ConfigError(f"data.packer={d.packer!r} is not one of {packing.PACKERS}.")
     if layout == "auto":
         raise ValueError("make_batch_iterator needs a concrete layout; resolve attention.layout='auto' first.")
     sp = mesh.shape["sp"]
     if d.seq_len % sp:
-        raise ValueError(f"data.seq_len={d.seq_len} is not divisible by the sp mesh size {sp}.")
+        raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by the sp mesh size {sp}.")
     shard = sharding_lib.data_shard(mesh, d.global_batch_size, d.seq_len)
     train = _SPLIT_NAMES.get(split, split) == "train"
     seed = (d.shuffle_seed + seed_offset) if train else 0

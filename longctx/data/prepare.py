@@ -9,9 +9,12 @@ Output directory layout (what `scripts/prepare_data.py` writes and the pipeline 
   tokenizer.model                only for SentencePiece (copied or trained), so the directory is
                                  self-contained
 
-Inputs: plain files (one document each, raw bytes), `.jsonl` (one document per non-blank line,
-taken from `text_field`), and directories (every file below that matches `glob`, walked in sorted
-order). Empty documents are skipped. Each document goes to validation when a hash of its key
+Inputs: plain files (one document each), `.jsonl` (one document per non-blank line, taken from
+`text_field`), and directories (every file below that matches `glob`, walked in sorted order).
+Empty documents are skipped. A plain file that is not text in `encoding` (default UTF-8: it does
+not decode, or it holds NUL characters) is skipped and counted (`num_skipped_files` and
+`skipped_file_example` in metadata.json): binary files in a directory of text would otherwise
+become documents of noise. Documents are tokenized as UTF-8 (a UTF-8 file's bytes as they are). Each document goes to validation when a hash of its key
 (relative path, plus `:line` for jsonl) falls below `val_fraction`; if that leaves validation
 empty the document with the smallest hash is moved there, so a small corpus still has a
 validation split. Nothing depends on time, file-system order or randomness, so re-running on the
@@ -36,6 +39,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from longctx.data import tokenizer as tokenizer_lib
+from longctx.errors import ConfigError, MissingFileError
 
 METADATA = "metadata.json"
 FORMAT = "longctx.tokens.v1"
@@ -62,7 +66,7 @@ def list_sources(inputs: Sequence[str], glob: str = "*",
                  exclude_dirs: frozenset = frozenset()) -> list[Source]:
     """Expands files and directory trees (sorted walk, pruning `exclude_dirs`) into input files."""
     if not inputs:
-        raise ValueError("no --input given.")
+        raise ConfigError("no --input given.")
     out: list[Source] = []
     for inp in inputs:
         if os.path.isdir(inp):
@@ -74,17 +78,40 @@ def list_sources(inputs: Sequence[str], glob: str = "*",
                         full = os.path.join(d, f)
                         found.append(Source(full, os.path.relpath(full, inp).replace(os.sep, "/")))
             if not found:
-                raise ValueError(f"input directory {inp} has no files matching --glob {glob!r}.")
+                raise ConfigError(f"input directory {inp} has no files matching --glob {glob!r}.")
             out.extend(found)
         elif os.path.isfile(inp):
             out.append(Source(inp, os.path.basename(inp)))
         else:
-            raise FileNotFoundError(f"input {inp} does not exist.")
+            raise MissingFileError(f"input {inp} does not exist.")
     return out
 
 
-def iter_documents(src: Source, text_field: str = "text") -> Iterator[tuple[str, bytes]]:
-    """(key, utf-8 bytes) for every non-empty document in one input file."""
+def text_problem(data: bytes, encoding: str = "utf-8") -> str | None:
+    """Why `data` is not text in `encoding` ("not valid utf-8", "NUL bytes"), or None if it is."""
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError:
+        return f"not valid {encoding}"
+    if "\x00" in text:
+        return "NUL bytes"
+    return None
+
+
+class NotText(Exception):
+    """A plain input file that is not text in the chosen encoding (skipped, and counted)."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def iter_documents(src: Source, text_field: str = "text",
+                   encoding: str = "utf-8") -> Iterator[tuple[str, bytes]]:
+    """(key, utf-8 bytes) for every non-empty document in one input file.
+
+    Raises NotText, before yielding anything, for a plain file that is not text in `encoding`.
+    """
     if src.path.endswith(".jsonl"):
         with open(src.path, "rb") as f:
             for lineno, line in enumerate(f, 1):
@@ -93,20 +120,31 @@ def iter_documents(src: Source, text_field: str = "text") -> Iterator[tuple[str,
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{src.path}:{lineno} is not valid JSON ({e.msg}).") from None
+                    raise ConfigError(f"{src.path}:{lineno} is not valid JSON ({e.msg}).") from None
                 if not isinstance(obj, dict) or text_field not in obj:
-                    raise ValueError(f"{src.path}:{lineno} has no field {text_field!r} "
-                                     "(choose it with --text-field).")
+                    raise ConfigError(f"{src.path}:{lineno} has no field {text_field!r} "
+                                      "(choose it with --text-field).")
                 text = obj[text_field]
                 if not isinstance(text, str):
-                    raise ValueError(f"{src.path}:{lineno} field {text_field!r} is not a string.")
+                    raise ConfigError(f"{src.path}:{lineno} field {text_field!r} is not a string.")
                 if text:
                     yield f"{src.key}:{lineno}", text.encode("utf-8")
     else:
         with open(src.path, "rb") as f:
             data = f.read()
         if data:
+            problem = text_problem(data, encoding)
+            if problem is not None:
+                raise NotText(src.path, problem)
+            if _codec(encoding) != "utf-8":
+                data = data.decode(encoding).encode("utf-8")
             yield src.key, data
+
+
+def _codec(encoding: str) -> str:
+    import codecs
+
+    return codecs.lookup(encoding).name
 
 
 def split_hash(key: str) -> float:
@@ -143,25 +181,27 @@ class _ShardWriter:
             self._writer = None
 
 
-def _write_splits(sources, tok, out_dir, *, text_field, val_fraction, shard_bytes, force_val,
-                  progress):
-    """One pass over the inputs; returns (per-split stats, key of the smallest-hash document)."""
+def _write_splits(sources, tok, out_dir, *, text_field, encoding, val_fraction, shard_bytes,
+                  force_val, progress):
+    """One pass over the inputs; returns (per-split stats, key of the smallest-hash document,
+    the files skipped as not text)."""
     from tqdm import tqdm
 
     writers = {s: _ShardWriter(out_dir, s, shard_bytes) for s in SPLITS}
     max_len = {s: 0 for s in SPLITS}
     min_key, min_h = None, 2.0
     tokens = 0
+    skipped: list[NotText] = []
     bar = tqdm(sources, unit="file", desc="prepare", disable=not progress, dynamic_ncols=True)
     for src in bar:
-        for key, data in iter_documents(src, text_field):
+        for key, data in _text_documents(src, text_field, encoding, skipped):
             h = split_hash(key)
             if h < min_h:
                 min_key, min_h = key, h
             split = "validation" if (h < val_fraction or key == force_val) else "train"
             ids = tok.encode_document(data)
             if ids.size and int(ids.max()) >= tok.vocab_size:
-                raise ValueError(f"{src.path}: token id {int(ids.max())} >= vocab size {tok.vocab_size}.")
+                raise ConfigError(f"{src.path}: token id {int(ids.max())} >= vocab size {tok.vocab_size}.")
             writers[split].write(ids)
             max_len[split] = max(max_len[split], int(ids.size))
             tokens += int(ids.size)
@@ -176,30 +216,43 @@ def _write_splits(sources, tok, out_dir, *, text_field, val_fraction, shard_byte
             "num_tokens": sum(f["num_tokens"] for f in w.files),
             "max_document_tokens": max_len[s],
         }
-    return stats, min_key
+    return stats, min_key, skipped
 
 
-def _sentencepiece_texts(sources, text_field):
+def _text_documents(src: Source, text_field: str, encoding: str, skipped: list):
+    """`iter_documents`, where a file that is not text yields nothing and joins `skipped`."""
+    try:
+        yield from iter_documents(src, text_field, encoding)
+    except NotText as e:  # raised before the file's first document, so nothing half-done
+        skipped.append(e)
+
+
+def _sentencepiece_texts(sources, text_field, encoding):
     for src in sources:
-        for _, data in iter_documents(src, text_field):
+        for _, data in _text_documents(src, text_field, encoding, []):
             yield data.decode("utf-8", errors="replace")
 
 
 def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte",
-                  text_field: str = "text", glob: str = "*", val_fraction: float = 0.01,
+                  text_field: str = "text", encoding: str = "utf-8", glob: str = "*",
+                  val_fraction: float = 0.01,
                   train_sentencepiece: int | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
                   progress: bool = True, sources_label: Sequence[str] | None = None,
                   exclude_dirs: frozenset = frozenset()) -> dict:
     """Tokenizes `inputs` into the (existing, empty) directory `out_dir`; returns the metadata."""
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"--val-fraction={val_fraction} must be in [0, 1).")
+        raise ConfigError(f"--val-fraction={val_fraction} must be in [0, 1).")
+    try:
+        _codec(encoding)
+    except LookupError:
+        raise ConfigError(f"--encoding {encoding!r} is not a text encoding Python knows.") from None
     sources = list_sources(inputs, glob, exclude_dirs)
 
     if train_sentencepiece:
         if tokenizer != "byte":
-            raise ValueError("--train-sentencepiece trains a new model; do not also pass --tokenizer.")
+            raise ConfigError("--train-sentencepiece trains a new model; do not also pass --tokenizer.")
         model = os.path.join(out_dir, TOKENIZER_FILE)
-        tokenizer_lib.train_sentencepiece(_sentencepiece_texts(sources, text_field),
+        tokenizer_lib.train_sentencepiece(_sentencepiece_texts(sources, text_field, encoding),
                                           int(train_sentencepiece), model)
         tok = tokenizer_lib.sentencepiece_tokenizer(model)
     elif tokenizer.startswith("sentencepiece:"):
@@ -211,18 +264,20 @@ def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte
         tok = tokenizer_lib.load_tokenizer(tokenizer)
     spec = f"sentencepiece:{TOKENIZER_FILE}" if tok.name.startswith("sentencepiece:") else tok.name
 
-    kw = dict(text_field=text_field, val_fraction=val_fraction, shard_bytes=shard_bytes,
-              progress=progress)
-    stats, min_key = _write_splits(sources, tok, out_dir, force_val=None, **kw)
+    kw = dict(text_field=text_field, encoding=encoding, val_fraction=val_fraction,
+              shard_bytes=shard_bytes, progress=progress)
+    stats, min_key, skipped = _write_splits(sources, tok, out_dir, force_val=None, **kw)
     n_docs = sum(s["num_documents"] for s in stats.values())
     if n_docs == 0:
-        raise ValueError(f"no documents found in {', '.join(inputs)} (all inputs are empty).")
+        why = (f"all inputs are empty or not {encoding} text: {len(skipped)} of {len(sources)} "
+               f"file(s) skipped, e.g. {skipped[0]}" if skipped else "all inputs are empty")
+        raise ConfigError(f"no documents found in {', '.join(inputs)} ({why}).")
     if val_fraction > 0 and stats["validation"]["num_documents"] == 0 and n_docs >= 2:
         # Rare on real corpora; a second pass keeps the split a pure function of the input.
         for f in os.listdir(out_dir):
             if f.endswith(".array_record"):
                 os.remove(os.path.join(out_dir, f))
-        stats, _ = _write_splits(sources, tok, out_dir, force_val=min_key, **kw)
+        stats, _, _ = _write_splits(sources, tok, out_dir, force_val=min_key, **kw)
 
     meta = {
         "format": FORMAT,
@@ -237,6 +292,9 @@ def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte
         "splits": stats,
         "sources": list(sources_label if sources_label is not None else inputs),
         "num_source_files": len(sources),
+        "num_skipped_files": len(skipped),
+        "skipped_file_example": f"{skipped[0].path} ({skipped[0].reason})" if skipped else None,
+        "encoding": _codec(encoding),
         "glob": glob,
         "text_field": text_field,
         "val_fraction": val_fraction,
@@ -247,17 +305,22 @@ def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte
     return meta
 
 
-def prepare(inputs: Sequence[str], output: str, **kwargs) -> dict:
+def prepare(inputs: Sequence[str], output: str, *, overwrite: bool = False, **kwargs) -> dict:
     """`write_dataset` into a temporary sibling, then swapped into `output` in one rename.
 
     A reader never sees a half-written directory, and an interrupted run leaves `output` as it
-    was. An existing `output` is replaced only if it is a dataset (has metadata.json) or empty.
+    was. An existing `output` is replaced only with `overwrite=True` (an empty directory needs
+    no permission), and only if it is a dataset (has metadata.json).
     """
     output = os.path.abspath(output)
     if os.path.exists(output):
         if not os.path.isdir(output) or (os.listdir(output)
                                          and not os.path.exists(os.path.join(output, METADATA))):
-            raise ValueError(f"--output {output} exists and is not a longctx dataset directory.")
+            raise ConfigError(f"--output {output} exists and is not a longctx dataset directory; "
+                              "choose another --output.")
+        if os.listdir(output) and not overwrite:
+            raise ConfigError(f"--output {output} already holds a dataset; pass --overwrite to "
+                              "replace it, or choose another --output.")
     parent = os.path.dirname(output)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(output) + ".tmp-", dir=parent)

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from longctx import mesh as mesh_lib
+from longctx.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +49,8 @@ def data_shard(mesh, global_batch_size: int, seq_len: int, process_index: int | 
     process_of = process_of or (lambda d: d.process_index)
     num_rows = mesh.shape[mesh_lib.DP] * mesh.shape[mesh_lib.FSDP]
     if global_batch_size % num_rows:
-        raise ValueError(f"data.global_batch_size={global_batch_size} is not divisible by "
-                         f"dp*fsdp = {num_rows}.")
+        raise ConfigError(f"data.global_batch_size={global_batch_size} is not divisible by "
+                          f"dp*fsdp = {num_rows}.")
     index_map = batch_sharding(mesh).devices_indices_map((global_batch_size, seq_len))
     rows_of: dict[int, set[tuple[int, int]]] = {}
     for device, idx in index_map.items():
@@ -61,17 +62,17 @@ def data_shard(mesh, global_batch_size: int, seq_len: int, process_index: int | 
         blocks = sorted(blocks)
         for (_, a_stop), (b_start, _) in zip(blocks, blocks[1:]):
             if a_stop != b_start:
-                raise ValueError(f"process {proc} holds non-contiguous batch rows {blocks}; the "
-                                 "mesh device order must give each process a contiguous block.")
+                raise ConfigError(f"process {proc} holds non-contiguous batch rows {blocks}; the "
+                                  "mesh device order must give each process a contiguous block.")
         ranges[proc] = (blocks[0][0], blocks[-1][1])
     if process_index not in ranges:
-        raise ValueError(f"process {process_index} owns no device of the mesh.")
+        raise ConfigError(f"process {process_index} owns no device of the mesh.")
     distinct = sorted(set(ranges.values()))
     sizes = {b - a for a, b in distinct}
     covered = [r for a, b in distinct for r in range(a, b)]
     if len(sizes) != 1 or covered != list(range(global_batch_size)):
-        raise ValueError(f"processes feed overlapping or unequal batch rows {distinct}; each "
-                         "process must hold whole, equal, disjoint blocks of rows.")
+        raise ConfigError(f"processes feed overlapping or unequal batch rows {distinct}; each "
+                          "process must hold whole, equal, disjoint blocks of rows.")
     start, stop = ranges[process_index]
     return DataShard(distinct.index((start, stop)), len(distinct), start, stop)
 

@@ -15,6 +15,8 @@ import os
 
 import numpy as np
 
+from longctx.errors import ConfigError, MissingFileError
+
 BYTE_VOCAB = 256
 BYTE_BOS, BYTE_EOS, BYTE_PAD = 256, 257, 258
 
@@ -58,16 +60,16 @@ def sentencepiece_tokenizer(model_path: str) -> Tokenizer:
     import sentencepiece as spm
 
     if not os.path.isfile(model_path):
-        raise FileNotFoundError(f"SentencePiece model {model_path} does not exist.")
+        raise MissingFileError(f"SentencePiece model {model_path} does not exist.")
     sp = spm.SentencePieceProcessor()
     try:
         sp.Load(model_path)
     except (OSError, RuntimeError) as e:
-        raise ValueError(f"{model_path} is not a readable SentencePiece model ({e}).") from None
+        raise ConfigError(f"{model_path} is not a readable SentencePiece model ({e}).") from None
     bos, eos, pad = sp.bos_id(), sp.eos_id(), sp.pad_id()
     if bos < 0 or eos < 0:
-        raise ValueError(f"SentencePiece model {model_path} has no BOS or EOS piece; both are needed "
-                         "to mark document boundaries.")
+        raise ConfigError(f"SentencePiece model {model_path} has no BOS or EOS piece; both are needed "
+                          "to mark document boundaries.")
     # Padding positions are masked out of the loss and out of attention (segment id 0), so any
     # in-vocabulary id works; EOS stands in when the model defines no PAD piece.
     pad = eos if pad < 0 else pad
@@ -107,8 +109,8 @@ def train_sentencepiece(texts, vocab_size: int, model_path: str) -> str:
             minloglevel=2,
         )
     except RuntimeError as e:  # e.g. vocab_size too large for the corpus
-        raise ValueError(f"--train-sentencepiece {vocab_size}: SentencePiece training failed "
-                         f"({str(e).strip()}).") from None
+        raise ConfigError(f"--train-sentencepiece {vocab_size}: SentencePiece training failed "
+                          f"({str(e).strip()}).") from None
     with open(model_path, "wb") as f:
         f.write(buf.getvalue())
     return model_path
@@ -123,4 +125,4 @@ def load_tokenizer(spec: str, data_dir: str | None = None) -> Tokenizer:
         if data_dir is not None and not os.path.isabs(path):
             path = os.path.join(data_dir, path)
         return sentencepiece_tokenizer(path)
-    raise ValueError(f"unknown tokenizer {spec!r}; use 'byte' or 'sentencepiece:MODEL_FILE'.")
+    raise ConfigError(f"unknown tokenizer {spec!r}; use 'byte' or 'sentencepiece:MODEL_FILE'.")

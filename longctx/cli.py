@@ -1,0 +1,248 @@
+"""The one way every script starts and ends: devices before jax, and one line per failure.
+
+  from longctx import cli
+
+  cli.start()                      # first thing: virtual CPU devices before jax is imported
+                                   # (cli.start(cpu_devices=None) in scripts that run no jax)
+  import jax ...
+
+  def main(): ...                  # argparse scripts: returns an exit status or None
+
+  if __name__ == "__main__":
+      cli.run(main)                # or cli.run_absl(main) for absl/ml_collections flags
+
+`start` also makes an exception that escapes while the script imports its modules one line (as
+an unexpected error; Python then exits with status 1).
+
+What the user sees when something goes wrong is one line on stderr, no traceback:
+
+  longctx: <message>                    a LongctxError (errors.py): the message names the
+                                        file, key or step and what to do
+  longctx: unexpected <Type>: <first line of the message> (pass --verbose or set
+           LONGCTX_DEBUG=1 for the traceback)       anything else (one line, wrapped here)
+  longctx: interrupted.                 Ctrl-C (KeyboardInterrupt)
+
+Exit status:
+  0    success (or whatever `main` returns)
+  1    a run that failed: RunError (non-finite loss, a save that could not be written) or an
+       unexpected exception
+  2    input that cannot run: ConfigError (config key, data file, workdir, checkpoint directory),
+       bad command-line flags
+  130  interrupted
+
+`--verbose` anywhere on a script's command line (removed before the script parses its flags) or
+`LONGCTX_DEBUG=1` in the environment also prints the traceback; `--verbose` sets LONGCTX_DEBUG=1
+so that child processes (ablate.py's training runs) do the same.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+import traceback
+from typing import Callable
+
+from longctx import devices
+from longctx.errors import ConfigError, LongctxError
+
+PREFIX = "longctx: "
+DEBUG_ENV = "LONGCTX_DEBUG"
+VERBOSE_FLAG = "--verbose"
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+_HINT = f"(pass {VERBOSE_FLAG} or set {DEBUG_ENV}=1 for the traceback)"
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def one_line(text: str) -> str:
+    """`text` on one line: lines joined with spaces, surrounding blanks dropped."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def take_verbose_flag(argv: list[str]) -> bool:
+    """Removes every `--verbose` before a `--` from `argv` (in place); True if there was one."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    found = [i for i in range(1, end) if argv[i] == VERBOSE_FLAG]
+    for i in reversed(found):
+        del argv[i]
+    return bool(found)
+
+
+def describe(error: BaseException) -> tuple[str, int]:
+    """The line to print for `error` (without the prefix) and the exit status."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted.", EXIT_INTERRUPTED
+    if isinstance(error, LongctxError):
+        status = EXIT_BAD_INPUT if isinstance(error, ConfigError) else EXIT_FAILED
+        return one_line(error) or type(error).__name__, status
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    hint = "" if debug_enabled() else " " + _HINT
+    return f"unexpected {type(error).__name__}{': ' + first if first else ''}{hint}", EXIT_FAILED
+
+
+def start(cpu_devices: int | None = 8) -> None:
+    """The bootstrap, first thing in every script: takes `--verbose` off the command line, makes
+    an exception escaping from the script's imports one line, and with `cpu_devices` sets the
+    virtual CPU device count (the default when LONGCTX_CPU_DEVICES is unset) before jax starts."""
+    if take_verbose_flag(sys.argv):
+        os.environ[DEBUG_ENV] = "1"
+    sys.excepthook = _excepthook
+    if cpu_devices is not None:
+        try:
+            devices.configure_cpu_devices(cpu_devices)
+        except LongctxError as e:  # e.g. LONGCTX_CPU_DEVICES=abc
+            sys.exit(report(e))
+
+
+def run(main: Callable[[], int | None], argv: list[str] | None = None) -> None:
+    """Runs `main()` and exits: its return value is the status, a failure is one line on stderr."""
+    argv = sys.argv if argv is None else argv
+    if take_verbose_flag(argv):
+        os.environ[DEBUG_ENV] = "1"
+    try:
+        status = main()
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001  (KeyboardInterrupt included: one line too)
+        status = report(e)
+    sys.exit(status)
+
+
+def report(error: BaseException) -> int:
+    """Prints `error` as one line on stderr (after its traceback in debug mode); the exit status."""
+    message, status = describe(error)
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001  (stdout already gone: the line on stderr still matters)
+        pass
+    if debug_enabled():
+        traceback.print_exception(type(error), error, error.__traceback__)
+    sys.stderr.write(PREFIX + message + "\n")
+    sys.stderr.flush()
+    return status
+
+
+def _excepthook(kind, error, tb) -> None:
+    """sys.excepthook after `start`: what escapes outside `run` (a failing import) is one line."""
+    if not isinstance(error, BaseException) or isinstance(error, SystemExit):
+        sys.__excepthook__(kind, error, tb)
+        return
+    report(error)
+
+
+def run_absl(main: Callable[[list[str]], int | None]) -> None:
+    """`run` for absl scripts: `app.run(main)` with flag errors (unknown config keys included)
+    turned into one-line ConfigErrors."""
+    from absl import app
+
+    run(lambda: app.run(main, flags_parser=parse_absl_flags))
+
+
+# ----------------------------------------------------------------------------- absl flags
+
+
+def parse_absl_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, where every error is a ConfigError naming the flag."""
+    from absl import flags
+
+    try:
+        rest = flags.FLAGS(argv)
+    except flags.Error as e:
+        raise ConfigError(f"{_flag_error_text(e)} (--helpshort lists the flags).") from None
+    except (KeyError, AttributeError, OSError) as e:  # ml_collections: unknown --config.x.y key
+        error = config_file_error(argv) or unknown_override(argv)
+        if error is not None:
+            raise error from None
+        raise ConfigError(f"cannot parse the command line: {one_line(e)}.") from e
+    error = config_file_error(argv)  # ml_collections defers a missing file's error to first use
+    if error is not None:
+        raise error
+    return rest
+
+
+def _flag_error_text(error: Exception) -> str:
+    """absl's message, without the traceback ml_collections puts inside it."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if any(line.startswith("Traceback (most recent call last)") for line in lines):
+        return f"{lines[0]} {lines[-1]}"
+    return " ".join(lines)
+
+
+def _config_flags():
+    """(name, flag) of every ml_collections config-file flag defined."""
+    from absl import flags
+    from ml_collections.config_flags import config_flags
+
+    for name in list(flags.FLAGS):
+        flag = flags.FLAGS[name]
+        if config_flags.is_config_flag(flag) and isinstance(flag.parser,
+                                                            config_flags.ConfigFileFlagParser):
+            yield name, flag
+
+
+def config_file_error(argv: list[str]) -> ConfigError | None:
+    """A ConfigError naming a `--config=FILE[:ARG]` whose file does not exist or does not load."""
+    for name, _ in _config_flags():
+        spec = _flag_value(argv, name)
+        if spec is None:
+            continue
+        path = spec.split(":", 1)[0]
+        if not os.path.isfile(path):
+            return ConfigError(f"--{name}={spec}: config file {path} does not exist.")
+    return None
+
+
+def unknown_override(argv: list[str]) -> ConfigError | None:
+    """A ConfigError naming the first `--<config flag>.a.b=...` whose key the config lacks."""
+    for name, flag in _config_flags():
+        spec = _flag_value(argv, name)
+        if spec is None:
+            continue
+        try:
+            config = flag.parser.parse(spec)
+        except Exception:  # noqa: BLE001  (the config file itself fails: not this question)
+            continue
+        for arg in argv[1:]:
+            m = re.match(rf"^--?(?:no)?{re.escape(name)}\.([^=]+)", arg)
+            if m:
+                error = check_key(config, m.group(1), arg)
+                if error is not None:
+                    return error
+    return None
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv[1:], 1):
+        if arg in (f"--{name}", f"-{name}") and i + 1 < len(argv):
+            return argv[i + 1]
+        m = re.match(rf"^--?{re.escape(name)}=(.*)$", arg)
+        if m:
+            return m.group(1)
+    return None
+
+
+def check_key(config, path: str, arg: str) -> ConfigError | None:
+    """None if `path` ("model.num_layers") names a field of `config`, else the error for `arg`."""
+    node, seen = config, []
+    for part in path.split("."):
+        if not hasattr(node, "keys"):
+            return ConfigError(f"unknown config key {path} in {arg}: {'.'.join(seen)} is a value, "
+                               "not a section.")
+        keys = [str(k) for k in node.keys()]
+        if part not in keys and not keys:
+            return ConfigError(f"unknown config key {path} in {arg}: {'.'.join(seen) or 'the config'} "
+                               "has no keys.")
+        if part not in keys:
+            where = f"the keys of {'.'.join(seen)}" if seen else "the config's top-level keys"
+            ranked = difflib.get_close_matches(part, keys, n=len(keys), cutoff=0.0)
+            return ConfigError(f"unknown config key {'.'.join(seen + [part])} in {arg}; {where}, "
+                               f"closest first: {', '.join(ranked)}.")
+        node = node[part]
+        seen.append(part)
+    return None

@@ -1,0 +1,288 @@
+"""One line for every failure: the real scripts run as a user would, each failure checked for its
+exact one-line message on stderr, its exit status (2 bad input, 1 a failed run, see longctx/cli.py),
+no traceback (unless LONGCTX_DEBUG=1 or --verbose), and nothing already saved lost."""
+
+import hashlib
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+
+from configs import base
+from longctx import cli
+from longctx.data import prepare
+from longctx.errors import ConfigError, LongctxError, RunError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "scripts", "train.py")
+PREPARE = os.path.join(ROOT, "scripts", "prepare_data.py")
+WORDS = "the of and to in is was for on that with as by at from long context ring attention".split()
+
+
+def run(*args, env=None, timeout=180):
+    full_env = {k: v for k, v in os.environ.items() if k != cli.DEBUG_ENV}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def the_line(result) -> str:
+    """The `longctx: ...` line on stderr; checks it is the only one and no traceback was printed."""
+    out = result.stdout + result.stderr
+    assert "Traceback" not in out, out[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("longctx: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def digest(directory) -> dict:
+    return {os.path.relpath(os.path.join(d, f), directory):
+            hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for d, _, files in os.walk(directory) for f in files}
+
+
+def write_texts(directory, n=12, seed=0):
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (directory / f"doc{i:02d}.txt").write_text(
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(50, 400))) + ".\n")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_data")
+    out = root / "data"
+    prepare.prepare([str(write_texts(root / "texts", n=40))], str(out), val_fraction=0.1,
+                    progress=False)
+    return out
+
+
+# ----------------------------------------------------------------------------- item 8: unknown key
+
+
+def test_unknown_override_key_names_the_section_and_its_keys_closest_first(tmp_path):
+    r = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'w'}",
+            "--config.model.num_layerz=4")
+    assert r.returncode == 2
+    keys = list(base.get_config("tiny").model.keys())
+    m = re.fullmatch(r"longctx: unknown config key model\.num_layerz in --config\.model\.num_layerz=4; "
+                     r"the keys of model, closest first: (.*)\.", the_line(r))
+    assert m, r.stderr
+    listed = m.group(1).split(", ")
+    assert listed[0] == "num_layers" and sorted(listed) == sorted(keys)
+    assert not (tmp_path / "w").exists()  # refused before anything was created
+
+
+def test_unknown_section_lists_the_top_level_keys(tmp_path):
+    r = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'w'}",
+            "--config.modle.num_layers=4")
+    assert r.returncode == 2
+    line = the_line(r)
+    assert line.startswith("longctx: unknown config key modle in --config.modle.num_layers=4; the "
+                           "config's top-level keys, closest first: model, "), line
+
+
+def test_bad_flag_value_is_one_line(tmp_path):
+    r = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'w'}",
+            "--config.model.num_layers=four")
+    assert r.returncode == 2
+    assert the_line(r) == ("longctx: flag --config.model.num_layers=four: invalid literal for int() "
+                           "with base 10: 'four' (--helpshort lists the flags).")
+
+
+# ----------------------------------------------------------------------------- item 9: corrupt shard
+
+
+def test_corrupt_shard_is_one_line_and_the_checkpoints_stay(dataset, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in os.listdir(dataset):
+        (data / f).write_bytes((dataset / f).read_bytes())
+    shard = data / "train-00000.array_record"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated copy
+    # A run that already saved: its (stand-in) checkpoint must not be touched by the failure
+    # (a data error while resuming was taken for an unreadable checkpoint and set aside).
+    saved = tmp_path / "w" / "checkpoints" / "7"
+    saved.mkdir(parents=True)
+    (saved / "stand_in").write_text("a saved step")
+    before = digest(tmp_path / "w")
+    r = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'w'}",
+            f"--config.data.path={data}", "--config.train.num_steps=2")
+    assert r.returncode == 2
+    assert the_line(r) == (f"longctx: {shard} is corrupt: not a readable ArrayRecord file; prepare the "
+                           "data again with scripts/prepare_data.py (or restore the file from a copy).")
+    assert digest(tmp_path / "w") == before
+    assert not (tmp_path / "w" / "checkpoints_unreadable").exists()
+
+
+def test_corrupt_record_found_while_training_is_one_line(dataset, tmp_path):
+    """A record whose bytes are damaged inside an otherwise readable file surfaces from Grain's
+    read threads in the middle of the loop; still one line."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in os.listdir(dataset):
+        (data / f).write_bytes((dataset / f).read_bytes())
+    shard = data / "train-00000.array_record"
+    raw = bytearray(shard.read_bytes())
+    for i in range(300, 20000, 7):
+        raw[i] ^= 0x55
+    shard.write_bytes(bytes(raw))
+    r = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'w'}",
+            f"--config.data.path={data}", "--config.train.num_steps=2")
+    assert r.returncode == 2
+    assert re.fullmatch(rf"longctx: {re.escape(str(shard))} record \d+ is corrupt \(.+\); prepare "
+                        r"the data again with scripts/prepare_data\.py \(or restore the file from a "
+                        r"copy\)\.", the_line(r)), r.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- item 11: prepare_data
+
+
+def test_prepare_data_skips_binary_files_and_says_so(tmp_path):
+    src = write_texts(tmp_path / "in", n=3)
+    (src / "noise.txt").write_bytes(random.Random(1).randbytes(5000))  # not UTF-8
+    (src / "zeros.txt").write_bytes(b"abc\0def")  # decodes, but NUL bytes
+    r = run(PREPARE, "--quiet", "--input", src, "--output", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == [
+        f"prepare_data: skipped 2 of 5 input files that are not utf-8 text, e.g. {src}/noise.txt "
+        "(not valid utf-8)."]
+    meta = json.load(open(tmp_path / "out" / "metadata.json"))
+    assert meta["num_documents"] == 3 and meta["num_skipped_files"] == 2
+
+
+def test_prepare_data_with_only_binary_input_is_one_line(tmp_path):
+    (tmp_path / "noise.txt").write_bytes(random.Random(2).randbytes(5000))
+    r = run(PREPARE, "--quiet", "--input", tmp_path / "noise.txt", "--output", tmp_path / "out")
+    assert r.returncode == 2
+    assert the_line(r) == (f"longctx: no documents found in {tmp_path}/noise.txt (all inputs are "
+                           f"empty or not utf-8 text: 1 of 1 file(s) skipped, e.g. "
+                           f"{tmp_path}/noise.txt: not valid utf-8).")
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_data_refuses_to_overwrite_without_the_flag(tmp_path):
+    src = write_texts(tmp_path / "in", n=4)
+    out = tmp_path / "out"
+    assert run(PREPARE, "--quiet", "--input", src, "--output", out).returncode == 0
+    before = digest(out)
+    write_texts(tmp_path / "in", n=6, seed=3)  # different input
+    r = run(PREPARE, "--quiet", "--input", src, "--output", out)
+    assert r.returncode == 2
+    assert the_line(r) == (f"longctx: --output {out} already holds a dataset; pass --overwrite to "
+                           "replace it, or choose another --output.")
+    assert digest(out) == before  # nothing lost
+    r = run(PREPARE, "--quiet", "--input", src, "--output", out, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(out / "metadata.json"))["num_documents"] == 6
+
+
+# ----------------------------------------------------------------------------- item 12: workdir is a file
+
+
+def test_workdir_that_is_a_file_is_named_as_a_file(tmp_path):
+    blocker = tmp_path / "wfile"
+    blocker.write_text("not a directory")
+    r = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={blocker}")
+    assert r.returncode == 2
+    assert the_line(r) == (f"longctx: workdir '{blocker}' is not writable: {blocker} is a file, "
+                           "not a directory.")
+    assert blocker.read_text() == "not a directory"
+
+
+# ----------------------------------------------------------------------------- the generic handler
+
+
+def test_unexpected_error_is_one_line_with_a_hint(tmp_path):
+    args = ("scripts/ring_report.py", "--seq-len", "4096", "--sp", "4", "--block", "512", "--causal",
+            "--layout", "zigzag", "--png", tmp_path / "missing" / "x.png")
+    r = run(*args)
+    assert r.returncode == 1
+    assert the_line(r) == (f"longctx: unexpected FileNotFoundError: [Errno 2] No such file or "
+                           f"directory: '{tmp_path}/missing/x.png' (pass --verbose or set "
+                           "LONGCTX_DEBUG=1 for the traceback)")
+    for debug in ({"env": {"LONGCTX_DEBUG": "1"}}, {"verbose": True}):
+        r = run(*args, "--verbose") if debug.get("verbose") else run(*args, env=debug["env"])
+        assert r.returncode == 1
+        assert "Traceback (most recent call last)" in r.stderr
+        assert r.stderr.splitlines()[-1] == (f"longctx: unexpected FileNotFoundError: [Errno 2] No "
+                                             f"such file or directory: '{tmp_path}/missing/x.png'")
+
+
+def test_bad_device_count_is_one_line_before_jax_starts(tmp_path):
+    r = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'w'}",
+            env={"LONGCTX_CPU_DEVICES": "eight"})
+    assert r.returncode == 2
+    assert the_line(r) == "longctx: LONGCTX_CPU_DEVICES='eight' must be a positive number of CPU devices."
+
+
+def test_config_error_with_debug_shows_the_traceback(tmp_path):
+    blocker = tmp_path / "wfile"
+    blocker.write_text("x")
+    r = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={blocker}",
+            env={"LONGCTX_DEBUG": "1"})
+    assert r.returncode == 2
+    assert "Traceback (most recent call last)" in r.stderr
+    assert r.stderr.splitlines()[-1].startswith(f"longctx: workdir '{blocker}' is not writable")
+
+
+def test_a_failed_run_is_one_line_exit_1(tmp_path):
+    """RunError (what ablate raises for a failed variant; the loop raises it for a non-finite loss
+    or a failed save) prints one line and exits 1; the variant's own line is shown above it."""
+    grid = tmp_path / "grid.py"
+    grid.write_text('BASE = "configs/base.py:tiny"\n'
+                    'def get_grid():\n    return {"bad": {"mesh.sp": 3}}\n')
+    r = run("scripts/ablate.py", f"--grid={grid}", f"--workdir={tmp_path / 'runs'}")
+    assert r.returncode == 1
+    assert "Traceback" not in r.stdout + r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("longctx: ")]
+    assert lines[0].startswith("longctx: mesh: ")  # the training run's own message
+    assert re.fullmatch(r"longctx: variant 'bad' failed with exit code 2 \(its message is above\): "
+                        r".*scripts/train\.py --config=configs/base\.py:tiny .*--config\.mesh\.sp=3",
+                        lines[-1]), lines
+
+
+@pytest.mark.parametrize("error, status, line", [
+    (ConfigError("data.path=x does not exist."), 2, "longctx: data.path=x does not exist."),
+    (RunError("non-finite loss nan at step 21;\nstopping."), 1,
+     "longctx: non-finite loss nan at step 21; stopping."),
+    (LongctxError("something the user can fix."), 1, "longctx: something the user can fix."),
+    (KeyboardInterrupt(), 130, "longctx: interrupted."),
+    (ValueError("bad\nvalue"), 1, "longctx: unexpected ValueError: bad (pass --verbose or set "
+                                  "LONGCTX_DEBUG=1 for the traceback)"),
+])
+def test_handler_prints_one_line_and_exits_with_the_documented_status(error, status, line, capsys,
+                                                                     monkeypatch):
+    monkeypatch.setenv(cli.DEBUG_ENV, "0")  # restored afterwards (run may set it)
+
+    def main():
+        raise error
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.run(main, argv=["script"])
+    assert exit_.value.code == status
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_verbose_is_taken_off_the_command_line_before_the_script_sees_it(capsys, monkeypatch):
+    monkeypatch.setenv(cli.DEBUG_ENV, "0")  # restored afterwards (run may set it)
+    argv = ["script", "--verbose", "--x=1", "--", "--verbose"]
+    seen = []
+
+    def main():
+        seen.append(list(argv))
+        raise RunError("stop.")
+
+    with pytest.raises(SystemExit):
+        cli.run(main, argv=argv)
+    assert seen == [["script", "--x=1", "--", "--verbose"]]
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.endswith("longctx: stop.\n")
+    assert os.environ[cli.DEBUG_ENV] == "1"  # children (ablate's runs) show tracebacks too
