@@ -27,11 +27,11 @@ MASK_VALUE = sk.DEFAULT_MASK_VALUE
 _HEAD_MINOR = sk.QKVLayout.HEAD_DIM_MINOR
 
 
-def _mask_infos(cfg, d, t, live, kind):
-    """((data_next, block_mask, mask_next), partial blocks) of run step t: the static tables with
-    the blocks that are not live switched off and not fetched (tables.skip_dead_entries), one
-    set per batch row [b, ...], or one for all rows when `live` has a single row (no segment
-    ids)."""
+def _mask_infos(cfg, d, t, live, kind, documents: bool):
+    """((data_next, block_mask, mask_next), partial blocks) of run step t. With `documents`, the
+    static tables with the blocks that are not live switched off and not fetched
+    (tables.skip_dead_entries), one set per batch row [b, ...] (one for all rows when b = 1);
+    without, the static tables as they are."""
     tb = cfg.tables
     if kind == "fwd":  # forward and dq kernels: rows = q blocks, entries along the grid width
         data, block, nxt, axis = tb.fwd_data_next, tb.fwd_block_mask, tb.fwd_mask_next, -1
@@ -42,13 +42,21 @@ def _mask_infos(cfg, d, t, live, kind):
     rows = live.shape[0]
     data, block = pick(data, d, t), pick(block, d, t)  # [1, q or grid blocks, grid or kv blocks]
     nxt = None if nxt is None else pick(nxt, d, t)
+    partial = None if partial is None else jnp.asarray(partial)
+    if not documents:
+        return (data, block, nxt), partial
     batch = lambda x: None if x is None else jnp.broadcast_to(x[None], (rows, *x.shape))  # noqa: E731
     # Is entry e live? The block it names: (q block, data[e]) forward, (data[e], kv block) dkv.
     entry_live = jnp.take_along_axis(live[:, None], batch(data), axis=axis) & (batch(block) > 0)
     arrays = tables_lib.skip_dead_entries(batch(data), batch(block), batch(nxt), entry_live, axis=axis)
     if rows == 1:  # one MaskInfo for every row
         arrays = tuple(None if x is None else x[0] for x in arrays)
-    return arrays, None if partial is None else jnp.asarray(partial)
+    return arrays, partial
+
+
+def _documents(cfg, qs) -> bool:
+    """Whether blocks are skipped by documents (else the static tables are the whole story)."""
+    return qs is not None and cfg.skip_documents
 
 
 def _info(arrays, partial):
@@ -94,7 +102,8 @@ def fwd_step(cfg, q, k, v, qs, ks, live, d, t):
     sizes = sk.BlockSizes(block_q=cfg.bq, block_kv=cfg.bkv, block_kv_compute=cfg.bkv_compute)
 
     def local(q, k, v, qs, ks, live, t):
-        arrays, partial = _mask_infos(cfg, lax.axis_index(cfg.axis_name), t, live, "fwd")
+        arrays, partial = _mask_infos(cfg, lax.axis_index(cfg.axis_name), t, live, "fwd",
+                                      _documents(cfg, qs))
 
         def one_row(arrays, q1, k1, v1, seg):
             out, (lse,) = sk._splash_attention_forward(  # pylint: disable=protected-access
@@ -126,7 +135,7 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, live, d, t):
     def local(q, k, v, qs, ks, lse, do, di, live, t):
         d = lax.axis_index(cfg.axis_name)
         (fwd_arrays, fwd_partial), (dkv_arrays, dkv_partial) = (
-            _mask_infos(cfg, d, t, live, kind) for kind in ("fwd", "dkv"))
+            _mask_infos(cfg, d, t, live, kind, _documents(cfg, qs)) for kind in ("fwd", "dkv"))
 
         def one_row(arrays, q1, k1, v1, seg, lse1, do1, di1):
             dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
