@@ -181,15 +181,18 @@ class Checkpointer:
             # ConfigError: not corrupt, just not this run's.
             compat.check_fits(self.config, f"{self.directory} (step {step})", info["config"],
                               info["arrays"], target)
-            data_iterator, result, error = None, None, None
+            # A data error (a corrupt shard, a bad data config) is about the data, not this
+            # checkpoint: it propagates, and the checkpoint stays where it is.
+            data_iterator, result, error = make_data_iterator(), None, None
             try:
-                data_iterator = make_data_iterator()
                 result = self._restore_step(step, info, target, data_iterator, make_data_iterator)
+            except errors.LongctxError:
+                data_iterator.close()
+                raise
             except Exception as e:  # noqa: BLE001
                 error = e
             if not _all_processes_agree(error is None):
-                if data_iterator is not None and hasattr(data_iterator, "close"):
-                    data_iterator.close()
+                data_iterator.close()
                 self._set_aside(step, error)
                 continue
             state, data_iterator, data_note = result

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import pytest
 
 from configs import base
+from longctx import checkpoint as checkpoint_lib
 from longctx import errors
+from longctx import mesh as mesh_lib
 from longctx import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,3 +154,24 @@ def _overrides(config) -> list[str]:
     return [f"--config={os.path.join(ROOT, 'configs', 'base.py')}:tiny"] + [
         f"--config.{section}.{key}={value}" for section, values in config.to_dict().items()
         if isinstance(values, dict) for key, value in values.items() if tiny[section][key] != value]
+
+
+def test_a_data_error_while_resuming_leaves_the_checkpoint_alone(tmp_path):
+    """A corrupt shard found while the data iterator is rebuilt for a resume is the data's fault:
+    the error reaches the user and the (good) checkpoint is neither set aside nor skipped."""
+    workdir = str(tmp_path / "run")
+    config = _config(2, every_steps=2, log_every=1)
+    train.train_and_evaluate(config, workdir)
+    mesh = mesh_lib.make_mesh(config.mesh)
+    with jax.set_mesh(mesh):
+        setup = train.make_setup(config, mesh, train.resolve_layout(config, mesh.shape["sp"]))
+
+        def corrupt_data(seed_offset=0):
+            raise errors.ConfigError("data/train-00000.array_record is corrupt")
+
+        checkpointer = checkpoint_lib.Checkpointer(workdir, config)
+        with pytest.raises(errors.ConfigError, match="is corrupt"):
+            checkpointer.restore_or_init(setup, corrupt_data)
+        checkpointer.close()
+    assert _steps(workdir) == [2]
+    assert not os.path.exists(os.path.join(workdir, "checkpoints_unreadable"))
