@@ -10,16 +10,34 @@ Only ring steps with work on some device are run (and listed); efficiency is
 useful blocks / (sp * sum over run steps of max over devices of computed blocks).
 --json prints one object: {"efficiency", "steps", "computed_blocks" ([device][run step])}.
 --layout auto resolves to the layout ring_attention would use (named on stderr with --json).
+
+With documents the report covers every layout (the ring skips blocks whose queries and keys
+share no document, so the layouts compare differently than for the mask alone):
+
+  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --doc-lengths 4096
+  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \
+      --doc-lengths 1000,3000,700,5000 --json          # lengths repeat to fill the row
+  python scripts/ring_report.py --seq-len 8192 --sp 4 --block 512 --causal --data data/mine \
+      --batches 4                                       # real packed rows from the pipeline
+
+  kept_blocks      blocks holding a (query, key) pair the mask and the documents allow
+  computed_blocks  blocks the ring computes ([device][ring step], summed over the rows)
+  doc_efficiency   kept / (sp * sum over run steps of max over devices of computed)
+  critical_path    that sum: the blocks on the slowest device's path
 """
 import argparse
 import json
+import os
 import sys
+
+import numpy as np
 
 from longctx import cli
 
 cli.start()  # longctx.ops imports jax: CPU platform set before
 
 from longctx import masks, ops  # noqa: E402
+from longctx.ops import tables  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
 
 
@@ -54,6 +72,67 @@ def _png(path, sched, title):
     plt.close(fig)
 
 
+def _doc_rows(a) -> np.ndarray:
+    """Natural-order segment ids [rows, S] (0 = padding) from --doc-lengths or --data."""
+    if a.doc_lengths:
+        lengths = [int(n) for n in a.doc_lengths.split(",")]
+        if min(lengths) < 1:
+            raise ConfigError(f"--doc-lengths {a.doc_lengths}: lengths must be positive.")
+        ids, t, doc = np.zeros(a.seq_len, np.int32), 0, 1
+        while t < a.seq_len:
+            n = min(lengths[(doc - 1) % len(lengths)], a.seq_len - t)
+            ids[t:t + n], t, doc = doc, t + n, doc + 1
+        return ids[None]
+    from longctx.data import pipeline
+
+    rows = pipeline.packed_rows(a.data, "train", seq_len=a.seq_len, packer=a.packer, seed=0)
+    it = iter(rows)
+    return np.stack([next(it)["segment_ids"] for _ in range(a.batches * a.batch_size)])
+
+
+def _documents_report(a, mask_kw) -> int:
+    ids = _doc_rows(a)
+    spec = masks.make_mask_spec(**mask_kw)
+    auto = masks.resolve_layout("auto", a.seq_len, a.sp, **mask_kw)
+    report = {}
+    for layout in ("contiguous", "zigzag", "striped"):
+        try:
+            sched = tables.document_schedule(spec, layout, a.seq_len, a.sp, a.block, ids)
+        except ValueError as e:  # e.g. zigzag needs seq_len divisible by 2*sp
+            report[layout] = {"error": str(e)}
+            continue
+        report[layout] = {"kept_blocks": sched.kept_blocks,
+                          "computed_blocks": sched.computed_blocks[:, list(sched.run_steps)].tolist(),
+                          "run_steps": list(sched.run_steps), "doc_efficiency": sched.efficiency,
+                          "critical_path": sched.critical_path}
+        if a.png:
+            root, ext = os.path.splitext(a.png)
+            _png(f"{root}_{layout}{ext or '.png'}", sched,
+                 f"S={a.seq_len} sp={a.sp} {layout}, documents: efficiency {sched.efficiency:.3f}")
+    docs = (f"documents {a.doc_lengths}" if a.doc_lengths else
+            f"{len(ids)} rows of {a.data}")
+    if a.json:
+        print(json.dumps({"documents": docs, "rows": len(ids), "auto_layout": auto,
+                          "layouts": report}))
+        return 0
+    print(f"S={a.seq_len} sp={a.sp} block={a.block} {_describe(mask_kw)}, {docs} "
+          f"(layout auto -> {auto}, chosen by the mask alone)")
+    print(f"{'layout':>11} {'kept':>8} {'computed':>9} {'critical path':>14} {'steps':>6} "
+          f"{'doc efficiency':>15}")
+    for layout, r in report.items():
+        if "error" in r:
+            print(f"{layout:>11}  {r['error']}")
+            continue
+        computed = int(np.sum(r["computed_blocks"]))
+        print(f"{layout:>11} {r['kept_blocks']:>8} {computed:>9} {r['critical_path']:>14} "
+              f"{len(r['run_steps']):>6} {r['doc_efficiency']:>15.4f}")
+    return 0
+
+
+def _describe(mask_kw) -> str:
+    return ", ".join(f"{k}={v}" for k, v in mask_kw.items() if v) or "full"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,19 +142,33 @@ def main(argv=None) -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--sliding-window", type=_window, default=None, help="W or LEFT,RIGHT")
     p.add_argument("--chunk-size", type=int, default=None, help="chunked causal")
-    p.add_argument("--layout", required=True, help="contiguous | zigzag | striped | auto")
+    p.add_argument("--layout", default=None, help="contiguous | zigzag | striped | auto "
+                   "(required without documents; with them every layout is reported)")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--doc-lengths", default=None,
+                      help="synthetic documents of N tokens, or a comma list N1,N2,... repeated")
+    docs.add_argument("--data", default=None, help="a prepared data directory: real packed rows")
+    p.add_argument("--batches", type=int, default=1, help="with --data: batches to read")
+    p.add_argument("--batch-size", type=int, default=1, help="with --data: rows per batch")
+    p.add_argument("--packer", default="best_fit", help="with --data: the packer")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", default=None, help="write the device x step heatmap here")
     a = p.parse_args(argv)
     mask_kw = dict(causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
+    if a.doc_lengths or a.data:
+        try:
+            return _documents_report(a, mask_kw)
+        except ValueError as e:  # the tables' messages name the argument
+            raise ConfigError(str(e)) from None
+    if a.layout is None:
+        raise ConfigError("--layout is required (or give documents: --doc-lengths or --data).")
     try:
         layout = masks.resolve_layout(a.layout, a.seq_len, a.sp, **mask_kw)
         sched = ops.ring_schedule(a.seq_len, a.sp, a.block, layout, **mask_kw)
     except ValueError as e:  # masks' messages name the argument
         raise ConfigError(str(e)) from None
     blocks = sched.computed_blocks[:, list(sched.run_steps)]
-    mask_desc = ", ".join(f"{k}={v}" for k, v in mask_kw.items() if v) or "full"
-    title = (f"S={a.seq_len} sp={a.sp} block={a.block} {mask_desc} layout={layout}: "
+    title = (f"S={a.seq_len} sp={a.sp} block={a.block} {_describe(mask_kw)} layout={layout}: "
              f"{sched.steps} steps, efficiency {sched.efficiency:.3f}")
     if a.png:
         _png(a.png, sched, title)

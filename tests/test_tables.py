@@ -237,3 +237,23 @@ def test_document_schedule_by_hand():
     # a padding row adds nothing
     padded = np.concatenate([aligned, np.zeros((1, 64), np.int32)])
     assert tables.document_schedule(spec, "contiguous", 64, 2, 8, padded).kept_blocks == 8
+
+
+def test_ring_report_with_documents():
+    """The script's document report, by hand: S = 4096 on 4 devices, blocks of 256, causal,
+    documents of 512 tokens (2 blocks each: 3 kept blocks, the lower triangle), 8 documents."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "scripts", "ring_report.py")
+    out = subprocess.run([sys.executable, script, "--seq-len", "4096", "--sp", "4", "--block", "256",
+                          "--causal", "--doc-lengths", "512", "--json"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    contiguous = report["layouts"]["contiguous"]
+    assert contiguous["kept_blocks"] == 24 and contiguous["computed_blocks"] == [[6]] * 4
+    assert contiguous["run_steps"] == [0] and contiguous["doc_efficiency"] == 1.0
+    assert report["layouts"]["zigzag"]["kept_blocks"] == 24
