@@ -4,12 +4,14 @@
   python scripts/prepare_data.py --input corpus.jsonl --text-field body --output data/j
   python scripts/prepare_data.py --input corpus.jsonl --tokenizer sentencepiece:sp.model --output d
   python scripts/prepare_data.py --input corpus.jsonl --train-sentencepiece 8000 --output d
+  python scripts/prepare_data.py --input corpus.jsonl --tokenizer hf:Meta-Llama-3-8B --output d
 
 Plain files are one document each; `.jsonl` files give one document per line (field
 --text-field); directories are walked for files matching --glob. Plain files that are not text
 in --encoding (they do not decode, or hold NUL bytes) are skipped, and one line on stderr says
 how many and names one. Output: train-*.array_record, validation-*.array_record (int32 ids,
-BOS ... EOS per record), metadata.json, and tokenizer.model for SentencePiece. An existing
+BOS ... EOS per record), metadata.json, and tokenizer.model for SentencePiece (tokenizer.json
+and tokenizer_config.json for hf:, whose BOS/EOS come from that config). An existing
 --output is replaced only with --overwrite. Re-running on the same input writes byte-identical
 files. Train with it via --config.data.path=DIR (and model.vocab_size >= the vocab_size in
 metadata.json).
@@ -33,7 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--output", required=True, metavar="DIR")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing dataset in --output")
-    p.add_argument("--tokenizer", default="byte", help="byte | sentencepiece:MODEL_FILE")
+    p.add_argument("--tokenizer", default="byte",
+                   help="byte | sentencepiece:MODEL_FILE | hf:TOKENIZER_JSON_OR_MODEL_DIR")
     p.add_argument("--train-sentencepiece", type=int, default=None, metavar="VOCAB",
                    help="train a BPE SentencePiece model of this vocabulary size on the input first")
     p.add_argument("--text-field", default="text", help="jsonl field holding the document")

@@ -8,6 +8,8 @@ Output directory layout (what `scripts/prepare_data.py` writes and the pipeline 
   validation-00000.array_record
   tokenizer.model                only for SentencePiece (copied or trained), so the directory is
                                  self-contained
+  tokenizer.json                 only for hf: tokenizers (copied, with a tokenizer_config.json that
+                                 names its BOS/EOS/PAD); metadata.json records "hf:tokenizer.json"
 
 Inputs: plain files (one document each), `.jsonl` (one document per non-blank line, taken from
 `text_field`), and directories (every file below that matches `glob`, walked in sorted order).
@@ -260,6 +262,12 @@ def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte
         tok = tokenizer_lib.sentencepiece_tokenizer(model)  # validates before copying
         shutil.copyfile(model, os.path.join(out_dir, TOKENIZER_FILE))
         tok = tokenizer_lib.sentencepiece_tokenizer(os.path.join(out_dir, TOKENIZER_FILE))
+    elif tokenizer.startswith("hf:"):
+        # tokenizer.json is copied and the special tokens it was read with are written beside it,
+        # so the directory is self-contained (the source's BOS/EOS may have come from a
+        # config.json that is not copied), and the copy is what is used.
+        tokenizer_lib.write_hf_tokenizer(tokenizer.split(":", 1)[1], out_dir)
+        tok = tokenizer_lib.hf_tokenizer(os.path.join(out_dir, tokenizer_lib.HF_TOKENIZER_FILE))
     else:
         tok = tokenizer_lib.load_tokenizer(tokenizer)
     spec = f"sentencepiece:{TOKENIZER_FILE}" if tok.name.startswith("sentencepiece:") else tok.name
