@@ -1,0 +1,247 @@
+"""Hugging Face Llama / Mistral checkpoints -> longctx and back, and a logit check on the sharded model.
+
+  # HF -> longctx: a directory that --config.checkpoint.init_from accepts; prints the overrides
+  python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --out=runs/llama3_8b_hf
+  python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --print-config   # overrides only
+
+  # longctx (a converted directory or a training workdir) -> HF config.json + safetensors shards
+  python scripts/convert_hf.py to-hf --checkpoint=runs/llama3_8b_extend --out=hf/llama3_8b_128k \\
+      --dtype=bfloat16
+
+  # token ids through a longctx checkpoint on the sharded model (ring over sp), logits out or compared
+  python scripts/convert_hf.py check-logits --checkpoint=runs/llama3_8b_hf --tokens=ids.npz \\
+      --mesh=1,2,4 --impl=xla --out=logits.npz
+
+to-longctx reads config.json and model.safetensors (or the shards of model.safetensors.index.json)
+lazily: each device's shard is cut from the memory-mapped file, cast to --param-dtype, and saved
+with Orbax, so the host never holds a second copy. The output directory holds checkpoints/0/
+(parameters only), hf_config.json (the source config.json, reused by to-hf) and
+config_overrides.txt (the --config.model.* flags that describe the model, as printed).
+
+to-hf writes config.json (the rope_theta + rope_scaling spelling of released Llama-3.1
+checkpoints, which transformers 4 and 5 both read) and model.safetensors, or shards of at most
+--max-shard-mb with model.safetensors.index.json. Fields longctx does not know (token ids, ...)
+come from --hf-config (default: the checkpoint directory's hf_config.json).
+
+check-logits takes int token ids [batch, n] (or [n]) from a .npy, or an .npz with `tokens` and
+optionally `positions`, `segment_ids` (packed rows; positions restart per document), `logits`
+(expected values) and `positions_index` (the positions `logits` are given at, the same for every
+row; default all). Rows are padded to a length the ring accepts, laid out as in training and run
+on the --mesh; the logits are written to --out and, when expected ones are given, compared:
+it prints the max |difference| and exits 1 if it exceeds --tolerance.
+"""
+
+from longctx import cli
+
+cli.start()  # before jax is imported
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from longctx import hf  # noqa: E402
+from longctx import inference  # noqa: E402
+from longctx import params_io  # noqa: E402
+from longctx.errors import ConfigError, MissingFileError  # noqa: E402
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "base.py")
+_PARAM_DTYPES = ("float32", "bfloat16")
+_HF_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+
+
+def load_config(spec: str):
+    """`configs/base.py[:preset]` -> its locked ConfigDict (what --config=... gives train.py)."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise MissingFileError(f"--config={spec}: config file {path} does not exist.")
+    module_spec = importlib.util.spec_from_file_location("_longctx_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    try:
+        return module.get_config(arg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def parse_mesh(text: str) -> dict:
+    try:
+        dp, fsdp, sp = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--mesh={text!r} must be three integers DP,FSDP,SP (one may be -1).") from None
+    return {"mesh.dp": dp, "mesh.fsdp": fsdp, "mesh.sp": sp}
+
+
+# ----------------------------------------------------------------------------- to-longctx
+
+
+def to_longctx(args) -> int:
+    hf_config = hf.read_config(args.hf)
+    overrides = hf.config_overrides(hf_config, os.path.join(args.hf, hf.CONFIG_FILE))
+    overrides["model.param_dtype"] = args.param_dtype
+    config = load_config(args.config)
+    flags = hf.print_overrides(overrides, base=config)
+    if args.print_config:
+        print(flags)
+        return 0
+    if not args.out:
+        raise ConfigError("to-longctx needs --out (or --print-config).")
+    hf.apply_overrides(config, overrides)
+    import jax
+
+    run_config = config.copy_and_resolve_references()
+    # Conversion only shards for memory: every device holds a slice of every weight (fsdp).
+    hf.apply_overrides(run_config, {**parse_mesh(args.mesh), "data.global_batch_size": jax.device_count()})
+    runner = inference.make_runner(run_config, lambda abstract, shardings: hf.load_params(
+        args.hf, config, abstract, shardings))
+    step_dir = params_io.save(args.out, config, runner.params, source=os.path.abspath(args.hf),
+                              overwrite=args.overwrite)
+    with open(os.path.join(args.out, "hf_config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    with open(os.path.join(args.out, "config_overrides.txt"), "w") as f:
+        f.write(flags + "\n")
+    print(f"convert_hf: wrote {step_dir} ({config.model.num_layers} layers, vocab {config.model.vocab_size}, "
+          f"{args.param_dtype}); start a run from it with --config.checkpoint.init_from={args.out} and "
+          f"these overrides (also in {args.out}/config_overrides.txt):\n{flags}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- to-hf
+
+
+def to_hf(args) -> int:
+    import jax
+
+    template_path = args.hf_config or os.path.join(args.checkpoint, "hf_config.json")
+    template = None
+    if os.path.isfile(template_path):
+        with open(template_path) as f:
+            template = json.load(f)
+    elif args.hf_config:
+        raise MissingFileError(f"--hf-config={args.hf_config} does not exist.")
+    dtype = args.dtype or (template or {}).get("torch_dtype") or (template or {}).get("dtype") or "float32"
+    if dtype not in _HF_DTYPES:
+        raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(_HF_DTYPES)}.")
+    import ml_dtypes
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else _HF_DTYPES[dtype]
+    runner = inference.runner_from_checkpoint(args.checkpoint, {
+        **parse_mesh(args.mesh), "data.global_batch_size": jax.device_count(), "attention.impl": "xla"})
+    written = hf.write_hf(runner.params, runner.config, args.out, dtype=np_dtype, template=template,
+                          max_shard_bytes=int(args.max_shard_mb * (1 << 20)))
+    print(f"convert_hf: wrote {args.out}: {', '.join(written)} ({dtype})")
+    return 0
+
+
+# ----------------------------------------------------------------------------- check-logits
+
+
+def _read_tokens(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise MissingFileError(f"--tokens={path} does not exist.")
+    try:
+        loaded = np.load(path)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--tokens={path} is not a .npy or .npz file ({e}).") from None
+    rows = {"tokens": loaded} if isinstance(loaded, np.ndarray) else {k: loaded[k] for k in loaded.files}
+    if "tokens" not in rows:
+        raise ConfigError(f"--tokens={path} has no array named 'tokens'.")
+    for key in ("tokens", "positions", "segment_ids"):
+        if key in rows:
+            rows[key] = np.atleast_2d(np.asarray(rows[key])).astype(np.int32)
+    return rows
+
+
+def check_logits(args) -> int:
+    rows = _read_tokens(args.tokens)
+    b, n = rows["tokens"].shape
+    config, _, _ = params_io.read_config(args.checkpoint)
+    mesh = parse_mesh(args.mesh)
+    import jax
+
+    from longctx import mesh as mesh_lib
+
+    sizes = mesh_lib.resolve_mesh_shape(
+        {"dp": mesh["mesh.dp"], "fsdp": mesh["mesh.fsdp"], "sp": mesh["mesh.sp"], "dcn_dp": 1,
+         "dcn_fsdp": 1, "dcn_sp": 1}, jax.device_count())
+    sp = sizes["sp"]
+    layout = config.attention.layout if config.attention.layout != "auto" else "zigzag"
+    block = min(config.attention.block_size, args.block_size or config.attention.block_size)
+    seq_len = inference.ring_seq_len(n, sp, block, layout)
+    if not args.block_size:  # the largest block that does not pad the rows much further
+        while block > 16 and inference.ring_seq_len(n, sp, block // 2, layout) < seq_len:
+            block //= 2
+            seq_len = inference.ring_seq_len(n, sp, block, layout)
+    overrides = {**mesh, "attention.layout": layout, "attention.block_size": block,
+                 "data.seq_len": seq_len, "data.global_batch_size": b, "train.loss_chunk_size": seq_len // sp,
+                 "model.dtype": args.dtype}
+    if args.impl:
+        overrides["attention.impl"] = args.impl
+    runner = inference.runner_from_checkpoint(args.checkpoint, overrides)
+    where_1d = rows.get("positions_index", np.arange(n))
+    logits = runner.logits_at(rows, np.tile(np.asarray(where_1d), (b, 1)))
+    print(f"convert_hf: logits [{b}, {len(where_1d)}, {logits.shape[-1]}] from {args.checkpoint} on mesh "
+          f"{dict(runner.mesh.shape)}, layout {runner.layout}, attention impl {runner.config.attention.impl}, "
+          f"{n} tokens per row padded to {seq_len}")
+    if args.out:
+        np.savez(args.out, logits=logits, positions_index=np.asarray(where_1d))
+        print(f"convert_hf: wrote {args.out}")
+    if "logits" in rows:
+        expected = np.asarray(rows["logits"], np.float32)
+        if expected.shape != logits.shape:
+            raise ConfigError(f"--tokens={args.tokens}: 'logits' has shape {list(expected.shape)}, "
+                              f"the model gives {list(logits.shape)}.")
+        diff = float(np.max(np.abs(logits - expected)))
+        ok = diff <= args.tolerance
+        print(f"convert_hf: max |logit difference| = {diff:.3g} over {expected.size:,} logits "
+              f"(tolerance {args.tolerance:g}): {'OK' if ok else 'FAILED'}")
+        return 0 if ok else 1
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("to-longctx", help="HF checkpoint directory -> longctx checkpoint")
+    a.add_argument("--hf", required=True, metavar="DIR", help="config.json + model.safetensors[.index.json]")
+    a.add_argument("--out", metavar="DIR", help="output directory (for --config.checkpoint.init_from)")
+    a.add_argument("--print-config", action="store_true", help="only print the --config overrides")
+    a.add_argument("--config", default=_DEFAULT_CONFIG, metavar="FILE[:PRESET]",
+                   help="config the overrides are relative to and the saved config starts from")
+    a.add_argument("--param-dtype", default="float32", choices=_PARAM_DTYPES,
+                   help="longctx parameter dtype (float32 master weights for training)")
+    a.add_argument("--mesh", default="1,-1,1", help="DP,FSDP,SP mesh the weights are sharded over while converting")
+    a.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+    b = sub.add_parser("to-hf", help="longctx checkpoint -> HF config.json + safetensors")
+    b.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="a converted directory, a training workdir, its checkpoints/ or a step directory")
+    b.add_argument("--out", required=True, metavar="DIR")
+    b.add_argument("--dtype", choices=tuple(_HF_DTYPES), help="tensor dtype (default: the source model's, else float32)")
+    b.add_argument("--hf-config", metavar="FILE", help="source config.json whose other fields to keep")
+    b.add_argument("--max-shard-mb", type=float, default=5000.0, help="largest safetensors file")
+    b.add_argument("--mesh", default="1,-1,1", help="DP,FSDP,SP mesh the parameters are restored onto")
+
+    c = sub.add_parser("check-logits", help="run token ids through a longctx checkpoint, write/compare logits")
+    c.add_argument("--checkpoint", required=True, metavar="PATH")
+    c.add_argument("--tokens", required=True, metavar="FILE", help=".npy token ids or .npz (see above)")
+    c.add_argument("--out", metavar="FILE.npz", help="write the logits here")
+    c.add_argument("--mesh", default="1,1,-1", help="DP,FSDP,SP (default: every device on the ring)")
+    c.add_argument("--impl", choices=("splash", "xla"), help="attention impl (default: the checkpoint's)")
+    c.add_argument("--block-size", type=int, default=0, help="attention block (default: chosen to limit padding)")
+    c.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
+    c.add_argument("--tolerance", type=float, default=1e-4, help="max |logit difference| accepted")
+
+    args = p.parse_args(argv)
+    from absl import logging
+
+    logging.set_verbosity(logging.ERROR)  # Orbax's notes about read-only checkpoint directories
+    return {"to-longctx": to_longctx, "to-hf": to_hf, "check-logits": check_logits}[args.command](args)
+
+
+if __name__ == "__main__":
+    cli.run(main)

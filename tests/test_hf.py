@@ -1,0 +1,338 @@
+"""Hugging Face checkpoints in and out: logits against transformers itself, exact round trips, bad input.
+
+The fixtures (tests/assets/hf, made by make_fixtures.py with transformers; versions in
+versions.json) are tiny random Llama and Mistral models and transformers' float32 logits for two
+512-token rows (one document; three packed documents). Converting them and running longctx's
+forward on the 1x2x4 mesh, the ring over sp=4 in the zigzag layout, must reproduce those logits
+within 1e-4; measured (this machine, XLA CPU): llama_untied 3.6e-5, llama_tied 1.6e-5,
+llama3_scaling 3.2e-5, mistral_window 1.9e-5. The weights are scaled up so that logits are O(1)
+to O(10): a RoPE, window or layout error moves them by 0.02 to 10, far above the tolerance
+(test_logit_check_has_teeth).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from configs import base
+from longctx import hf, inference, params_io
+from longctx.errors import ConfigError
+
+ASSETS = os.path.join(os.path.dirname(__file__), "assets", "hf")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = ("llama_untied", "llama_tied", "llama3_scaling", "mistral_window")
+RING = {"mesh.dp": 1, "mesh.fsdp": 2, "mesh.sp": 4, "attention.impl": "xla", "attention.layout": "zigzag",
+        "attention.block_size": 64, "data.seq_len": 512, "data.global_batch_size": 2,
+        "train.loss_chunk_size": 128, "model.dtype": "float32"}
+TOLERANCE = 1e-4
+
+
+def converted_config(hf_dir: str, **extra):
+    config = base.get_config()
+    hf.apply_overrides(config, hf.config_overrides(hf.read_config(hf_dir), hf_dir))
+    hf.apply_overrides(config, {**RING, **extra})
+    return config
+
+
+def convert(hf_dir: str, out: str) -> str:
+    """HF directory -> longctx checkpoint directory, the library path scripts/convert_hf.py takes."""
+    config = converted_config(hf_dir)
+    runner = inference.make_runner(config, lambda a, s: hf.load_params(hf_dir, config, a, s))
+    params_io.save(out, config, runner.params, source=hf_dir)
+    return out
+
+
+def golden_rows():
+    inputs = dict(np.load(os.path.join(ASSETS, "inputs.npz")))
+    golden = np.load(os.path.join(ASSETS, "golden_logits.npz"))
+    where = np.tile(golden["positions_index"], (2, 1))
+    return inputs, golden, where
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("converted")
+    return {name: convert(os.path.join(ASSETS, name), str(root / name)) for name in MODELS}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_match_transformers(name, converted):
+    """Converted checkpoint -> restored on the 1x2x4 mesh -> ring (sp=4, zigzag) forward."""
+    runner = inference.runner_from_checkpoint(converted[name], RING)
+    assert runner.layout == "zigzag" and runner.sp == 4
+    inputs, golden, where = golden_rows()
+    logits = runner.logits_at(inputs, where)
+    diff = float(np.abs(logits - golden[name]).max())
+    print(f"{name}: max |logit difference| vs transformers = {diff:.3g}")
+    assert np.abs(golden[name]).max() > 5.0  # logits large enough for errors to show
+    assert diff <= TOLERANCE
+
+
+@pytest.mark.parametrize("name, wrong, min_diff", [
+    ("mistral_window", {"attention.sliding_window": 100}, 1.0),  # HF's window taken as ours (off by one)
+    ("llama3_scaling", {"model.rope_scaling.type": "none"}, 1.0),  # scaling ignored
+    ("llama_untied", {"model.rope_theta": 10_001.0}, 0.01),  # theta off by 1e-4 relative
+])
+def test_logit_check_has_teeth(name, wrong, min_diff):
+    hf_dir = os.path.join(ASSETS, name)
+    config = converted_config(hf_dir, **wrong)
+    runner = inference.make_runner(config, lambda a, s: hf.load_params(hf_dir, config, a, s))
+    inputs, golden, where = golden_rows()
+    assert np.abs(runner.logits_at(inputs, where) - golden[name]).max() > min_diff
+
+
+def test_weights_are_sharded_on_the_mesh(converted):
+    runner = inference.runner_from_checkpoint(converted["llama_untied"], RING)
+    wq = runner.params["blocks"]["wq"][...]
+    assert wq.shape == (2, 64, 4, 16)
+    assert {s.data.shape for s in wq.addressable_shards} == {(2, 32, 4, 16)}  # d_model over fsdp=2
+
+
+@pytest.mark.parametrize("name", ["llama_untied", "llama_tied", "mistral_window"])
+def test_round_trip_is_bit_identical(name, converted, tmp_path):
+    """HF -> longctx -> HF: every tensor equal bit for bit, none added or lost (several shards)."""
+    runner = inference.runner_from_checkpoint(converted[name], RING)
+    with open(os.path.join(ASSETS, name, "config.json")) as f:
+        template = json.load(f)
+    out = str(tmp_path / "hf")
+    written = hf.write_hf(runner.params, runner.config, out, dtype=np.float32, template=template,
+                          max_shard_bytes=200_000)
+    assert hf.INDEX_FILE in written and len(written) > 3
+    source = dict(hf.iter_hf_tensors(os.path.join(ASSETS, name)))
+    again = dict(hf.iter_hf_tensors(out))
+    assert sorted(again) == sorted(source)
+    for key, value in source.items():
+        assert again[key].dtype == value.dtype and again[key].shape == value.shape, key
+        assert again[key].tobytes() == value.tobytes(), key
+    exported = hf.read_config(out)
+    for key in ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "tie_word_embeddings", "sliding_window", "bos_token_id", "eos_token_id"):
+        assert exported.get(key) == template.get(key), key
+    # What the safetensors package itself reads (what transformers' loader uses).
+    from safetensors import safe_open
+
+    index = json.load(open(os.path.join(out, hf.INDEX_FILE)))
+    key = "model.layers.1.self_attn.o_proj.weight"
+    with safe_open(os.path.join(out, index["weight_map"][key]), framework="numpy") as f:
+        np.testing.assert_array_equal(f.get_tensor(key), source[key])
+
+
+def test_llama3_scaling_exports_in_both_spellings_readers_understand(converted, tmp_path):
+    runner = inference.runner_from_checkpoint(converted["llama3_scaling"], RING)
+    hf.write_hf(runner.params, runner.config, str(tmp_path), dtype=np.float32)
+    exported = hf.read_config(str(tmp_path))
+    assert exported["rope_theta"] == 500_000.0
+    assert exported["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    assert exported["max_position_embeddings"] > 256
+    source = hf.read_config(os.path.join(ASSETS, "llama3_scaling"))  # rope_parameters spelling
+    assert hf.config_overrides(exported) == hf.config_overrides(source)
+
+
+def write_bf16_copy(source: str, out: str) -> None:
+    """The fixture in bfloat16, split over two files with an index (as released checkpoints are)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(out)
+    tensors = {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16) for k, v in hf.iter_hf_tensors(source)}
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file_name, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, os.path.join(out, file_name), metadata={"format": "pt"})
+    with open(os.path.join(out, hf.INDEX_FILE), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: f for f, ks in halves.items() for k in ks}}, f)
+    config = hf.read_config(source)
+    config["torch_dtype"] = "bfloat16"
+    with open(os.path.join(out, hf.CONFIG_FILE), "w") as f:
+        json.dump(config, f)
+
+
+def test_bfloat16_sharded_checkpoint_round_trips(tmp_path):
+    source = str(tmp_path / "bf16")
+    write_bf16_copy(os.path.join(ASSETS, "llama_untied"), source)
+    converted = convert(source, str(tmp_path / "longctx"))
+    runner = inference.runner_from_checkpoint(converted, RING)
+    assert runner.params["embed"][...].dtype == np.float32  # float32 master weights
+    out = str(tmp_path / "back")
+    hf.write_hf(runner.params, runner.config, out, dtype=ml_dtypes.bfloat16)
+    original, again = dict(hf.iter_hf_tensors(source)), dict(hf.iter_hf_tensors(out))
+    assert sorted(again) == sorted(original)
+    for key, value in original.items():
+        assert again[key].dtype == ml_dtypes.bfloat16 and again[key].tobytes() == value.tobytes(), key
+
+
+def test_init_from_accepts_a_converted_checkpoint(converted, tmp_path):
+    """The trainer's own restore path (checkpoint.init_from) takes the converted parameters."""
+    import jax
+
+    from longctx import checkpoint as checkpoint_lib
+    from longctx import mesh as mesh_lib
+    from longctx import train
+
+    config = converted_config(os.path.join(ASSETS, "llama_tied"))
+    config.checkpoint.init_from = converted["llama_tied"]
+    mesh = mesh_lib.make_mesh(config.mesh)
+    with jax.set_mesh(mesh):
+        setup = train.make_setup(config, mesh, "zigzag")
+        checkpointer = checkpoint_lib.Checkpointer(str(tmp_path / "run"), config)
+        try:
+            state, _, note = checkpointer.restore_or_init(setup, lambda seed_offset=0: None)
+        finally:
+            checkpointer.close()
+    assert "fresh start with parameters from" in note
+    source = dict(hf.iter_hf_tensors(os.path.join(ASSETS, "llama_tied")))
+    np.testing.assert_array_equal(np.asarray(state.params["embed"][...]), source["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.asarray(state.params["blocks"]["w_down"][...])[1],
+                                  source["model.layers.1.mlp.down_proj.weight"].T)
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+LLAMA31_8B = {  # Llama-3.1-8B's config.json as released (legacy rope spelling)
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "bos_token_id": 128000,
+    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256}
+
+
+def test_llama31_config_gives_the_extend_preset_model():
+    overrides = hf.config_overrides(LLAMA31_8B)
+    assert overrides["model.rope_scaling.type"] == "llama3"
+    preset = base.get_config("llama3_8b_extend_128k")
+    assert hf.print_overrides(overrides, base=preset) == ""  # nothing to override: the same model
+    # Llama-3-8B (8K, no scaling) differs only in the RoPE scaling the preset adds.
+    llama3 = {k: v for k, v in LLAMA31_8B.items() if k != "rope_scaling"}
+    assert hf.print_overrides(hf.config_overrides(llama3), base=preset) == "--config.model.rope_scaling.type=none"
+
+
+def test_mistral_window_maps_exactly():
+    mistral = {**LLAMA31_8B, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+               "sliding_window": 4096, "rope_scaling": None, "rope_theta": 10000.0}
+    assert hf.config_overrides(mistral)["attention.sliding_window"] == 4095  # HF W keys = our w+1
+    config = base.get_config()
+    hf.apply_overrides(config, hf.config_overrides(mistral))
+    assert hf.export_config(config, np.float32)["sliding_window"] == 4096
+    assert hf.config_overrides({**mistral, "sliding_window": None})["attention.sliding_window"] is None
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "architecture 'Qwen2ForCausalLM'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic' is not supported"),
+    ({"attention_bias": True}, "attention_bias=true is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"num_hidden_layers": None}, "has no 'num_hidden_layers'"),
+])
+def test_unsupported_config_is_named(change, message):
+    with pytest.raises(ConfigError, match=message):
+        hf.config_overrides({**LLAMA31_8B, **change}, "x/config.json")
+
+
+def copy_fixture(tmp_path, name="llama_untied"):
+    out = str(tmp_path / name)
+    shutil.copytree(os.path.join(ASSETS, name), out)
+    return out
+
+
+def rewrite_tensors(directory, edit):
+    from safetensors.numpy import save_file
+
+    tensors = {k: np.array(v) for k, v in hf.iter_hf_tensors(directory)}
+    edit(tensors)
+    save_file(tensors, os.path.join(directory, hf.SINGLE_FILE), metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    directory = copy_fixture(tmp_path)
+    rewrite_tensors(directory, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    config = converted_config(directory)
+    with pytest.raises(ConfigError, match=r"has no tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+        inference.make_runner(config, lambda a, s: hf.load_params(directory, config, a, s))
+
+
+def test_shape_disagreeing_with_config_json_is_named(tmp_path):
+    directory = copy_fixture(tmp_path)
+    config_path = os.path.join(directory, hf.CONFIG_FILE)
+    hf_config = hf.read_config(directory)
+    hf_config["num_key_value_heads"] = 4
+    with open(config_path, "w") as f:
+        json.dump(hf_config, f)
+    config = converted_config(directory)
+    with pytest.raises(ConfigError, match=r"tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape "
+                                          r"\[32, 64\] but config\.json implies \[64, 64\]"):
+        inference.make_runner(config, lambda a, s: hf.load_params(directory, config, a, s))
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    directory = copy_fixture(tmp_path)
+    rewrite_tensors(directory, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}))
+    config = converted_config(directory)
+    with pytest.raises(ConfigError, match=r"holds tensor model\.layers\.0\.self_attn\.q_proj\.bias"):
+        inference.make_runner(config, lambda a, s: hf.load_params(directory, config, a, s))
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="config.json does not exist"):
+        hf.read_config(str(tmp_path))
+    with pytest.raises(ConfigError, match="has neither model.safetensors nor model.safetensors.index.json"):
+        hf.SafetensorsFiles(str(tmp_path))
+    (tmp_path / hf.SINGLE_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ConfigError, match="is not a safetensors file"):
+        hf.SafetensorsFiles(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def run_script(*args):
+    env = {**os.environ, "LONGCTX_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), *args],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+
+
+@pytest.mark.slow
+def test_command_line_convert_check_and_export(tmp_path):
+    hf_dir = os.path.join(ASSETS, "llama3_scaling")
+    printed = run_script("to-longctx", f"--hf={hf_dir}", "--print-config")
+    assert printed.returncode == 0, printed.stderr
+    assert "--config.model.rope_scaling.type=llama3" in printed.stdout
+    assert "--config.model.d_model=64" in printed.stdout
+
+    out = str(tmp_path / "converted")
+    done = run_script("to-longctx", f"--hf={hf_dir}", f"--out={out}")
+    assert done.returncode == 0, done.stderr
+    assert f"--config.checkpoint.init_from={out}" in done.stdout
+    assert os.path.isfile(os.path.join(out, "config_overrides.txt"))
+
+    inputs, golden, _ = golden_rows()
+    ids = str(tmp_path / "ids.npz")
+    np.savez(ids, **inputs, logits=golden["llama3_scaling"], positions_index=golden["positions_index"])
+    checked = run_script("check-logits", f"--checkpoint={out}", f"--tokens={ids}", "--mesh=1,2,4", "--impl=xla")
+    assert checked.returncode == 0, checked.stderr + checked.stdout
+    assert "max |logit difference| =" in checked.stdout and ": OK" in checked.stdout
+
+    np.savez(ids, **inputs, logits=golden["llama3_scaling"] + 1e-3, positions_index=golden["positions_index"])
+    failed = run_script("check-logits", f"--checkpoint={out}", f"--tokens={ids}", "--mesh=1,2,4", "--impl=xla")
+    assert failed.returncode == 1 and "FAILED" in failed.stdout
+
+    back = str(tmp_path / "back")
+    exported = run_script("to-hf", f"--checkpoint={out}", f"--out={back}")
+    assert exported.returncode == 0, exported.stderr
+    assert hf.read_config(back)["torch_dtype"] == "float32"  # the source model's dtype
+    for key, value in hf.iter_hf_tensors(hf_dir):
+        assert dict(hf.iter_hf_tensors(back))[key].tobytes() == value.tobytes(), key
+
+    bad = run_script("to-longctx", f"--hf={tmp_path}", f"--out={tmp_path / 'x'}")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].startswith("longctx: ") and "config.json does not exist" in bad.stderr
