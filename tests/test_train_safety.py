@@ -175,3 +175,12 @@ def test_a_data_error_while_resuming_leaves_the_checkpoint_alone(tmp_path):
         checkpointer.close()
     assert _steps(workdir) == [2]
     assert not os.path.exists(os.path.join(workdir, "checkpoints_unreadable"))
+
+
+def test_a_vocabulary_larger_than_the_model_fails_before_anything_runs(tmp_path):
+    config = _config(2, every_steps=2, log_every=1)
+    config.model.vocab_size = 100  # the embedded corpus is byte-level: 256 + specials
+    with pytest.raises(errors.ConfigError, match=r"model.vocab_size=100 is smaller than the "
+                                                 r"dataset's tokenizer vocabulary \(\d+ in "):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")

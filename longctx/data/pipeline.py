@@ -271,19 +271,15 @@ class BatchIterator:
 
 def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data_dir: str,
                         seed_offset: int = 0, num_epochs: int | None = None) -> BatchIterator:
-    """The iterator the train loop consumes; `layout` is a concrete layout name (not "auto")."""
+    """The iterator the train loop consumes; `layout` is a concrete layout name (not "auto").
+
+    The config is `config.validate`d (packer, seq_len against sp) and the tokenizer checked
+    against model.vocab_size by the trainer before this is called; this checks only the data."""
     d = config.data
     meta = load_metadata(data_dir)
-    if int(config.model.vocab_size) < int(meta["vocab_size"]):
-        raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
-                          f"tokenizer's vocabulary ({meta['vocab_size']}, {data_dir}/metadata.json).")
-    if d.packer not in packing.PACKERS:
-        raise ConfigError(f"data.packer={d.packer!r} is not one of {packing.PACKERS}.")
     if layout == "auto":
         raise ValueError("make_batch_iterator needs a concrete layout; resolve attention.layout='auto' first.")
     sp = mesh.shape["sp"]
-    if d.seq_len % sp:
-        raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by the sp mesh size {sp}.")
     shard = sharding_lib.data_shard(mesh, d.global_batch_size, d.seq_len)
     train = _SPLIT_NAMES.get(split, split) == "train"
     seed = (d.shuffle_seed + seed_offset) if train else 0
