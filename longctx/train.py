@@ -287,7 +287,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 print(f"longctx: {resumed_from}", flush=True)
             writer = MetricsWriter(workdir, resume_step=int(jax.device_get(state.step)))
             train_step, eval_step = jit_steps(config, setup)
-            run = _Run(config, workdir, train_step, eval_step, make_eval_iterator, checkpointer, writer)
+            needle_eval = None
+            if config.train.get("eval_needle_every"):
+                from longctx import needle  # (matplotlib and the tokenizer only when asked for)
+
+                needle_eval = needle.TrainingEvaluator(config, setup, mesh, layout, data_dir, workdir)
+            run = _Run(config, workdir, train_step, eval_step, make_eval_iterator, checkpointer, writer,
+                       needle_eval)
             result = _loop(run, state, train_iter)
     finally:
         # Also on an error: the save in flight completes (or is reported) and files are closed.
@@ -335,6 +341,7 @@ class _Run:
     make_eval_iterator: Callable
     checkpointer: checkpoint_lib.Checkpointer
     writer: MetricsWriter
+    needle_eval: Callable | None = None  # train.eval_needle_every: (params, step) -> metrics
 
 
 class _Profiler:
@@ -411,7 +418,8 @@ def _loop(run: _Run, state, train_iter) -> dict:
             log = step == first_step or done % t.log_every == 0 or done == t.num_steps
             evaluate_now = bool(t.eval_every) and (done % t.eval_every == 0 or done == t.num_steps)
             save = checkpointer.is_save_step(done) or done == t.num_steps
-            sync = log or evaluate_now or save
+            needle_now = run.needle_eval is not None and done % t.eval_needle_every == 0
+            sync = log or evaluate_now or save or needle_now
             # Agreeing on a stop across processes is a collective that waits for the step: only at
             # sync points (every step when there is one process, where it costs nothing).
             stopping = stop.agreed() if (sync or jax.process_count() == 1) else False
@@ -435,6 +443,11 @@ def _loop(run: _Run, state, train_iter) -> dict:
                     run.writer.write(done, val, prefix="val/")
                     say(f"step {done}: val_loss={val['loss']:.4f}")
                     last.update({f"val_{k}": v for k, v in val.items()})
+                window.restart_clock(done, time.perf_counter())
+            if needle_now:
+                found = run.needle_eval(state.params, done)
+                run.writer.write(done, found, prefix="needle/")
+                say(f"step {done}: passkey retrieval accuracy={found['accuracy']:.3f}")
                 window.restart_clock(done, time.perf_counter())
             if save or stopping:
                 checkpointer.maybe_save(done, state, train_iter, force=True)
