@@ -76,17 +76,20 @@ def passkey_haystack(tokenizer, filler: np.ndarray, length: int, depth: float, k
 
 
 def filler_tokens(documents, tokenizer, limit: int) -> np.ndarray:
-    """Validation documents' ids without their BOS/EOS, joined, up to `limit` tokens."""
+    """Validation documents' ids without their BOS/EOS, joined, up to `limit` tokens; documents
+    that mention a pass key are left out."""
     parts, total = [], 0
     for doc in documents:
         ids = np.asarray(doc, np.int32)
         ids = ids[(ids != tokenizer.bos_id) & (ids != tokenizer.eos_id) & (ids != tokenizer.pad_id)]
+        if "pass key" in tokenizer.decode(ids):
+            continue  # it would plant a second needle (a dataset with passkey training documents)
         parts.append(ids)
         total += len(ids)
         if total >= limit:
             break
     if not total:
-        raise ValueError("the validation split holds no tokens to build haystacks from.")
+        raise ValueError("the validation split holds no text without a pass key to build haystacks from.")
     return np.concatenate(parts)[:limit]
 
 
@@ -234,6 +237,101 @@ def synthetic_accuracy(runner, rows: dict) -> float:
     where = np.full((len(rows["answers"]), 1), rows["question_at"], np.int32)
     predicted = runner.logits_at(rows, where)[:, 0].argmax(-1)
     return float(np.mean(predicted == rows["answers"]))
+
+
+def synthetic_grid(runner, lengths: Sequence[int], depths: Sequence[float], rows_per_cell: int = 32,
+                   seed: int = 2) -> dict:
+    """Accuracy per (haystack length, needle depth) on the synthetic task, in `evaluate`'s format
+    (so `write_results` draws it). A haystack of n tokens is one document at the end of the row
+    (padding before it), its question at the row's end as in training; the needle's marker sits
+    at depth d of the n - 5 places before the question. `cross_shard` gives, per cell, the share
+    of rows whose needle is on another ring shard than the question."""
+    seq_len, vocab = runner.config.data.seq_len, runner.config.model.vocab_size
+    shard = _shard_of_position(runner.layout, seq_len, runner.sp)
+    rng = np.random.default_rng(seed)
+    accuracy = np.zeros((len(lengths), len(depths)))
+    cross = np.zeros_like(accuracy)
+    for i, n in enumerate(lengths):
+        for j, depth in enumerate(depths):
+            rows = synthetic_rows(rng, rows_per_cell, seq_len, vocab, num_values=SYNTHETIC_NUM_VALUES,
+                                  sp=runner.sp, layout=runner.layout)
+            start = seq_len - n
+            p = start + 1 + int(round(depth * (n - 6)))
+            tokens, filler = rows["tokens"], FIRST_VALUE + SYNTHETIC_NUM_VALUES  # (a filler id)
+            old = np.argmax(tokens == NEEDLE_MARK, axis=1)  # the row's own needle, moved to p
+            tokens[np.arange(rows_per_cell), old] = tokens[np.arange(rows_per_cell), old + 1] = filler
+            tokens[:, p], tokens[:, p + 1] = NEEDLE_MARK, rows["answers"]
+            rows["segment_ids"][:, :start] = 0  # padding before the haystack
+            rows["positions"][:, start:] = np.arange(n)
+            accuracy[i, j] = synthetic_accuracy(runner, rows)
+            cross[i, j] = float(shard[p] != shard[rows["question_at"]] and shard[p + 1] != shard[rows["question_at"]])
+    return {"lengths": list(map(int, lengths)), "depths": [float(d) for d in depths],
+            "samples_per_cell": rows_per_cell, "seed": seed, "accuracy": accuracy.round(4).tolist(),
+            "mean_accuracy": float(accuracy.mean()), "cross_shard": cross.tolist(),
+            "chance": 1.0 / SYNTHETIC_NUM_VALUES, "layout": runner.layout,
+            "mesh": {k: int(v) for k, v in runner.mesh.shape.items()},
+            "attention_impl": runner.config.attention.impl}
+
+
+# The tiny model and run of the synthetic retrieval check (tests/test_needle.py and
+# scripts/bench_needle.py apply these to configs/base.py:tiny): 128-token rows over the 1x2x4 mesh.
+SYNTHETIC_NUM_VALUES = 10
+SYNTHETIC_OVERRIDES = {
+    "mesh.dp": 1, "mesh.fsdp": 2, "mesh.sp": 4,
+    "model.vocab_size": 64, "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
+    "model.num_kv_heads": 2, "model.head_dim": 16, "model.mlp_dim": 128, "model.dtype": "float32",
+    "model.remat_policy": "none",
+    "attention.impl": "xla", "attention.layout": "zigzag", "attention.block_size": 16,
+    "data.seq_len": 128, "data.global_batch_size": 16,
+    "optimizer.learning_rate": 6e-3, "optimizer.warmup_steps": 20, "optimizer.weight_decay": 0.0,
+    "train.num_steps": 200, "train.loss_chunk_size": 32,
+}
+
+
+def train_synthetic(config, seed: int):
+    """Trains with the real train_step on synthetic_rows (data and init seeded by `seed`);
+    returns a Runner holding the trained parameters."""
+    import jax
+
+    from longctx import inference
+    from longctx import mesh as mesh_lib
+    from longctx import train
+
+    mesh = mesh_lib.make_mesh(config.mesh)
+    layout, sp, d = config.attention.layout, int(mesh.shape[mesh_lib.SP]), config.data
+    perm = layout_lib.permutation(layout, d.seq_len, sp)
+    rng = np.random.default_rng(seed)
+    with jax.set_mesh(mesh):
+        setup = train.make_setup(config, mesh, layout)
+        state = setup.init(jax.random.PRNGKey(seed))
+        train_step, _ = train.jit_steps(config, setup)
+        for _ in range(config.train.num_steps):
+            rows = synthetic_rows(rng, d.global_batch_size, d.seq_len, config.model.vocab_size,
+                                  num_values=SYNTHETIC_NUM_VALUES, sp=sp, layout=layout)
+            state, _ = train_step(state, {k: jax.device_put(rows[k][:, perm], setup.batch_sharding)
+                                          for k in train.BATCH_KEYS})
+    return inference.make_runner(config, lambda *_: state.params, mesh=mesh, setup=setup, layout=layout)
+
+
+def synthetic_report(runner, rows: int = 128, seed: int = 1) -> dict:
+    """Accuracy on held-out rows: the needle on another shard in the same document; the same in
+    the previous document; and those again with the document mask off (use_segment_ids=False)."""
+    from longctx import inference
+
+    config = runner.config
+    kw = dict(batch=rows, seq_len=config.data.seq_len, vocab_size=config.model.vocab_size,
+              num_values=SYNTHETIC_NUM_VALUES, sp=runner.sp, layout=runner.layout)
+    held_out = np.random.default_rng(seed)
+    same_document = synthetic_rows(held_out, **kw)
+    other_document = synthetic_rows(held_out, **kw, split_documents=True)
+    unmasked = config.copy_and_resolve_references()
+    unmasked.attention.use_segment_ids = False
+    unmasked_runner = inference.make_runner(unmasked, lambda *_: runner.params, mesh=runner.mesh,
+                                            layout=runner.layout)
+    return {"cross_shard": synthetic_accuracy(runner, same_document),
+            "cross_document": synthetic_accuracy(runner, other_document),
+            "cross_document_without_mask": synthetic_accuracy(unmasked_runner, other_document),
+            "chance": 1.0 / SYNTHETIC_NUM_VALUES, "held_out_rows": rows}
 
 
 # ----------------------------------------------------------------------------- runs

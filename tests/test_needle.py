@@ -12,70 +12,37 @@ only thing that hides the needle). The thresholds (>= 0.75, <= 0.25) hold for ev
 ~45 s on 2 cores.
 """
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
 from configs import base
-from longctx import inference, needle, train
+from longctx import hf, needle, train
 from longctx import layout as layout_lib
 from longctx import mesh as mesh_lib
 from longctx.data.tokenizer import byte_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NUM_VALUES = 10
+NUM_VALUES = needle.SYNTHETIC_NUM_VALUES
 SEQ_LEN = 128
 
 
-def retrieval_config():
-    c = base.get_config("tiny")
-    c.unlock()
-    c.model.update(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                   mlp_dim=128, dtype="float32", remat_policy="none")
-    c.attention.update(impl="xla", layout="zigzag", block_size=16)
-    c.data.update(seq_len=SEQ_LEN, global_batch_size=16)
-    c.optimizer.update(learning_rate=6e-3, warmup_steps=20, weight_decay=0.0)
-    c.train.update(num_steps=200, loss_chunk_size=32)
-    return c
-
-
 def test_retrieval_crosses_the_ring_and_stops_at_documents():
-    config = retrieval_config()
-    mesh = mesh_lib.make_mesh(config.mesh)
-    assert dict(mesh.shape) == {"dp": 1, "fsdp": 2, "sp": 4}
-    rows = dict(batch=16, seq_len=SEQ_LEN, vocab_size=64, num_values=NUM_VALUES, sp=4, layout="zigzag")
-    perm = layout_lib.permutation("zigzag", SEQ_LEN, 4)
-    data_rng = np.random.default_rng(0)
-    with jax.set_mesh(mesh):
-        setup = train.make_setup(config, mesh, "zigzag")
-        state = setup.init(jax.random.PRNGKey(0))
-        train_step, _ = train.jit_steps(config, setup)
-        for _ in range(config.train.num_steps):
-            batch = needle.synthetic_rows(data_rng, **rows)
-            state, _ = train_step(state, {k: jax.device_put(batch[k][:, perm], setup.batch_sharding)
-                                          for k in train.BATCH_KEYS})
-
-    held_out = np.random.default_rng(1)
-    same_document = needle.synthetic_rows(held_out, **{**rows, "batch": 128})
-    other_document = needle.synthetic_rows(held_out, **{**rows, "batch": 128}, split_documents=True)
-    runner = inference.make_runner(config, lambda *_: state.params, mesh=mesh, setup=setup, layout="zigzag")
-    cross_shard = needle.synthetic_accuracy(runner, same_document)
-    cross_document = needle.synthetic_accuracy(runner, other_document)
-    unmasked = config.copy_and_resolve_references()
-    unmasked.attention.use_segment_ids = False
-    without_mask = needle.synthetic_accuracy(
-        inference.make_runner(unmasked, lambda *_: state.params, mesh=mesh, layout="zigzag"), other_document)
-    print(f"retrieval accuracy: cross-shard {cross_shard:.2f}, cross-document {cross_document:.2f}, "
-          f"cross-document without the document mask {without_mask:.2f} (chance {1 / NUM_VALUES:.2f})")
-    assert cross_shard >= 0.75
-    assert cross_document <= 0.25
-    assert without_mask >= 0.75
+    config = base.get_config("tiny")
+    hf.apply_overrides(config, needle.SYNTHETIC_OVERRIDES)
+    runner = needle.train_synthetic(config, seed=0)
+    assert dict(runner.mesh.shape) == {"dp": 1, "fsdp": 2, "sp": 4} and runner.layout == "zigzag"
+    found = needle.synthetic_report(runner)
+    print(f"retrieval accuracy: cross-shard {found['cross_shard']:.2f}, cross-document "
+          f"{found['cross_document']:.2f}, cross-document without the document mask "
+          f"{found['cross_document_without_mask']:.2f} (chance {found['chance']:.2f})")
+    assert found["cross_shard"] >= 0.75
+    assert found["cross_document"] <= 0.25
+    assert found["cross_document_without_mask"] >= 0.75
 
 
 def test_synthetic_needle_is_on_another_shard_than_the_question():
