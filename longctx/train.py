@@ -372,9 +372,9 @@ class _Profiler:
 def _nonfinite_error(step: int, loss: float, grad_norm: float, checkpointer) -> errors.RunError:
     try:
         checkpointer.wait()
-        newest = checkpointer.manager.latest_step()
     except errors.RunError:
-        newest = None
+        pass  # reported by the checkpointer when it closes; the steps on disk are what counts
+    newest = checkpointer.manager.latest_step()
     saved = ("no checkpoint was written" if newest is None else
              f"the newest checkpoint, step {newest}, holds only finite steps")
     return errors.RunError(
