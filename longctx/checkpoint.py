@@ -28,6 +28,7 @@ fresh shuffle seeded with the step, and the sentence says so.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import re
@@ -96,13 +97,14 @@ def _say(message: str) -> None:
 
 
 class _OrbaxFailureLogs(logging.Filter):
-    """Drops Orbax's error records (each with a traceback, dozens per failed save) from its
-    background save threads: the same failure is raised where the Checkpointer waits and reported
-    there as one line. With LONGCTX_DEBUG=1 (`--verbose`) they are kept."""
+    """Drops the error records (each with a traceback, dozens per failed save) that Orbax's
+    background save threads and their asyncio loops log: the same failure is raised where the
+    Checkpointer waits and reported there as one line. With LONGCTX_DEBUG=1 (`--verbose`) they
+    are kept."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
-        return not (from_orbax and record.levelno >= logging.ERROR and not cli.debug_enabled())
+        background = any(f"{os.sep}{package}{os.sep}" in record.pathname for package in ("orbax", "asyncio"))
+        return not (background and record.levelno >= logging.ERROR and not cli.debug_enabled())
 
 
 _ORBAX_FAILURE_LOGS = _OrbaxFailureLogs()
@@ -124,7 +126,8 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
-        logging.getLogger("absl").addFilter(_ORBAX_FAILURE_LOGS)  # (added once: filters are a set)
+        for logger in ("absl", "asyncio"):  # (added once each: a logger's filters are a set)
+            logging.getLogger(logger).addFilter(_ORBAX_FAILURE_LOGS)
         self._saving: int | None = None  # the step of the save in flight
         self._failed: errors.RunError | None = None
         self._check_model_shape()
@@ -330,15 +333,24 @@ class Checkpointer:
             self._saving = None
 
     def close(self) -> None:
-        """Finishes the save in flight and releases Orbax's threads. After a failed save has been
-        reported, closing reports nothing more (the first error is the one the user sees)."""
+        """Finishes the save in flight and releases Orbax's threads. A save that fails here is
+        raised; one already raised is not raised again (the first error is the one the user
+        sees)."""
+        already_raised = self._failed is not None
         try:
             self.wait()
         except errors.RunError:
-            if self._failed is None:
+            if not already_raised:
                 raise
         finally:
-            self.manager.close()
+            if self._failed is not None and not cli.debug_enabled():
+                # Orbax's writer threads still draining a failed save print asyncio tracebacks
+                # ("Event loop is closed") while the manager shuts its loops down; the failure
+                # itself is the RunError above.
+                with contextlib.redirect_stderr(io.StringIO()):
+                    self.manager.close()
+            else:
+                self.manager.close()
 
     @contextlib.contextmanager
     def _reporting_failed_save(self):
