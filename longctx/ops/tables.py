@@ -20,7 +20,7 @@ are neither computed nor fetched. The test is exact for packed rows (ids non-dec
 sequence, so a block's ids are exactly the documents between its first and last) and safe for
 any ids: when a same-document pair exists the ranges overlap, so a block that is needed is never
 dropped; unordered ids only make the ranges wider and the ring slower, never wrong. Padding
-(segment id 0) is ignored by the ranges: it attends to nothing and nothing attends to it.
+(segment id <= 0) is ignored by the ranges: it attends to nothing and nothing attends to it.
 """
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def ring_tables(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
 
 # ----------------------------------------------------------------------------- dynamic (documents)
 
-PADDING = 0  # the segment id of padding
+PADDING = 0  # segment ids <= PADDING are padding (the ring splits them into -1 and -2)
 
 
 def document_ranges(segment_ids, block: int):
