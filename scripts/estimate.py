@@ -8,8 +8,10 @@
 Runs on any machine with `libtpu` installed (the [tpu] extra): the model, the ring-splash Mosaic
 kernels and the optimizer go through the real TPU compiler for the named topology (v4, v5e, v5p,
 v6e, e.g. "v5p:4x4x4", "v5e:8x8"), nothing runs. Prints per-device arguments, outputs,
-temporaries and total, the chip's HBM, whether it fits and, when it does not, the overrides that
-should make it fit. `--json` prints the same as one JSON object. Exit status 0 fits, 1 does not
+temporaries and total; a breakdown of them (parameters, optimizer state, batch, gradients, saved
+activations per layer with what each residual is, the largest arrays of the compiled program);
+the chip's HBM, whether it fits and, when it does not, the overrides that should make it fit,
+most bytes saved first. `--json` prints the same as one JSON object. Exit status 0 fits, 1 does not
 fit, 2 bad input (one line on stderr, `longctx: ...`).
 
 Sweep: the longest sequence that fits, per chip type and sp (docs/fit_llama3_8b.md + .json):
@@ -56,13 +58,14 @@ _SWEEP_MIN = flags.DEFINE_integer("sweep_min_shard", 1024, "Smallest L = S/sp tr
 _SWEEP_OUT = flags.DEFINE_string("sweep_out", "docs/fit_llama3_8b", "Output path stem (.md, .json).")
 
 
-def estimate(config, topology: str) -> aot.CompiledStep:
-    """Compiles `config`'s train step for `topology`; ConfigError (one sentence) on bad input."""
+def estimate(config, topology: str, breakdown: bool = True) -> aot.CompiledStep:
+    """Compiles `config`'s train step for `topology`; ConfigError (one sentence) on bad input.
+    `breakdown`: also what the bytes hold (aot.MemoryBreakdown: one more, one-layer compile)."""
     if not aot.libtpu_available():
         raise ConfigError("libtpu is not installed, so TPU programs cannot be compiled here "
                           "(pip install -e '.[tpu]').")
     try:
-        return aot.compile_train_step(config, topology)
+        return aot.compile_train_step(config, topology, breakdown=breakdown)
     except ConfigError as e:
         raise ConfigError(f"the config does not fit topology {topology}: {e}") from None
     except ValueError as e:  # aot: a topology libtpu does not know
@@ -75,7 +78,14 @@ def result_dict(config, result: aot.CompiledStep) -> dict:
     out.update(total_bytes=result.total_bytes, hbm_bytes=result.hbm_bytes, fits=result.fits,
                seq_len=config.data.seq_len, global_batch_size=config.data.global_batch_size,
                remat_policy=config.model.remat_policy, impl=config.attention.impl,
-               remedies=aot.suggest_remedies(config, result))
+               remedies=aot.suggest_remedies(config, result),
+               remedy_estimates=[dataclasses.asdict(r) for r in aot.remedy_estimates(config, result)])
+    if result.breakdown is None:
+        out.pop("breakdown", None)
+    else:
+        b = result.breakdown
+        out["breakdown"].update(saved_activation_bytes=b.saved_activation_bytes,
+                                other_temp_bytes=b.other_temp_bytes(result.temp_bytes))
     return out
 
 
@@ -91,7 +101,7 @@ def _sweep_config(config, num_devices: int, sp: int, shard_len: int):
 def sweep_point(config, topology: str, sp: int, shard_len: int) -> dict:
     c = _sweep_config(config, len(aot.topology_devices(topology)), sp, shard_len)
     try:
-        r = estimate(c, topology)
+        r = estimate(c, topology, breakdown=False)  # a sweep wants the totals, fast
     except ValueError as e:
         return {"topology": topology, "sp": sp, "shard_len": shard_len, "error": str(e)}
     except Exception as e:  # noqa: BLE001  (a compiler failure is a result of the sweep too)

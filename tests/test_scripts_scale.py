@@ -66,6 +66,12 @@ def test_estimate_tiny_on_v5p_fits_and_prints_memory():
     assert out["argument_bytes"] - out["alias_bytes"] == BATCH_KEYS * 4 * rows * shard
     _assert_memory_adds_up(out)
     assert 0 < out["temp_bytes"] and out["total_bytes"] < out["hbm_bytes"] and out["remedies"] == []
+    # The breakdown (tests/test_memory_breakdown.py checks its figures): unpadded state and batch
+    # within the compiler's (tile-padded) arguments; saved activations per layer x layers.
+    b = out["breakdown"]
+    assert b["parameter_bytes"] + b["optimizer_bytes"] + b["batch_bytes"] <= out["argument_bytes"]
+    assert b["saved_activation_bytes"] == c.model.num_layers * b["saved_bytes_per_layer"] > 0
+    assert b["residuals"] and b["largest_buffers"] and out["remedy_estimates"] == []
 
 
 @needs_libtpu
