@@ -97,6 +97,9 @@ def _base() -> ml_collections.ConfigDict:
             logits_soft_cap=_optional_float(),
             use_segment_ids=True,  # document masking: attend only within a packed document
             block_size=512,  # splash q/kv block
+            # What the ring's backward keeps per layer (longctx/attention.py): save_qkv |
+            # recompute_qkv (q/k/v recomputed from the layer input) | offload_qkv (to host memory)
+            residuals="save_qkv",
         )
     )
 
@@ -123,6 +126,8 @@ def _base() -> ml_collections.ConfigDict:
             b2=0.95,
             eps=1e-8,
             grad_clip_norm=1.0,
+            # ZeRO-1: also split the AdamW state over dp (parameters are always split over fsdp x sp).
+            shard_state_over_dp=False,
         )
     )
 
@@ -190,6 +195,21 @@ def _llama3_8b_128k(c):
     return c
 
 
+def _llama3_70b_128k(c):
+    """Llama-3-70B's shape at 131,072 tokens on 512 chips (v5p:8x8x8): sp=16 rings, fsdp=32.
+    Parameters and AdamW state split over fsdp x sp (512 ways: 70.6B x 12 bytes / 512 = 1.6 GiB
+    per chip); q/k/v recomputed in the backward, which at d_model 8192 keeps 80 layers x
+    (64 + 2 x 8) heads x 128 x 2 bytes = 1.6 MiB per token less alive."""
+    c = _llama3_8b_128k(c)
+    c.model.update(vocab_size=128_256, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                   head_dim=128, mlp_dim=28_672, dtype="bfloat16")
+    c.mesh.update(dp=1, fsdp=-1, sp=16)
+    c.attention.update(residuals="recompute_qkv")
+    c.data.update(seq_len=131_072, global_batch_size=32)
+    c.optimizer.update(learning_rate=1.5e-4, warmup_steps=2000)
+    return c
+
+
 def _llama3_8b_extend_128k(c):
     """Continued pretraining of Llama-3-8B (trained at 8,192 tokens) on 131,072-token documents:
     the converted weights (scripts/convert_hf.py to-longctx) via init_from, Llama 3.1's llama3
@@ -207,7 +227,8 @@ def _llama3_8b_extend_128k(c):
 
 
 PRESETS = {"": lambda c: c, "base": lambda c: c, "tiny": _tiny, "long_cpu": _long_cpu,
-           "llama3_8b_128k": _llama3_8b_128k, "llama3_8b_extend_128k": _llama3_8b_extend_128k}
+           "llama3_8b_128k": _llama3_8b_128k, "llama3_70b_128k": _llama3_70b_128k,
+           "llama3_8b_extend_128k": _llama3_8b_extend_128k}
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:

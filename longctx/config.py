@@ -6,6 +6,8 @@ bad launch fails in seconds with a message a person can act on, not minutes late
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 from longctx import mesh as mesh_lib
@@ -19,10 +21,10 @@ def _choices() -> dict[str, tuple]:
     """Allowed values of the keys that name an implementation, each from the module that
     implements them (imported here, not at the top: they import jax, and the model imports
     this module)."""
-    from longctx import layout, model, ops
+    from longctx import attention, layout, model, ops
     from longctx.data import packing
 
-    return {"attention.impl": ops.IMPLS, "attention.layout": layout.LAYOUTS + ("auto",),
+    return {"attention.impl": ops.IMPLS, "attention.residuals": attention.RESIDUAL_POLICIES, "attention.layout": layout.LAYOUTS + ("auto",),
             "data.packer": packing.PACKERS, "model.dtype": DTYPES, "model.param_dtype": DTYPES,
             "model.remat_policy": tuple(model.REMAT_POLICIES), "train.on_nonfinite": NONFINITE_ACTIONS}
 
@@ -77,8 +79,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(m.num_heads % m.num_kv_heads == 0,
              f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}.")
     _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE.")
-    _require(m.d_model % fsdp == 0,
-             f"model.d_model={m.d_model} is not divisible by the fsdp mesh size {fsdp}.")
+    # Parameters are split over fsdp x sp along d_model (longctx.mesh.PARAM_AXES); the optimizer
+    # state over dp too with optimizer.shard_state_over_dp.
+    over_dp = bool(o.get("shard_state_over_dp", False))
+    mesh_sizes = {mesh_lib.DP: dp, mesh_lib.FSDP: fsdp, mesh_lib.SP: sp}
+    axes = mesh_lib.split_axes("embed", over_dp=over_dp)
+    ways = math.prod(mesh_sizes[ax] for ax in axes)
+    _require(m.d_model % ways == 0,
+             f"model.d_model={m.d_model} is not divisible by {'*'.join(axes)} = "
+             f"{'*'.join(str(mesh_sizes[ax]) for ax in axes)} = {ways}, the number of ways the "
+             f"{'optimizer state is' if over_dp else 'parameters are'} split.")
 
     _check_rope_scaling(m.get("rope_scaling"))  # (absent from configs saved before it existed)
 

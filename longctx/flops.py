@@ -7,6 +7,13 @@ documents the ring skips the blocks no document needs, so the useful attention F
 than counted and MFU reads high by up to the attention's share of the step (for a causal row of
 many short documents, nearly all of it); `scripts/ring_report.py --doc-lengths` shows how many
 blocks the documents keep.
+
+MFU counts model FLOPs only (`flops_per_step`: forward + backward of the model, 3x forward).
+Work done twice is never credited: rematerialisation (`model.remat_policy`) and the q/k/v
+projections that `attention.residuals=recompute_qkv` runs again in the backward cost step time
+but add nothing to the count, so a policy that recomputes shows its cost as a lower MFU.
+`recomputed_flops_per_step` says how much extra work each setting does (hardware FLOPs =
+model FLOPs + that).
 """
 
 from __future__ import annotations
@@ -48,6 +55,30 @@ def kept_pairs(seq_len: int, *, causal: bool, sliding_window: int | None, chunk_
     if chunk_size is not None:
         lo = np.maximum(lo, (i // chunk_size) * chunk_size)
     return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+def _dense_flops_per_layer(config, tokens: int) -> tuple[float, float]:
+    """Forward FLOPs of one layer's q/k/v projections and of the rest of its matmuls."""
+    m = config.model
+    qkv = 2 * tokens * m.d_model * m.head_dim * (m.num_heads + 2 * m.num_kv_heads)
+    rest = 2 * tokens * (m.d_model * m.head_dim * m.num_heads + 3 * m.d_model * m.mlp_dim)
+    return qkv, rest
+
+
+def recomputed_flops_per_step(config) -> float:
+    """Forward FLOPs run a second time in the backward, per step (not counted by MFU).
+
+    remat_policy "nothing_saveable" recomputes each block's output projection and MLP, and its
+    q/k/v projections unless attention.residuals=offload_qkv brings q, k, v back from the host;
+    recompute_qkv recomputes the q/k/v projections under any remat policy. The "*_saveable"
+    policies keep the matmul outputs and recompute only elementwise work, counted as none; the
+    attention ring itself is never recomputed."""
+    m, d = config.model, config.data
+    qkv, rest = _dense_flops_per_layer(config, d.global_batch_size * d.seq_len)
+    residuals = config.attention.get("residuals", "save_qkv")
+    full_remat = m.remat_policy == "nothing_saveable"
+    qkv_again = residuals == "recompute_qkv" or (full_remat and residuals == "save_qkv")
+    return float(m.num_layers * ((qkv if qkv_again else 0) + (rest if full_remat else 0)))
 
 
 def flops_per_step(config) -> float:

@@ -22,17 +22,25 @@ DP, FSDP, SP = "dp", "fsdp", "sp"
 MESH_AXES = (DP, FSDP, SP)
 BATCH_AXES = (DP, FSDP)  # the batch is split over every data-parallel axis
 
+# Parameters (and their gradients and optimizer state) are sharded over every axis whose devices
+# hold different tokens but want the same weights: fsdp and the sp ring. A ring of 16 chips then
+# holds 1/16 of the weights each instead of a full copy, and each layer's weights are gathered
+# inside the layer scan just before use (`gathered_spec`), as FSDP does over fsdp alone. dp keeps
+# full copies (cheap gradients all-reduce across slices); `optimizer_rules(over_dp=True)` shards
+# the optimizer state over it too, ZeRO-1 style.
+PARAM_AXES = (FSDP, SP)
+
 # Logical axis -> mesh axes (None = replicated).
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    # parameters: FSDP shards the larger dimension of every weight
+    # parameters: the model dimension of every weight (and norm scale) is split over PARAM_AXES
     "vocab": None,
-    "embed": FSDP,
+    "embed": PARAM_AXES,
     "mlp": None,
     "heads": None,
     "kv_heads": None,
     "head_dim": None,
     "layers": None,
-    "norm": None,
+    "norm": PARAM_AXES,
     # activations
     "activation_batch": BATCH_AXES,
     "activation_length": SP,
@@ -44,17 +52,64 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "activation_mlp": None,
 }
 
+Rules = dict[str, "str | tuple[str, ...] | None"]
 
-def logical_to_spec(logical_axes: Sequence[str | None] | None) -> PartitionSpec:
-    """PartitionSpec for a tuple of logical axis names, by `LOGICAL_RULES`."""
+
+def optimizer_rules(over_dp: bool) -> Rules:
+    """The rules for optimizer state: the parameters' own, or with dp added in front of every
+    parameter-sharding axis (ZeRO-1: each dp replica updates its slice, then the new parameters
+    are gathered over dp)."""
+    if not over_dp:
+        return LOGICAL_RULES
+    return {name: (DP, *PARAM_AXES) if axes == PARAM_AXES else axes
+            for name, axes in LOGICAL_RULES.items()}
+
+
+def _as_tuple(axes) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def split_axes(logical_axis: str, over_dp: bool = False) -> tuple[str, ...]:
+    """The mesh axes a parameter's `logical_axis` (or, with over_dp, its optimizer state's) is
+    split over: the dimension must divide by the product of their sizes."""
+    return _as_tuple(optimizer_rules(over_dp)[logical_axis] or ())
+
+
+def logical_to_spec(logical_axes: Sequence[str | None] | None, rules: Rules | None = None) -> PartitionSpec:
+    """PartitionSpec for a tuple of logical axis names, by `rules` (default `LOGICAL_RULES`)."""
+    rules = LOGICAL_RULES if rules is None else rules
     if logical_axes is None:
         return PartitionSpec()
     specs = []
     for name in logical_axes:
-        if name is not None and name not in LOGICAL_RULES:
+        if name is not None and name not in rules:
             raise ValueError(f"logical axis {name!r} has no sharding rule in longctx.mesh.LOGICAL_RULES.")
-        specs.append(None if name is None else LOGICAL_RULES[name])
+        specs.append(None if name is None else rules[name])
     return PartitionSpec(*specs)
+
+
+def embedding_lookup_reshards() -> tuple[PartitionSpec, ...]:
+    """The shardings a [batch, length, embed] embedding lookup goes through, in order.
+
+    A lookup in a table split over PARAM_AXES along embed comes out split the same way (every
+    device reads its columns for every token); the activation wants batch over BATCH_AXES and
+    length over SP. XLA cannot make that move in one step and falls back to replicating the whole
+    activation ("involuntary full rematerialization"), so it moves one mesh axis at a time: fsdp
+    from embed to batch (an all-to-all over fsdp; dp only slices), then sp from embed to length
+    (an all-to-all over sp)."""
+    return (PartitionSpec(BATCH_AXES, None, SP), logical_to_spec(("activation_batch", "activation_length",
+                                                                 "activation_embed")))
+
+
+def gathered_spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
+    """Where a parameter lives while a layer computes with it: its sharding with the data-like axes
+    (dp, fsdp, sp) taken out, i.e. gathered over them; any model-parallel split would stay."""
+    spec = logical_to_spec(logical_axes)
+    kept = []
+    for axes in spec:
+        rest = tuple(a for a in _as_tuple(axes or ()) if a not in MESH_AXES)
+        kept.append(rest or None)
+    return PartitionSpec(*kept)
 
 
 def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None] | None) -> NamedSharding:

@@ -21,9 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from longctx import config as config_lib
+from longctx import attention as attention_lib
 from longctx import mesh as mesh_lib
-from longctx import ops
 from longctx import rope as rope_lib
 
 # Parameters are created abstractly and sharded by the trainer (eval_shape -> shardings -> jit),
@@ -37,8 +36,6 @@ REMAT_POLICIES = {
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
-_ATTN_ACTIVATION = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
-_TOKEN_ACTIVATION = ("activation_batch", "activation_length")
 _EMBED_ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
 
 
@@ -72,6 +69,24 @@ def _constrain(x, logical_axes):
     return jax.lax.with_sharding_constraint(x, mesh_lib.logical_to_spec(logical_axes))
 
 
+def _layer_axes(param: nnx.Variable) -> tuple[str, ...]:
+    """The logical axes of one layer's slice of a stacked parameter: its metadata still names the
+    "layers" axis that the scan (or the unrolled loop's index) took off."""
+    axes = tuple(a for a in param.get_metadata()["out_sharding"] if a != "layers")
+    if len(axes) != param[...].ndim:
+        raise ValueError(f"parameter of shape {param[...].shape} has logical axes {axes}")
+    return axes
+
+
+def _gathered(value, logical_axes, dtype=None):
+    """A layer's parameter as the layer computes with it: gathered over the data-like mesh axes
+    it is stored sharded on (longctx.mesh.gathered_spec), here inside the layer scan, so only one
+    layer's weights are ever whole on a device. Cast to `dtype` first when given (float32
+    parameters, low-precision compute: the gather then moves half the bytes)."""
+    value = value if dtype is None else value.astype(dtype)
+    return jax.lax.with_sharding_constraint(value, mesh_lib.gathered_spec(logical_axes))
+
+
 def rms_norm(x, scale, eps):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
@@ -93,34 +108,25 @@ def apply_rope(x, positions, rotary: rope_lib.Rotary):
     return rotated.astype(x.dtype)
 
 
-def ring_attention_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout: str):
-    """Global [b, t, n, h] arrays in, ring attention on each device's sequence shard, global out.
-    `positions` (in-document) start chunked attention's chunks at each document's start."""
-    a = attention_config
-    qkv_spec = mesh_lib.logical_to_spec(_ATTN_ACTIVATION)
-    token_spec = mesh_lib.logical_to_spec(_TOKEN_ACTIVATION)
-    attend = functools.partial(
-        ops.ring_attention,
-        **config_lib.mask_kwargs(a),
-        logits_soft_cap=a.logits_soft_cap,
-        axis_name=mesh_lib.SP,
-        layout=layout,
-        impl=a.impl,
-        block_sizes=a.block_size,
-    )
+# The parameters the attention's q/k/v projection reads (project_qkv's `weights`).
+_QKV_PARAMS = ("attn_norm", "wq", "wk", "wv")
 
-    def per_shard(q, k, v, segment_ids, positions, sinks):
-        return attend(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                      positions=positions, softmax_aux=sinks)
 
-    if segment_ids is None:
-        positions = None  # one document per row: chunks are on row positions
-    in_specs = (qkv_spec, qkv_spec, qkv_spec,
-                None if segment_ids is None else token_spec,
-                None if positions is None else token_spec,
-                None if sinks is None else mesh_lib.logical_to_spec(None))
-    return jax.shard_map(per_shard, in_specs=in_specs, out_specs=qkv_spec)(
-        q, k, v, segment_ids, positions, sinks)
+def project_qkv(x, weights, positions, *, logical_axes, config):
+    """RMSNorm, then the q/k/v projections and RoPE: [b, t, d] -> q [b, t, n, h], k, v [b, t, kvh, h].
+    A pure function of its array arguments (`weights`: one layer's _QKV_PARAMS), so that
+    attention's custom VJP can run it again in the backward (attention.residuals=recompute_qkv)."""
+    m = config.model
+    w = {name: _gathered(value, logical_axes[name], None if name == "attn_norm" else jnp.dtype(m.dtype))
+         for name, value in weights.items()}
+    y = rms_norm(x, w["attn_norm"], m.norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", y, w["wq"])
+    k = jnp.einsum("btd,dkh->btkh", y, w["wk"])
+    v = jnp.einsum("btd,dkh->btkh", y, w["wv"])
+    rotary = rope_lib.from_model_config(m)
+    q = _constrain(apply_rope(q, positions, rotary), attention_lib.ATTN_ACTIVATION)
+    k = _constrain(apply_rope(k, positions, rotary), attention_lib.ATTN_ACTIVATION)
+    return q, k, v
 
 
 class DecoderBlock(nnx.Module):
@@ -145,37 +151,31 @@ class DecoderBlock(nnx.Module):
     def __call__(self, x, positions, segment_ids, *, config, layout):
         """Rematerialisation (config.model.remat_policy) covers everything but the attention
         kernel: the projections before it and the output projection + MLP after it are each
-        checkpointed, while attention runs outside any checkpoint. Its custom VJP already saves
-        only O(L) residuals (q, k, v, out, logsumexp), and recomputing it would cost a whole
-        ring; worse, a ring under a checkpoint under the layer scan gets linearised by JAX
-        instead of using its VJP, keeping every ring step's probabilities (sp x heads x L x L)."""
+        checkpointed, while attention runs outside any checkpoint. Its custom VJP saves only
+        O(L) residuals, which `config.attention.residuals` chooses (longctx/attention.py), and
+        recomputing it would cost a whole ring; worse, a ring under a checkpoint under the layer
+        scan gets linearised by JAX instead of using its VJP, keeping every ring step's
+        probabilities (sp x heads x L x L)."""
         m = config.model
         policy = REMAT_POLICIES[m.remat_policy]
         remat = ((lambda f: f) if m.remat_policy == "none"
                  else (lambda f: jax.checkpoint(f, policy=policy, prevent_cse=not m.scan_layers)))
-        q, k, v = remat(functools.partial(self._qkv, config=config))(x, positions)
         sinks = None if self.sinks is None else self.sinks[...]
-        out = ring_attention_over_mesh(q, k, v, segment_ids, positions, sinks, config.attention, layout)
+        weights = {name: getattr(self, name)[...] for name in _QKV_PARAMS}
+        project = functools.partial(
+            project_qkv, logical_axes={name: _layer_axes(getattr(self, name)) for name in _QKV_PARAMS},
+            config=config)
+        out = attention_lib.attention(project, x, weights, positions, segment_ids, sinks,
+                                      config.attention, layout, remat=remat)
         return remat(functools.partial(self._output_and_mlp, config=config))(x, out)
 
     def _weight(self, param, config):
-        return param[...].astype(jnp.dtype(config.model.dtype))  # float32 params, low-precision compute
-
-    def _qkv(self, x, positions, *, config):
-        m, w = config.model, functools.partial(self._weight, config=config)
-        y = rms_norm(x, self.attn_norm[...], m.norm_eps)
-        q = jnp.einsum("btd,dnh->btnh", y, w(self.wq))
-        k = jnp.einsum("btd,dkh->btkh", y, w(self.wk))
-        v = jnp.einsum("btd,dkh->btkh", y, w(self.wv))
-        rotary = rope_lib.from_model_config(m)
-        q = _constrain(apply_rope(q, positions, rotary), _ATTN_ACTIVATION)
-        k = _constrain(apply_rope(k, positions, rotary), _ATTN_ACTIVATION)
-        return q, k, v
+        return _gathered(param[...], _layer_axes(param), jnp.dtype(config.model.dtype))
 
     def _output_and_mlp(self, x, attention_out, *, config):
         m, w = config.model, functools.partial(self._weight, config=config)
         x = x + _constrain(jnp.einsum("btnh,nhd->btd", attention_out, w(self.wo)), _EMBED_ACTIVATION)
-        y = rms_norm(x, self.mlp_norm[...], m.norm_eps)
+        y = rms_norm(x, _gathered(self.mlp_norm[...], _layer_axes(self.mlp_norm)), m.norm_eps)
         gate = jax.nn.silu(jnp.einsum("btd,df->btf", y, w(self.w_gate)))
         up = jnp.einsum("btd,df->btf", y, w(self.w_up))
         return x + _constrain(jnp.einsum("btf,fd->btd", gate * up, w(self.w_down)), _EMBED_ACTIVATION)
@@ -209,7 +209,8 @@ class Decoder(nnx.Module):
     def __call__(self, tokens, positions, segment_ids):
         m, config = self.config.model, self.config
         x = self.embed[...].astype(jnp.dtype(m.dtype))[tokens]
-        x = _constrain(x, _EMBED_ACTIVATION)
+        for spec in mesh_lib.embedding_lookup_reshards():  # ends at _EMBED_ACTIVATION
+            x = jax.lax.with_sharding_constraint(x, spec)
         if not config.attention.use_segment_ids:
             segment_ids = None  # the "no document masking" ablation: attend across documents
 

@@ -73,11 +73,20 @@ def resolve_layout(config, sp: int) -> str:
                               **config_lib.mask_kwargs(config.attention))
 
 
-def _logical_shardings(mesh, tree):
+def _logical_shardings(mesh, tree, rules=None):
     """NamedShardings for a tree that holds nnx Variables (parameters carry logical axis names)."""
     specs = nnx.get_partition_spec(tree)  # logical names, e.g. P('layers', 'embed', 'mlp')
-    return jax.tree.map(lambda spec: NamedSharding(mesh, mesh_lib.logical_to_spec(tuple(spec))), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, mesh_lib.logical_to_spec(tuple(spec), rules)),
+                        specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def state_shardings(config, mesh, abstract_state: TrainState) -> TrainState:
+    """Parameters by the logical rules (over fsdp x sp); the optimizer state the same, or also over
+    dp with optimizer.shard_state_over_dp (ZeRO-1)."""
+    shardings = _logical_shardings(mesh, abstract_state)
+    over_dp = bool(config.optimizer.get("shard_state_over_dp", False))
+    return shardings.replace(opt_state=_logical_shardings(
+        mesh, abstract_state.opt_state, mesh_lib.optimizer_rules(over_dp)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +115,7 @@ def make_setup(config, mesh, layout: str) -> Setup:
 
     abstract_state = jax.eval_shape(init, jax.random.PRNGKey(0))
     graphdef = graphdefs[0]
-    shardings = _logical_shardings(mesh, abstract_state)
+    shardings = state_shardings(config, mesh, abstract_state)
     return Setup(graphdef=graphdef, abstract_state=abstract_state, state_shardings=shardings,
                  batch_sharding=mesh_lib.batch_sharding(mesh), optimizer=optimizer,
                  init=jax.jit(init, out_shardings=shardings))

@@ -193,7 +193,10 @@ def _model_line(config) -> str:
             f"heads x {m.head_dim}, mlp {m.mlp_dim}, vocab {m.vocab_size}, {m.dtype} compute, "
             f"{m.param_dtype} params + AdamW, remat {m.remat_policy}, scan_layers {m.scan_layers}, "
             f"attention {config.attention.impl} (block {config.attention.block_size}, "
-            f"layout {config.attention.layout}, causal {config.attention.causal})")
+            f"layout {config.attention.layout}, causal {config.attention.causal}, "
+            f"residuals {config.attention.get('residuals', 'save_qkv')}), parameters over "
+            f"{'x'.join(mesh_lib.split_axes('embed'))}, optimizer state over "
+            f"{'x'.join(mesh_lib.split_axes('embed', config.optimizer.get('shard_state_over_dp', False)))}")
 
 
 def _save_sweep(out_stem: str, results: dict) -> None:

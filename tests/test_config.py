@@ -20,6 +20,7 @@ def test_presets_validate():
     assert validate(base.get_config("long_cpu"), num_devices=8)["sp"] == 8
     sizes = validate(base.get_config("llama3_8b_128k"), num_devices=64)
     assert sizes == {"dp": 1, "fsdp": 4, "sp": 16}
+    assert validate(base.get_config("llama3_70b_128k"), num_devices=512) == {"dp": 1, "fsdp": 32, "sp": 16}
 
 
 @pytest.mark.parametrize(
@@ -31,7 +32,9 @@ def test_presets_validate():
         ({"mesh.dcn_dp": 3}, 8, "cannot be split into 3 slices"),
         ({"model.num_heads": 6, "model.num_kv_heads": 4}, 8, "model.num_heads=6 is not divisible by model.num_kv_heads=4"),
         ({"model.head_dim": 33}, 8, "model.head_dim=33 must be even"),
-        ({"model.d_model": 129}, 8, "model.d_model=129 is not divisible by the fsdp mesh size 2"),
+        ({"model.d_model": 132}, 8, "model.d_model=132 is not divisible by fsdp*sp = 2*4 = 8, the number of ways the parameters are split"),
+        ({"mesh.dp": 2, "mesh.fsdp": 1, "optimizer.shard_state_over_dp": True, "model.d_model": 132}, 8,
+         "model.d_model=132 is not divisible by dp*fsdp*sp = 2*1*4 = 8, the number of ways the optimizer state is split"),
         ({"data.seq_len": 2050}, 8, "data.seq_len=2050 is not divisible by 4"),
         ({"data.seq_len": 2048 + 512, "attention.block_size": 256}, 8, "attention.block_size=256 does not divide"),
         ({"attention.layout": "zigzag", "data.seq_len": 4 * 128 * 3 + 4}, 8, "not divisible by 8 (2*sp for the zigzag layout)"),

@@ -43,3 +43,26 @@ def test_flops_per_step_by_hand():
     # Attention: 21 kept pairs (above) x 3 rows x 2 layers x 2 heads x head_dim 3 x 4 FLOPs = 3,024.
     # Training = 3 x forward.
     assert flops.flops_per_step(c) == 3 * (14_592 + 3_024)
+
+
+@pytest.mark.parametrize("remat, residuals, expected", [
+    # Per token per layer: q/k/v projections 4*3*(2+1+1) = 48 weights, output projection + MLP
+    # 4*3*2 + 3*4*5 = 84; 2 FLOPs per weight, 24 tokens, 2 layers.
+    ("none", "save_qkv", 0),
+    ("none", "recompute_qkv", 2 * 24 * 2 * 48),
+    ("nothing_saveable", "save_qkv", 2 * 24 * 2 * (48 + 84)),
+    ("nothing_saveable", "recompute_qkv", 2 * 24 * 2 * (48 + 84)),  # the remat already reran q/k/v
+    ("nothing_saveable", "offload_qkv", 2 * 24 * 2 * 84),  # q, k, v come back from the host
+    ("dots_saveable", "save_qkv", 0),
+])
+def test_recomputed_flops_by_hand(remat, residuals, expected):
+    c = base.get_config("tiny")
+    c.model.update(vocab_size=10, d_model=4, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=3,
+                   mlp_dim=5, remat_policy=remat)
+    c.data.update(seq_len=8, global_batch_size=3)
+    c.attention.residuals = residuals
+    assert flops.recomputed_flops_per_step(c) == expected
+    # MFU's count is the same for every setting: recomputation is never credited
+    model_flops = flops.flops_per_step(c)
+    c.model.remat_policy, c.attention.residuals = "none", "save_qkv"
+    assert flops.flops_per_step(c) == model_flops

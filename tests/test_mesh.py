@@ -27,7 +27,7 @@ def test_mesh_axes_and_ring_is_innermost():
 
 def test_logical_rules():
     assert mesh_lib.logical_to_spec(("activation_batch", "activation_length")) == P(("dp", "fsdp"), "sp")
-    assert mesh_lib.logical_to_spec(("layers", "embed", "mlp")) == P(None, "fsdp", None)
+    assert mesh_lib.logical_to_spec(("layers", "embed", "mlp")) == P(None, ("fsdp", "sp"), None)
     with pytest.raises(ValueError, match="no sharding rule"):
         mesh_lib.logical_to_spec(("not_an_axis",))
 

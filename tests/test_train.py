@@ -63,13 +63,14 @@ def test_shardings_follow_the_rules_and_one_compile():
     state, _, train_step, setup, batch = run_steps(step_config(2, 2, 2), jax.devices(), rows)
     assert train_step._cache_size() == 1  # three steps, one trace and compile
     params = state.params
-    assert params["embed"][...].sharding.spec == P(None, "fsdp")
-    assert params["blocks"]["wq"][...].sharding.spec == P(None, "fsdp", None, None)
-    assert params["blocks"]["w_down"][...].sharding.spec == P(None, None, "fsdp")
-    assert params["blocks"]["attn_norm"][...].sharding.spec == P(None, None)
+    # parameters: the model dimension over fsdp x sp (tests/test_sharding.py tests the rule itself)
+    assert params["embed"][...].sharding.spec == P(None, ("fsdp", "sp"))
+    assert params["blocks"]["wq"][...].sharding.spec == P(None, ("fsdp", "sp"), None, None)
+    assert params["blocks"]["w_down"][...].sharding.spec == P(None, None, ("fsdp", "sp"))
+    assert params["blocks"]["attn_norm"][...].sharding.spec == P(None, ("fsdp", "sp"))
     # optimizer moments are sharded like their parameters
     mu = [s for s in jax.tree.leaves(state.opt_state) if s.shape == params["embed"][...].shape]
-    assert mu and all(m.sharding.spec == P(None, "fsdp") for m in mu)
+    assert mu and all(m.sharding.spec == P(None, ("fsdp", "sp")) for m in mu)
     for value in batch.values():
         assert value.sharding.spec == P(("dp", "fsdp"), "sp")
         assert value.addressable_shards[0].data.shape == (1, 256)

@@ -27,7 +27,7 @@ from jax import lax
 
 from longctx import masks
 from longctx.ops import tables as tables_lib
-from longctx.ops.shmap import pick, vary_like
+from longctx.ops.shmap import pick, sum_over_devices, vary_like
 
 # The per-step backends: the Pallas TPU splash kernel, and the same math in plain XLA.
 IMPLS = ("splash", "xla")
@@ -312,6 +312,41 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     and leaves documents to the element-wise mask (the same result, slower: for measuring what
     the skipping buys). Returns [b, L, heads, head_dim] in query's dtype.
     """
+    cfg, q_ids, kv_ids, aux = _prepare(
+        query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, positions=positions,
+        causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
+        logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale, axis_name=axis_name,
+        layout=layout, impl=impl, block_sizes=block_sizes, skip_documents=skip_documents)
+    return ring_fn(cfg)(query, key, value, q_ids, kv_ids, aux)
+
+
+def ring_attention_forward(query, key, value, q_segment_ids=None, kv_segment_ids=None,
+                           softmax_aux=None, **kwargs):
+    """`ring_attention`'s forward alone: (out, lse), lse [b, L, heads] float32 the logsumexp of
+    each query's scores (sinks included). For callers that write their own VJP around the ring
+    (longctx.attention keeps fewer residuals than `ring_attention` does); the same keywords."""
+    cfg, q_ids, kv_ids, aux = _prepare(query, key, value, q_segment_ids, kv_segment_ids,
+                                       softmax_aux, **kwargs)
+    return _forward(cfg, query, key, value, q_ids, kv_ids, aux)
+
+
+def ring_attention_backward(query, key, value, out, lse, d_out, q_segment_ids=None,
+                            kv_segment_ids=None, softmax_aux=None, **kwargs):
+    """The ring's backward from the forward's (out, lse): (d_query, d_key, d_value, d_aux), the
+    gradients of `ring_attention` for the cotangent `d_out`. d_aux (None without sinks) is the
+    gradient of the replicated softmax_aux, summed over every device."""
+    cfg, q_ids, kv_ids, aux = _prepare(query, key, value, q_segment_ids, kv_segment_ids,
+                                       softmax_aux, **kwargs)
+    dq, dk, dv, _, _, daux = _backward(cfg, (query, key, value, q_ids, kv_ids, aux, out, lse), d_out)
+    return dq, dk, dv, None if daux is None else sum_over_devices(daux)
+
+
+def _prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, positions=None,
+             causal=False, sliding_window=None, chunk_size=None, logits_soft_cap=None,
+             softmax_scale=None, axis_name="sp", layout="contiguous", impl="splash",
+             block_sizes=None, skip_documents=True):
+    """Checks the arguments; returns the static RingConfig, the kernels' segment ids and the
+    sink logits marked device-varying."""
     from longctx import layout as layout_lib
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
@@ -375,4 +410,4 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     if softmax_aux is not None:
         # The sink gradient of a replicated aux is summed over devices by the cast's transpose.
         softmax_aux = vary_like(softmax_aux, query)
-    return ring_fn(cfg)(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux)
+    return cfg, q_segment_ids, kv_segment_ids, softmax_aux

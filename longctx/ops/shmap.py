@@ -30,3 +30,10 @@ def vary_like(tree, ref):
         return lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(one, tree)
+
+
+def sum_over_devices(x):
+    """`x` summed over every mesh axis it varies over: the gradient of a replicated input from
+    each device's share (what the transpose of `vary_like` does inside a custom VJP's caller)."""
+    axes = tuple(sorted(_varying_axes(x)))
+    return lax.psum(x, axes) if axes else x

@@ -1,0 +1,84 @@
+"""attention.residuals: every policy gives the gradients of the ring's own VJP (save_qkv), and
+recompute_qkv keeps less per layer."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from longctx import aot
+from longctx import mesh as mesh_lib
+from longctx import train as train_lib
+from tests import synthetic
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from configs import base as base_config  # noqa: E402
+
+
+def _config(policy, **attention):
+    c = base_config.get_config("tiny")
+    c.mesh.dp, c.mesh.fsdp, c.mesh.sp = 1, 2, 4
+    c.model.num_layers = 2
+    c.data.seq_len, c.data.global_batch_size = 512, 2
+    c.attention.update(**{"block_size": 64, "residuals": policy, **attention})
+    c.train.loss_chunk_size = 64
+    return c
+
+
+def _loss_and_grads(config, rows):
+    mesh = mesh_lib.make_mesh(config.mesh)
+    layout = train_lib.resolve_layout(config, mesh.shape[mesh_lib.SP])
+    setup = train_lib.make_setup(config, mesh, layout)
+    state = setup.init(jax.random.PRNGKey(0))
+    batch = {k: jax.device_put(np.asarray(rows[k], np.int32), setup.batch_sharding)
+             for k in train_lib.BATCH_KEYS}
+    with jax.set_mesh(mesh):
+        loss_fn = lambda params, batch: train_lib._masked_loss(setup.graphdef, params, batch)  # noqa: E731
+        (loss, _), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params, batch)
+    return float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
+
+
+@pytest.mark.parametrize("attention", [
+    dict(attention_sinks=True),
+    dict(chunk_size=96, layout="contiguous", impl="splash", block_size=128),
+])
+@pytest.mark.parametrize("policy", ["recompute_qkv", "offload_qkv"])
+def test_policy_gradients_equal_the_rings_own(policy, attention):
+    rows = synthetic.packed_rows(2, 512, 97, seed=5, mean_doc_len=150)
+    want_loss, want = _loss_and_grads(_config("save_qkv", **attention), rows)
+    got_loss, got = _loss_and_grads(_config(policy, **attention), rows)
+    assert got_loss == pytest.approx(want_loss, rel=1e-6)
+    flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        w = flat_want[path]
+        assert np.any(w != 0), jax.tree_util.keystr(path)
+        err = np.max(np.abs(g - w)) / np.max(np.abs(w))
+        assert err <= 1e-5, f"{jax.tree_util.keystr(path)}: {err:.2e}"
+    if attention.get("attention_sinks"):
+        assert any("sinks" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(got))
+
+
+@pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed")
+def test_recompute_keeps_less_than_saving_on_tpu():
+    """The TPU compiler's own memory figure: recompute_qkv needs fewer temporaries than save_qkv
+    for a long sequence (what the backward keeps per layer dominates them)."""
+    def temp_bytes(policy):
+        c = base_config.get_config("tiny")
+        c.mesh.update(dp=1, fsdp=1, sp=8)
+        c.model.update(num_layers=4, remat_policy="nothing_saveable", dtype="bfloat16")
+        c.attention.update(impl="splash", block_size=512, residuals=policy)
+        c.data.update(seq_len=65_536, global_batch_size=1)
+        c.train.loss_chunk_size = 1024
+        return aot.compile_train_step(c, "v5p:2x2x2").temp_bytes
+
+    saved, recomputed = temp_bytes("save_qkv"), temp_bytes("recompute_qkv")
+    # q, k, v per token per layer: (4 + 2 + 2) heads x 32 x 2 bytes; 4 layers x 8,192 tokens.
+    qkv_bytes = (4 + 2 * 2) * 32 * 2 * 4 * 8192
+    assert recomputed <= saved - qkv_bytes // 2, f"temporaries: save_qkv {saved}, recompute_qkv {recomputed}"
