@@ -6,14 +6,16 @@ layer; with layers scanned and their other activations rematerialised, those are
 long sequence keeps alive across the forward pass. The policies:
 
   save_qkv       the ring's own VJP keeps q, k, v, out and logsumexp per layer (the default).
-  recompute_qkv  keeps only out and logsumexp (and the layer input, which the rematerialised
-                 block keeps anyway); the backward recomputes q, k, v from the layer input. Costs
-                 one more run of the norm and the q/k/v projections per layer, cheap next to a
-                 ring, and saves (heads + 2 * kv_heads) * head_dim values per token per layer.
-  offload_qkv    the same VJP as recompute_qkv but q, k, v are not recomputed: they, out and the
-                 logsumexp are moved to host memory ("pinned_host") after the forward ring and
-                 brought back for the backward. Only where the platform has host memory spaces
-                 (TPU; on CPU host and device memory are one).
+  recompute_qkv  the layer keeps only its input, the ring's output and the logsumexp: one VJP
+                 around the whole layer recomputes q, k, v (and, as remat nothing_saveable
+                 does, the output projection and MLP) from the layer input in the backward.
+                 The projections are cheap next to a ring; per token per layer this keeps
+                 (heads + 2 * kv_heads) * head_dim values fewer, and the attention output
+                 once instead of twice (the ring's residual and the next checkpoint's input).
+  offload_qkv    the same VJP, but q, k, v, out and the logsumexp are moved to host memory
+                 ("pinned_host") after the forward ring and brought back for the backward, so
+                 only the layer input stays on the device. Where the platform has host memory
+                 spaces (TPU; on CPU "host" and "device" memory are the same RAM).
 
 All three give the same gradients (tests/test_attention_residuals.py). MFU counts model FLOPs
 only, so recomputed projections are not credited and show as a lower MFU; longctx.flops'
@@ -115,54 +117,67 @@ def _to_memory(tree, kind: str):
                                                  else jax.memory.Space.Device), tree)
 
 
-def _ring_with_own_vjp(project, attention_config, layout: str, offload: bool):
-    """attend(x, weights, positions, segment_ids, sinks) -> out: `project(x, weights, positions)`
-    -> (q, k, v), then the ring, under a VJP that keeps the policy's residuals."""
+def _layer_with_own_vjp(project, finish, attention_config, layout: str, offload: bool):
+    """layer(x, qkv_weights, finish_weights, positions, segment_ids, sinks) -> the layer's output,
+    under a VJP that keeps x, the ring's output and its logsumexp (and, offloaded, q, k, v).
 
-    def forward(x, weights, positions, segment_ids, sinks):
-        q, k, v = project(x, weights, positions)
+    The whole layer is one VJP so that the attention output is kept once: with the projections
+    after it in a checkpoint of their own, that checkpoint would keep a second copy as its input.
+    The backward runs `finish` and `project` again for their pullbacks (what remat
+    nothing_saveable does in any case); the ring runs forward once and backward once."""
+
+    def forward(x, qkv_weights, finish_weights, positions, segment_ids, sinks):
+        q, k, v = project(x, qkv_weights, positions)
         out, lse = _forward_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout)
-        return (q, k, v), out, lse
+        return finish(x, out, finish_weights), ((q, k, v), out, lse)
 
     @jax.custom_vjp
-    def attend(x, weights, positions, segment_ids, sinks):
-        return forward(x, weights, positions, segment_ids, sinks)[1]
+    def layer(x, qkv_weights, finish_weights, positions, segment_ids, sinks):
+        return forward(x, qkv_weights, finish_weights, positions, segment_ids, sinks)[0]
 
-    def attend_fwd(x, weights, positions, segment_ids, sinks):
-        qkv, out, lse = forward(x, weights, positions, segment_ids, sinks)
+    def layer_fwd(x, qkv_weights, finish_weights, positions, segment_ids, sinks):
+        y, (qkv, out, lse) = forward(x, qkv_weights, finish_weights, positions, segment_ids, sinks)
         kept = _to_memory((qkv, out, lse), "host") if offload else (None, out, lse)
-        return out, (x, weights, positions, segment_ids, sinks, kept)
+        return y, (x, qkv_weights, finish_weights, positions, segment_ids, sinks, kept)
 
-    def attend_bwd(residuals, d_out):
-        x, weights, positions, segment_ids, sinks, kept = residuals
+    def layer_bwd(residuals, d_y):
+        x, qkv_weights, finish_weights, positions, segment_ids, sinks, kept = residuals
         qkv, out, lse = _to_memory(kept, "device") if offload else kept
-        # The projection's pullback; under recompute_qkv its forward, run again here, gives q, k,
-        # v too (under offload_qkv they come back from the host, and XLA drops the unused rerun).
-        (q, k, v), pullback = jax.vjp(lambda x, w: project(x, w, positions), x, weights)
+        _, finish_pullback = jax.vjp(finish, x, out, finish_weights)
+        dx, d_out, d_finish = finish_pullback(d_y)
+        # Under recompute_qkv the projection's forward, run again here, gives q, k, v; under
+        # offload_qkv they come back from the host (and XLA drops the unused rerun).
+        (q, k, v), project_pullback = jax.vjp(lambda x, w: project(x, w, positions), x, qkv_weights)
         if offload:
             q, k, v = qkv
         dq, dk, dv, d_sinks = _backward_over_mesh(q, k, v, out, lse, d_out.astype(out.dtype),
                                                   segment_ids, positions, sinks, attention_config,
                                                   layout)
-        dx, d_weights = pullback((dq, dk, dv))
-        return dx, d_weights, None, None, d_sinks
+        dx_qkv, d_qkv = project_pullback((dq, dk, dv))
+        return dx + dx_qkv, d_qkv, d_finish, None, None, d_sinks
 
-    attend.defvjp(attend_fwd, attend_bwd, optimize_remat=True)
-    return attend
+    # optimize_remat: under the layer scan JAX would otherwise linearise the forward (the ring
+    # included) instead of calling this VJP, as for the ring's own (ops/ring.py).
+    layer.defvjp(layer_fwd, layer_bwd, optimize_remat=True)
+    return layer
 
 
-def attention(project, x, weights, positions, segment_ids, sinks, attention_config, layout: str,
-              remat=lambda f: f):
-    """The layer's attention output [b, t, n, h] for input x [b, t, d]: `project(x, weights,
-    positions)` -> (q, k, v) (a pure function of its arrays; global arrays, sequence over sp),
-    then the ring, keeping `attention_config.residuals`. `remat` (the block's
-    rematerialisation) wraps the projection under save_qkv, where the ring's own VJP keeps
-    q, k, v and the projection's residuals would be kept too; the other policies keep only x."""
+def decoder_layer(project, finish, x, qkv_weights, finish_weights, positions, segment_ids, sinks,
+                  attention_config, layout: str, remat=lambda f: f):
+    """One decoder layer around the ring, keeping `attention_config.residuals` for its backward.
+
+    `project(x, qkv_weights, positions)` -> (q, k, v) [b, t, heads, h] (global arrays, sequence
+    over sp), the ring, then `finish(x, out, finish_weights)` -> the layer's output; both pure
+    functions of their arrays. Under save_qkv the ring keeps its own residuals and `remat` (the
+    block's rematerialisation policy) wraps project and finish; the other policies recompute
+    everything but the ring in the backward, whatever the remat policy."""
     policy = attention_config.get("residuals", "save_qkv")
     if policy not in RESIDUAL_POLICIES:
         raise ValueError(f"attention.residuals={policy!r} is not one of {RESIDUAL_POLICIES}")
     if policy == "save_qkv":
-        q, k, v = remat(project)(x, weights, positions)
-        return ring_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout)
-    attend = _ring_with_own_vjp(project, attention_config, layout, offload=policy == "offload_qkv")
-    return attend(x, weights, positions, segment_ids, sinks)
+        q, k, v = remat(project)(x, qkv_weights, positions)
+        out = ring_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout)
+        return remat(finish)(x, out, finish_weights)
+    layer = _layer_with_own_vjp(project, finish, attention_config, layout,
+                                offload=policy == "offload_qkv")
+    return layer(x, qkv_weights, finish_weights, positions, segment_ids, sinks)

@@ -9,8 +9,8 @@ many short documents, nearly all of it); `scripts/ring_report.py --doc-lengths` 
 blocks the documents keep.
 
 MFU counts model FLOPs only (`flops_per_step`: forward + backward of the model, 3x forward).
-Work done twice is never credited: rematerialisation (`model.remat_policy`) and the q/k/v
-projections that `attention.residuals=recompute_qkv` runs again in the backward cost step time
+Work done twice is never credited: rematerialisation (`model.remat_policy`) and what
+`attention.residuals=recompute_qkv` or `offload_qkv` runs again in the backward cost step time
 but add nothing to the count, so a policy that recomputes shows its cost as a lower MFU.
 `recomputed_flops_per_step` says how much extra work each setting does (hardware FLOPs =
 model FLOPs + that).
@@ -68,17 +68,21 @@ def _dense_flops_per_layer(config, tokens: int) -> tuple[float, float]:
 def recomputed_flops_per_step(config) -> float:
     """Forward FLOPs run a second time in the backward, per step (not counted by MFU).
 
-    remat_policy "nothing_saveable" recomputes each block's output projection and MLP, and its
-    q/k/v projections unless attention.residuals=offload_qkv brings q, k, v back from the host;
-    recompute_qkv recomputes the q/k/v projections under any remat policy. The "*_saveable"
-    policies keep the matmul outputs and recompute only elementwise work, counted as none; the
-    attention ring itself is never recomputed."""
+    Under attention.residuals=save_qkv, remat_policy "nothing_saveable" recomputes each block's
+    q/k/v projections and its output projection + MLP; the "*_saveable" policies keep the
+    matmul outputs and recompute only elementwise work, counted as none. recompute_qkv puts the
+    layer under one VJP that recomputes all of them whatever the remat policy; offload_qkv the
+    same but q, k, v, which come back from the host. The attention ring is never recomputed."""
     m, d = config.model, config.data
     qkv, rest = _dense_flops_per_layer(config, d.global_batch_size * d.seq_len)
     residuals = config.attention.get("residuals", "save_qkv")
-    full_remat = m.remat_policy == "nothing_saveable"
-    qkv_again = residuals == "recompute_qkv" or (full_remat and residuals == "save_qkv")
-    return float(m.num_layers * ((qkv if qkv_again else 0) + (rest if full_remat else 0)))
+    if residuals == "recompute_qkv":
+        per_layer = qkv + rest
+    elif residuals == "offload_qkv":
+        per_layer = rest
+    else:
+        per_layer = qkv + rest if m.remat_policy == "nothing_saveable" else 0
+    return float(m.num_layers * per_layer)
 
 
 def flops_per_step(config) -> float:

@@ -108,14 +108,16 @@ def apply_rope(x, positions, rotary: rope_lib.Rotary):
     return rotated.astype(x.dtype)
 
 
-# The parameters the attention's q/k/v projection reads (project_qkv's `weights`).
+# One layer's parameters read before the ring (project_qkv's `weights`) and after it
+# (output_and_mlp's); the sinks go to the ring itself.
 _QKV_PARAMS = ("attn_norm", "wq", "wk", "wv")
+_FINISH_PARAMS = ("wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
 def project_qkv(x, weights, positions, *, logical_axes, config):
     """RMSNorm, then the q/k/v projections and RoPE: [b, t, d] -> q [b, t, n, h], k, v [b, t, kvh, h].
-    A pure function of its array arguments (`weights`: one layer's _QKV_PARAMS), so that
-    attention's custom VJP can run it again in the backward (attention.residuals=recompute_qkv)."""
+    A pure function of its array arguments (`weights`: one layer's _QKV_PARAMS), so that the
+    layer's VJP can run it again in the backward (attention.residuals, longctx/attention.py)."""
     m = config.model
     w = {name: _gathered(value, logical_axes[name], None if name == "attn_norm" else jnp.dtype(m.dtype))
          for name, value in weights.items()}
@@ -127,6 +129,19 @@ def project_qkv(x, weights, positions, *, logical_axes, config):
     q = _constrain(apply_rope(q, positions, rotary), attention_lib.ATTN_ACTIVATION)
     k = _constrain(apply_rope(k, positions, rotary), attention_lib.ATTN_ACTIVATION)
     return q, k, v
+
+
+def output_and_mlp(x, attention_out, weights, *, logical_axes, config):
+    """x + o-projection(attention_out), then + SwiGLU(RMSNorm(.)): the rest of the layer, a pure
+    function of its arrays (`weights`: one layer's _FINISH_PARAMS) for the same reason."""
+    m = config.model
+    w = {name: _gathered(value, logical_axes[name], None if name == "mlp_norm" else jnp.dtype(m.dtype))
+         for name, value in weights.items()}
+    x = x + _constrain(jnp.einsum("btnh,nhd->btd", attention_out, w["wo"]), _EMBED_ACTIVATION)
+    y = rms_norm(x, w["mlp_norm"], m.norm_eps)
+    gate = jax.nn.silu(jnp.einsum("btd,df->btf", y, w["w_gate"]))
+    up = jnp.einsum("btd,df->btf", y, w["w_up"])
+    return x + _constrain(jnp.einsum("btf,fd->btd", gate * up, w["w_down"]), _EMBED_ACTIVATION)
 
 
 class DecoderBlock(nnx.Module):
@@ -149,36 +164,27 @@ class DecoderBlock(nnx.Module):
         self.w_down = param((f, d), ("mlp", "embed"), f ** -0.5)
 
     def __call__(self, x, positions, segment_ids, *, config, layout):
-        """Rematerialisation (config.model.remat_policy) covers everything but the attention
-        kernel: the projections before it and the output projection + MLP after it are each
-        checkpointed, while attention runs outside any checkpoint. Its custom VJP saves only
-        O(L) residuals, which `config.attention.residuals` chooses (longctx/attention.py), and
-        recomputing it would cost a whole ring; worse, a ring under a checkpoint under the layer
-        scan gets linearised by JAX instead of using its VJP, keeping every ring step's
-        probabilities (sp x heads x L x L)."""
+        """What the backward keeps is `config.attention.residuals` (longctx/attention.py). Under
+        save_qkv, rematerialisation (config.model.remat_policy) covers everything but the
+        attention ring: the projections before it and the output projection + MLP after it are
+        each checkpointed, while the ring runs outside any checkpoint with its own VJP, which
+        keeps O(L) residuals; recomputing it would cost a whole ring, and worse, a ring under a
+        checkpoint under the layer scan gets linearised by JAX instead of using its VJP, keeping
+        every ring step's probabilities (sp x heads x L x L). The other policies put the whole
+        layer under one VJP that keeps only x, the ring's output and its logsumexp."""
         m = config.model
         policy = REMAT_POLICIES[m.remat_policy]
         remat = ((lambda f: f) if m.remat_policy == "none"
                  else (lambda f: jax.checkpoint(f, policy=policy, prevent_cse=not m.scan_layers)))
         sinks = None if self.sinks is None else self.sinks[...]
-        weights = {name: getattr(self, name)[...] for name in _QKV_PARAMS}
-        project = functools.partial(
-            project_qkv, logical_axes={name: _layer_axes(getattr(self, name)) for name in _QKV_PARAMS},
-            config=config)
-        out = attention_lib.attention(project, x, weights, positions, segment_ids, sinks,
-                                      config.attention, layout, remat=remat)
-        return remat(functools.partial(self._output_and_mlp, config=config))(x, out)
-
-    def _weight(self, param, config):
-        return _gathered(param[...], _layer_axes(param), jnp.dtype(config.model.dtype))
-
-    def _output_and_mlp(self, x, attention_out, *, config):
-        m, w = config.model, functools.partial(self._weight, config=config)
-        x = x + _constrain(jnp.einsum("btnh,nhd->btd", attention_out, w(self.wo)), _EMBED_ACTIVATION)
-        y = rms_norm(x, _gathered(self.mlp_norm[...], _layer_axes(self.mlp_norm)), m.norm_eps)
-        gate = jax.nn.silu(jnp.einsum("btd,df->btf", y, w(self.w_gate)))
-        up = jnp.einsum("btd,df->btf", y, w(self.w_up))
-        return x + _constrain(jnp.einsum("btf,fd->btd", gate * up, w(self.w_down)), _EMBED_ACTIVATION)
+        weights = {name: getattr(self, name)[...] for name in _QKV_PARAMS + _FINISH_PARAMS}
+        axes = {name: _layer_axes(getattr(self, name)) for name in weights}
+        project = functools.partial(project_qkv, logical_axes=axes, config=config)
+        finish = functools.partial(output_and_mlp, logical_axes=axes, config=config)
+        return attention_lib.decoder_layer(
+            project, finish, x,
+            {name: weights[name] for name in _QKV_PARAMS}, {name: weights[name] for name in _FINISH_PARAMS},
+            positions, segment_ids, sinks, config.attention, layout, remat=remat)
 
 
 class Decoder(nnx.Module):

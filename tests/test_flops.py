@@ -49,11 +49,11 @@ def test_flops_per_step_by_hand():
     # Per token per layer: q/k/v projections 4*3*(2+1+1) = 48 weights, output projection + MLP
     # 4*3*2 + 3*4*5 = 84; 2 FLOPs per weight, 24 tokens, 2 layers.
     ("none", "save_qkv", 0),
-    ("none", "recompute_qkv", 2 * 24 * 2 * 48),
-    ("nothing_saveable", "save_qkv", 2 * 24 * 2 * (48 + 84)),
-    ("nothing_saveable", "recompute_qkv", 2 * 24 * 2 * (48 + 84)),  # the remat already reran q/k/v
-    ("nothing_saveable", "offload_qkv", 2 * 24 * 2 * 84),  # q, k, v come back from the host
     ("dots_saveable", "save_qkv", 0),
+    ("nothing_saveable", "save_qkv", 2 * 24 * 2 * (48 + 84)),
+    ("none", "recompute_qkv", 2 * 24 * 2 * (48 + 84)),  # the layer's VJP reruns all but the ring
+    ("nothing_saveable", "recompute_qkv", 2 * 24 * 2 * (48 + 84)),
+    ("nothing_saveable", "offload_qkv", 2 * 24 * 2 * 84),  # q, k, v come back from the host
 ])
 def test_recomputed_flops_by_hand(remat, residuals, expected):
     c = base.get_config("tiny")
