@@ -82,6 +82,9 @@ def _base() -> ml_collections.ConfigDict:
             dtype="bfloat16",  # compute dtype
             param_dtype="float32",
             scan_layers=True,
+            # Tokens of each sequence shard per MLP chunk (model._mlp_in_chunks); None = all at
+            # once. Long shards need it: the [tokens, mlp_dim] intermediates outgrow the rest.
+            mlp_chunk_size=_optional_int(),
             remat_policy="nothing_saveable",  # none | nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable
         )
     )
@@ -187,6 +190,7 @@ def _llama3_8b_128k(c):
     c.mesh.update(dp=1, fsdp=-1, sp=16)
     c.model.update(vocab_size=128_256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                    head_dim=128, mlp_dim=14_336, dtype="bfloat16")
+    c.model.update(mlp_chunk_size=8192)
     c.attention.update(impl="splash", block_size=512)
     c.data.update(seq_len=131_072, global_batch_size=4)
     c.optimizer.update(learning_rate=3e-4, warmup_steps=2000)

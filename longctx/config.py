@@ -110,6 +110,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(shard_len % a.block_size == 0,
              f"attention.block_size={a.block_size} does not divide the per-device shard of "
              f"data.seq_len/sp = {d.seq_len}/{sp} = {shard_len} tokens.")
+    mlp_chunk = m.get("mlp_chunk_size")
+    _require(mlp_chunk is None or (mlp_chunk > 0 and shard_len % mlp_chunk == 0) or shard_len <= mlp_chunk,
+             f"model.mlp_chunk_size={mlp_chunk} does not divide the per-device shard of "
+             f"{shard_len} tokens.")
     _require(shard_len % t.loss_chunk_size == 0,
              f"train.loss_chunk_size={t.loss_chunk_size} does not divide the per-device shard of "
              f"{shard_len} tokens.")

@@ -139,9 +139,32 @@ def output_and_mlp(x, attention_out, weights, *, logical_axes, config):
          for name, value in weights.items()}
     x = x + _constrain(jnp.einsum("btnh,nhd->btd", attention_out, w["wo"]), _EMBED_ACTIVATION)
     y = rms_norm(x, w["mlp_norm"], m.norm_eps)
-    gate = jax.nn.silu(jnp.einsum("btd,df->btf", y, w["w_gate"]))
-    up = jnp.einsum("btd,df->btf", y, w["w_up"])
-    return x + _constrain(jnp.einsum("btf,fd->btd", gate * up, w["w_down"]), _EMBED_ACTIVATION)
+    return x + _constrain(_mlp_in_chunks(y, w, m.get("mlp_chunk_size")), _EMBED_ACTIVATION)
+
+
+def _swiglu(y, w):
+    gate = jax.nn.silu(jnp.einsum("...d,df->...f", y, w["w_gate"]))
+    up = jnp.einsum("...d,df->...f", y, w["w_up"])
+    return jnp.einsum("...f,fd->...d", gate * up, w["w_down"])
+
+
+def _mlp_in_chunks(y, w, chunk_size: int | None):
+    """SwiGLU over [b, S, d], `chunk_size` tokens of every sequence shard at a time.
+
+    Its [tokens, mlp_dim] intermediates are the largest arrays of a long-sequence step (8B at
+    131,072 tokens per chip: 3.5 GiB each in bf16); in chunks, each chunk's are made, used and,
+    in the backward, made again (a checkpoint per chunk), so one chunk's are alive at a time. The
+    S axis splits as (sp, chunks, chunk), as in token_nll, keeping every chunk where it is."""
+    b, seq_len, d = y.shape
+    sp = jax.sharding.get_abstract_mesh().shape.get(mesh_lib.SP, 1)
+    if not chunk_size or seq_len // sp <= chunk_size:
+        return _swiglu(y, w)
+    n_chunks = seq_len // sp // chunk_size
+    chunks = jnp.moveaxis(y.reshape(b, sp, n_chunks, chunk_size, d), 2, 0)
+    spec = mesh_lib.logical_to_spec((None, "activation_batch", "activation_length", None, None))
+    chunks = jax.lax.with_sharding_constraint(chunks, spec)
+    out = jax.lax.map(jax.checkpoint(lambda c: _swiglu(c, w)), chunks)
+    return jnp.moveaxis(jax.lax.with_sharding_constraint(out, spec), 0, 2).reshape(b, seq_len, d)
 
 
 class DecoderBlock(nnx.Module):

@@ -55,6 +55,10 @@ _SWEEP_SP = flags.DEFINE_list("sweep_sp", ["16", "32"], "sp sizes for --sweep.")
 _SWEEP_START = flags.DEFINE_integer("sweep_start_shard", 8192, "First L = S/sp tried by --sweep.")
 _SWEEP_MAX = flags.DEFINE_integer("sweep_max_shard", 131072, "Largest L = S/sp tried by --sweep.")
 _SWEEP_MIN = flags.DEFINE_integer("sweep_min_shard", 1024, "Smallest L = S/sp tried by --sweep.")
+_SWEEP_POINTS = flags.DEFINE_list("sweep_points", [], "Searches as topology/sp/first L, e.g. "
+                                   "v5p:4x4x4/16/131072,v6e:16x16/32/32768 (instead of topologies x sp).")
+_SWEEP_GROW = flags.DEFINE_bool("sweep_grow", True, "Keep doubling L while it fits; with "
+                                 "--nosweep_grow a search stops at the first L that fits.")
 _SWEEP_OUT = flags.DEFINE_string("sweep_out", "docs/fit_llama3_8b", "Output path stem (.md, .json).")
 
 
@@ -112,8 +116,9 @@ def sweep_point(config, topology: str, sp: int, shard_len: int) -> dict:
     return out
 
 
-def sweep(config, topologies, sps, start, lo_limit, hi_limit, out_stem) -> dict:
-    """Doubling search of the longest per-chip shard L (power of two) that fits."""
+def sweep(config, searches, lo_limit, hi_limit, out_stem) -> dict:
+    """Doubling search of the longest per-chip shard L (power of two) that fits, for each
+    (topology, sp, first L) of `searches`."""
     results = {"command": bc.command_line(), "model": _model_line(config), "points": [],
                "best": []}
     # Points of an earlier sweep of the same model are reused (compiles take minutes).
@@ -126,65 +131,78 @@ def sweep(config, topologies, sps, start, lo_limit, hi_limit, out_stem) -> dict:
 
     save = functools.partial(_save_sweep, out_stem, results)
 
-    for topology in topologies:
+    for topology, sp, start in searches:
         try:
             n = len(aot.topology_devices(topology))
         except ValueError as e:
             print(f"estimate: {e}", file=sys.stderr)
             continue
-        for sp in sps:
-            if n % sp:
-                print(f"sweep: skipping sp={sp}: it does not divide {n} devices of {topology}")
-                continue
-            tried = {}
+        if n % sp:
+            print(f"sweep: skipping sp={sp}: it does not divide {n} devices of {topology}")
+            continue
+        tried = {}
 
-            def fits(L):
-                if L not in tried:
-                    p = previous.get((topology, sp, L)) or sweep_point(config, topology, sp, L)
-                    tried[L] = p
-                    results["points"].append(p)
-                    status = ("error: " + p["error"]) if "error" in p else (
-                        f"{p['total_bytes'] / aot.GIB:7.1f} GiB of {p['hbm_bytes'] / aot.GIB:.0f} "
-                        f"-> {'fits' if p['fits'] else 'does not fit'}")
-                    print(f"  {topology:11s} sp={sp:3d} L={L:6d} S={L * sp:8d}: {status}", flush=True)
-                    save()
-                return "error" not in tried[L] and bool(tried[L]["fits"])
-
-            L, best = start, None
-            try:
-                config_lib.validate(_sweep_config(config, n, sp, L), num_devices=n)
-                mesh_lib.make_mesh(_sweep_config(config, n, sp, L).mesh,
-                                   devices=aot.topology_devices(topology))
-            except Exception as e:  # noqa: BLE001
-                print(f"sweep: skipping {topology} sp={sp}: {str(e).splitlines()[0][:200]}")
-                results["best"].append({"topology": topology, "device_kind": "?", "sp": sp,
-                                        "fsdp": n // sp, "hbm_gib": None, "longest_shard_len": None,
-                                        "longest_seq_len": None, "total_gib_at_best": None,
-                                        "compiles": 0, "errors": [str(e).splitlines()[0][:200]]})
+        def fits(L):
+            if L not in tried:
+                p = previous.get((topology, sp, L)) or sweep_point(config, topology, sp, L)
+                tried[L] = p
+                results["points"].append(p)
+                status = ("error: " + p["error"]) if "error" in p else (
+                    f"{p['total_bytes'] / aot.GIB:7.1f} GiB of {p['hbm_bytes'] / aot.GIB:.0f} "
+                    f"-> {'fits' if p['fits'] else 'does not fit'}")
+                print(f"  {topology:11s} sp={sp:3d} L={L:6d} S={L * sp:8d}: {status}", flush=True)
                 save()
-                continue
-            if fits(L):
-                best = L
-                while L * 2 <= hi_limit and fits(L * 2):
-                    L *= 2
-                    best = L
-            else:
-                while L // 2 >= lo_limit:
-                    L //= 2
-                    if fits(L):
-                        best = L
-                        break
-            ok = [p for p in tried.values() if "error" not in p]
-            kind = ok[0]["device_kind"] if ok else "?"
-            errors = sorted({p["error"] for p in tried.values() if "error" in p})
-            results["best"].append({
-                "topology": topology, "device_kind": kind, "sp": sp, "fsdp": n // sp,
-                "hbm_gib": ok[0]["hbm_bytes"] / aot.GIB if ok else None,
-                "longest_shard_len": best, "longest_seq_len": None if best is None else best * sp,
-                "total_gib_at_best": None if best is None else tried[best]["total_bytes"] / aot.GIB,
-                "compiles": len(tried), "errors": errors})
+            return "error" not in tried[L] and bool(tried[L]["fits"])
+
+        L, best = start, None
+        try:
+            config_lib.validate(_sweep_config(config, n, sp, L), num_devices=n)
+            mesh_lib.make_mesh(_sweep_config(config, n, sp, L).mesh,
+                               devices=aot.topology_devices(topology))
+        except Exception as e:  # noqa: BLE001
+            print(f"sweep: skipping {topology} sp={sp}: {str(e).splitlines()[0][:200]}")
+            results["best"].append({"topology": topology, "device_kind": "?", "sp": sp,
+                                    "fsdp": n // sp, "hbm_gib": None, "longest_shard_len": None,
+                                    "longest_seq_len": None, "total_gib_at_best": None,
+                                    "compiles": 0, "errors": [str(e).splitlines()[0][:200]]})
             save()
+            continue
+        if fits(L):
+            best = L
+            while _SWEEP_GROW.value and L * 2 <= hi_limit and fits(L * 2):
+                L *= 2
+                best = L
+        else:
+            while L // 2 >= lo_limit:
+                L //= 2
+                if fits(L):
+                    best = L
+                    break
+        ok = [p for p in tried.values() if "error" not in p]
+        kind = ok[0]["device_kind"] if ok else "?"
+        errors = sorted({p["error"] for p in tried.values() if "error" in p})
+        results["best"].append({
+            "topology": topology, "device_kind": kind, "sp": sp, "fsdp": n // sp,
+            "hbm_gib": ok[0]["hbm_bytes"] / aot.GIB if ok else None,
+            "longest_shard_len": best, "longest_seq_len": None if best is None else best * sp,
+            "total_gib_at_best": None if best is None else tried[best]["total_bytes"] / aot.GIB,
+            "compiles": len(tried), "errors": errors})
+        save()
     return results
+
+
+def _searches() -> list[tuple[str, int, int]]:
+    """(topology, sp, first L) per search: --sweep_points, else every topology x sp from
+    --sweep_start_shard."""
+    if not _SWEEP_POINTS.value:
+        return [(t, int(sp), _SWEEP_START.value) for t in _SWEEP_TOPOLOGIES.value for sp in _SWEEP_SP.value]
+    searches = []
+    for point in _SWEEP_POINTS.value:
+        parts = point.split("/")
+        if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()):
+            raise ConfigError(f"--sweep_points entry {point!r} is not topology/sp/L, e.g. v5p:4x4x4/16/131072.")
+        searches.append((parts[0], int(parts[1]), int(parts[2])))
+    return searches
 
 
 def _model_line(config) -> str:
@@ -206,7 +224,7 @@ def _save_sweep(out_stem: str, results: dict) -> None:
 
 
 def _sweep_markdown(results) -> str:
-    lines = ["# Longest sequence that fits: Llama-3-8B-shaped model, per chip type and sp\n",
+    lines = ["# Longest sequence that fits, per chip type and sp\n",
              f"Generated by `{results['command']}`.\n",
              f"Model: {results['model']}. Mesh dp=1, fsdp=N/sp, sp; global batch = fsdp, so every "
              "chip holds one shard of L = S/sp tokens. Per-device memory from the TPU compiler "
@@ -228,14 +246,15 @@ def _sweep_markdown(results) -> str:
     for p in results["points"]:
         if "error" in p:
             prow.append([p["topology"], p["sp"], p["shard_len"] * p["sp"], p["shard_len"], "-", "-",
-                         "-", "error"])
+                         "-", "error", "-"])
         else:
             g = lambda k: f"{p[k] / aot.GIB:.1f}"  # noqa: E731
             prow.append([p["topology"], p["sp"], p["seq_len"], p["shard_len"], g("argument_bytes"),
                          g("temp_bytes") + (" (compiler OOM)" if p["oom_at_compile"] else ""),
-                         g("total_bytes"), "fits" if p["fits"] else "no"])
+                         g("total_bytes"), "fits" if p["fits"] else "no",
+                         f"{p['compile_seconds']:.0f}" if "compile_seconds" in p else "-"])
     lines.append(bc.table(["topology", "sp", "S", "L", "arguments GiB", "temporaries GiB",
-                           "total GiB", "fits"], prow))
+                           "total GiB", "fits", "compile s"], prow))
     return "\n".join(lines) + "\n"
 
 
@@ -244,8 +263,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     if _SWEEP.value:
-        sweep(config, _SWEEP_TOPOLOGIES.value, [int(x) for x in _SWEEP_SP.value], _SWEEP_START.value,
-              _SWEEP_MIN.value, _SWEEP_MAX.value, _SWEEP_OUT.value)
+        sweep(config, _searches(), _SWEEP_MIN.value, _SWEEP_MAX.value, _SWEEP_OUT.value)
         return
     if not _TOPOLOGY.value:
         raise ConfigError("give --topology (e.g. v5p:4x4x4) or --sweep.")

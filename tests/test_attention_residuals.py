@@ -1,5 +1,5 @@
-"""attention.residuals: every policy gives the gradients of the ring's own VJP (save_qkv), and
-recompute_qkv keeps less per layer."""
+"""What the backward keeps: every attention.residuals policy gives the gradients of the ring's own
+VJP (save_qkv), recompute_qkv keeps less per layer, and the MLP in chunks is the same MLP."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ sys.path.insert(0, ROOT)
 from configs import base as base_config  # noqa: E402
 
 
-def _config(policy, **attention):
+def _config(policy, mlp_chunk_size=None, **attention):
     c = base_config.get_config("tiny")
+    c.model.mlp_chunk_size = mlp_chunk_size
     c.mesh.dp, c.mesh.fsdp, c.mesh.sp = 1, 2, 4
     c.model.num_layers = 2
     c.data.seq_len, c.data.global_batch_size = 512, 2
@@ -63,6 +64,21 @@ def test_policy_gradients_equal_the_rings_own(policy, attention):
         assert err <= 1e-5, f"{jax.tree_util.keystr(path)}: {err:.2e}"
     if attention.get("attention_sinks"):
         assert any("sinks" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(got))
+
+
+@pytest.mark.parametrize("policy", ["save_qkv", "recompute_qkv"])
+def test_mlp_in_chunks_is_the_same_mlp(policy):
+    """128 tokens per device in chunks of 32 (4 chunks per shard, under the layer scan and, for
+    recompute_qkv, inside the layer's own VJP) against the whole shard at once."""
+    rows = synthetic.packed_rows(2, 512, 97, seed=6, mean_doc_len=150)
+    want_loss, want = _loss_and_grads(_config(policy), rows)
+    got_loss, got = _loss_and_grads(_config(policy, mlp_chunk_size=32), rows)
+    assert got_loss == pytest.approx(want_loss, rel=1e-6)
+    flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        w = flat_want[path]
+        err = np.max(np.abs(g - w)) / np.max(np.abs(w))
+        assert err <= 1e-5, f"{jax.tree_util.keystr(path)}: {err:.2e}"
 
 
 @pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed")
