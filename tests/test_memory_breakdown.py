@@ -1,4 +1,4 @@
-"""aot.MemoryBreakdown: what a compiled step's per-device bytes hold, against independent counts.
+"""memory.MemoryBreakdown: what a compiled step's per-device bytes hold, against independent counts.
 
 The tiny config is compiled for a v5p:2x2x2 topology through libtpu (nothing runs); the state's
 per-device bytes are recounted here by hand from each leaf's PartitionSpec and the mesh's axis
@@ -14,6 +14,7 @@ import pytest
 from configs import base
 from longctx import aot
 from longctx import config as config_lib
+from longctx import memory
 from longctx import mesh as mesh_lib
 from longctx import train
 
@@ -74,8 +75,8 @@ def test_state_bytes_match_an_independent_count(tiny_step):
     held = b.parameter_bytes + b.optimizer_bytes + b.batch_bytes
     assert held <= r.argument_bytes < 2 * held, (held, r.argument_bytes)
     # The remedies' per-mesh state model gives back the measured bytes on the compiled mesh.
-    assert aot.bytes_on_mesh(b.state_bytes_by_axes["parameters"], r.mesh_shape) == b.parameter_bytes
-    assert aot.bytes_on_mesh(b.state_bytes_by_axes["optimizer"], r.mesh_shape) == b.optimizer_bytes
+    assert memory.bytes_on_mesh(b.state_bytes_by_axes["parameters"], r.mesh_shape) == b.parameter_bytes
+    assert memory.bytes_on_mesh(b.state_bytes_by_axes["optimizer"], r.mesh_shape) == b.optimizer_bytes
 
 
 def test_largest_buffers_are_sorted_real_arrays(tiny_step):
@@ -102,7 +103,7 @@ def test_saved_activations_per_layer_grow_linearly_with_tokens(tiny_step):
     for seq_len in (1024, 2048, 4096):
         c = _tiny(seq_len)
         mesh, layout, setup = _setup(c)
-        residuals = aot.layer_residuals(c, mesh, layout, setup)
+        residuals = memory.layer_residuals(c, mesh, layout, setup)
         assert all(x["bytes"] == math.prod(x["shape"]) * jax.numpy.dtype(x["dtype"]).itemsize
                    for x in residuals)
         per_layer[seq_len] = sum(x["bytes"] for x in residuals if x["per_layer"])
