@@ -34,7 +34,7 @@ MIB = 2 ** 20
 
 
 def model_config(seq_len: int, sp: int, num_devices: int, impl: str, quick: bool = False,
-                 scan: bool = False):
+                 scan: bool = False, remat: str = "none"):
     c = bc.base_config("tiny")
     c.unlock()
     dp = num_devices // sp
@@ -45,7 +45,7 @@ def model_config(seq_len: int, sp: int, num_devices: int, impl: str, quick: bool
     # Every model dimension stays below L, so an array with two dims >= L can only be scores.
     c.model.update(vocab_size=512 if quick else 1024, d_model=512, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=128, mlp_dim=768 if quick else 1024,
-                   dtype="bfloat16", scan_layers=scan, remat_policy="none")
+                   dtype="bfloat16", scan_layers=scan, remat_policy=remat)
     c.attention.update(impl=impl, layout="auto", causal=True, block_size=512)
     c.data.update(seq_len=seq_len, global_batch_size=dp)
     c.train.update(loss_chunk_size=512)
@@ -55,20 +55,20 @@ def model_config(seq_len: int, sp: int, num_devices: int, impl: str, quick: bool
 _CACHE = {}
 
 
-def measure(seq_len, sp, impl, devices, topology, quick=False, scan=False):
-    key = (seq_len, sp, impl, topology, len(devices), scan)
+def measure(seq_len, sp, impl, devices, topology, quick=False, scan=False, remat="none"):
+    key = (seq_len, sp, impl, topology, len(devices), scan, remat)
     if key not in _CACHE:
-        _CACHE[key] = _measure(seq_len, sp, impl, devices, topology, quick, scan)
+        _CACHE[key] = _measure(seq_len, sp, impl, devices, topology, quick, scan, remat)
     return dict(_CACHE[key])
 
 
-def _measure(seq_len, sp, impl, devices, topology, quick=False, scan=False):
-    c = model_config(seq_len, sp, len(devices), impl, quick, scan)
+def _measure(seq_len, sp, impl, devices, topology, quick=False, scan=False, remat="none"):
+    c = model_config(seq_len, sp, len(devices), impl, quick, scan, remat)
     r = aot.compile_train_step(c, topology, devices=None if topology else devices, keep_hlo=True)
     L = seq_len // sp
     squares = bc.largest_square(r.hlo, L) if r.hlo else None
     row = {"impl": impl, "platform": "tpu" if topology else "cpu", "topology": r.topology,
-           "layers": "scan" if scan else "unrolled",
+           "layers": ("scan" if scan else "unrolled") + ("" if remat == "none" else f"+{remat}"),
            "heads_L2": c.data.global_batch_size // c.mesh.dp * c.model.num_heads * L * L,
            "device_kind": r.device_kind, "seq_len": seq_len, "sp": sp, "L": L,
            "mesh": r.mesh_shape, "argument_bytes": r.argument_bytes,
@@ -151,6 +151,9 @@ def main():
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU compiles")
     ap.add_argument("--topology", default="v5p:2x2x4", help="TPU topology with 16 chips")
     ap.add_argument("--tpu-impls", default="splash", help="impls to compile for TPU")
+    ap.add_argument("--tpu-layers", choices=("unrolled", "scan"), default="unrolled",
+                    help="TPU rows: layers unrolled without remat, or scanned with remat "
+                         "nothing_saveable (the presets' setting)")
     ap.add_argument("--shard-len", type=int, default=4096, help="L for weak scaling")
     ap.add_argument("--strong-seq-len", type=int, default=32768, help="S for strong scaling")
     ap.add_argument("--cpu-layers", choices=("both", "unrolled", "scan"), default="both",
@@ -176,38 +179,42 @@ def main():
         else:
             tpu_devices = aot.topology_devices(args.topology)
             for impl in args.tpu_impls.split(","):
-                targets.append((impl, tpu_devices, args.topology, False))
+                scan = args.tpu_layers == "scan"
+                targets.append((impl, tpu_devices, args.topology, scan,
+                                "nothing_saveable" if scan else "none"))
     if not args.no_cpu:
         cpu = jax.devices("cpu")
         if args.cpu_layers in ("both", "unrolled"):
-            targets.append(("xla", cpu, None, False))
+            targets.append(("xla", cpu, None, False, "none"))
         if args.cpu_layers in ("both", "scan"):
-            targets.append(("xla", cpu, None, True))
+            targets.append(("xla", cpu, None, True, "none"))
     result = {"command": bc.command_line(), "machine": bc.machine(), "sp_values": sps,
               "tpu_topology": args.topology, "cpu_devices": len(jax.devices("cpu")),
               "model": "2 layers, d_model 512, 4 heads / 2 kv heads x 128, mlp 1024, vocab 1024, "
-                       "bf16 compute, f32 params + Adam, causal, layout auto, block 512, no remat",
+                       "bf16 compute, f32 params + Adam, causal, layout auto, block 512; no remat "
+                       "unless the layers column says so",
               "weak": [], "strong": [], "weak_spread": {}, "notes": []}
     if args.merge and os.path.exists(args.json):
         # Keep the rows of the series this run does not recompute (e.g. TPU rows from a run
         # with libtpu, when only the CPU rows are redone).
         old = json.load(open(args.json))
-        redo = {("tpu" if t[2] else "cpu", t[0], "scan" if t[3] else "unrolled") for t in targets}
+        redo = {("tpu" if t[2] else "cpu", t[0], ("scan" if t[3] else "unrolled")
+                 + ("" if t[4] == "none" else f"+{t[4]}")) for t in targets}
         key = lambda r: (r["platform"], r["impl"], r.get("layers", "unrolled"))  # noqa: E731
         for kind in ("weak", "strong"):
             result[kind] = [r for r in old[kind] if key(r) not in redo]
         result["weak_spread"] = {k: v for k, v in old["weak_spread"].items()
                                  if tuple(k.split(" ") + ["unrolled"])[:3] not in redo}
         result["command"] = old["command"] + " && " + result["command"]
-    for impl, devices, topology, scan in targets:
+    for impl, devices, topology, scan, remat in targets:
         nmax = len(devices)
         print(f"weak scaling, L={L}:", flush=True)
-        rows = [measure(L * sp, sp, impl, devices, topology, args.quick, scan) for sp in sps
+        rows = [measure(L * sp, sp, impl, devices, topology, args.quick, scan, remat) for sp in sps
                 if nmax % sp == 0]
         result["weak"] += rows
         result["weak_spread"][f"{rows[0]['platform']} {impl} {rows[0]['layers']}"] = spread(rows)
         print(f"strong scaling, S={S_strong}:", flush=True)
-        result["strong"] += [measure(S_strong, sp, impl, devices, topology, args.quick, scan)
+        result["strong"] += [measure(S_strong, sp, impl, devices, topology, args.quick, scan, remat)
                              for sp in sps if nmax % sp == 0]
         bc.write_json(args.json, result)  # partial results survive an interrupted run
     bc.write_json(args.json, result)

@@ -59,6 +59,8 @@ _SWEEP_POINTS = flags.DEFINE_list("sweep_points", [], "Searches as topology/sp/f
                                    "v5p:4x4x4/16/131072,v6e:16x16/32/32768 (instead of topologies x sp).")
 _SWEEP_GROW = flags.DEFINE_bool("sweep_grow", True, "Keep doubling L while it fits; with "
                                  "--nosweep_grow a search stops at the first L that fits.")
+_SWEEP_SHRINK = flags.DEFINE_bool("sweep_shrink", True, "Halve L until it fits; with "
+                                   "--nosweep_shrink a search that does not fit at its first L stops.")
 _SWEEP_OUT = flags.DEFINE_string("sweep_out", "docs/fit_llama3_8b", "Output path stem (.md, .json).")
 
 
@@ -173,7 +175,7 @@ def sweep(config, searches, lo_limit, hi_limit, out_stem) -> dict:
                 L *= 2
                 best = L
         else:
-            while L // 2 >= lo_limit:
+            while _SWEEP_SHRINK.value and L // 2 >= lo_limit:
                 L //= 2
                 if fits(L):
                     best = L
