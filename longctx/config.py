@@ -24,8 +24,8 @@ def _choices() -> dict[str, tuple]:
     from longctx import attention, layout, model, ops
     from longctx.data import packing
 
-    return {"attention.impl": ops.IMPLS, "attention.residuals": attention.RESIDUAL_POLICIES, "attention.layout": layout.LAYOUTS + ("auto",),
-            "data.packer": packing.PACKERS, "model.dtype": DTYPES, "model.param_dtype": DTYPES,
+    return {"attention.impl": ops.IMPLS, "attention.layout": layout.LAYOUTS + ("auto",),
+            "attention.residuals": attention.RESIDUAL_POLICIES, "data.packer": packing.PACKERS, "model.dtype": DTYPES, "model.param_dtype": DTYPES,
             "model.remat_policy": tuple(model.REMAT_POLICIES), "train.on_nonfinite": NONFINITE_ACTIONS}
 
 
@@ -111,7 +111,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
              f"attention.block_size={a.block_size} does not divide the per-device shard of "
              f"data.seq_len/sp = {d.seq_len}/{sp} = {shard_len} tokens.")
     mlp_chunk = m.get("mlp_chunk_size")
-    _require(mlp_chunk is None or (mlp_chunk > 0 and shard_len % mlp_chunk == 0) or shard_len <= mlp_chunk,
+    _require(mlp_chunk is None or (mlp_chunk > 0 and (shard_len % mlp_chunk == 0 or shard_len <= mlp_chunk)),
              f"model.mlp_chunk_size={mlp_chunk} does not divide the per-device shard of "
              f"{shard_len} tokens.")
     _require(shard_len % t.loss_chunk_size == 0,

@@ -310,6 +310,9 @@ def train_synthetic(config, seed: int):
                                   num_values=SYNTHETIC_NUM_VALUES, sp=sp, layout=layout)
             state, _ = train_step(state, {k: jax.device_put(rows[k][:, perm], setup.batch_sharding)
                                           for k in train.BATCH_KEYS})
+            # One step in flight at a time: with many queued on virtual CPU devices, XLA:CPU's
+            # all-gathers were seen to deadlock (5 of 8 devices at the rendezvous, abort at 40 s).
+            jax.block_until_ready(state)
     return inference.make_runner(config, lambda *_: state.params, mesh=mesh, setup=setup, layout=layout)
 
 

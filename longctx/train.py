@@ -394,8 +394,10 @@ def _nonfinite_error(step: int, loss: float, grad_norm: float, checkpointer) -> 
 def _loop(run: _Run, state, train_iter) -> dict:
     """Steps until `train.num_steps`, a stop request or an error; returns the last logged metrics.
 
-    The host runs ahead of the device between sync points: a step is dispatched, its loss and
-    gradient norm join the metrics window as device scalars, and nothing is read back. At a sync
+    The host runs ahead of the device between sync points, by at most one step: a step is
+    dispatched, its loss and gradient norm join the metrics window as device scalars, and the
+    loop waits only for the step before it (a bounded queue; with hundreds of steps queued on
+    virtual CPU devices, XLA:CPU's all-gathers over 8 devices were seen to deadlock). At a sync
     point (a log, eval or save step, the last step, or an agreed stop) the loop waits for the
     device and, in this order: checks every step since the last check for a non-finite loss or
     gradient (with on_nonfinite=stop this raises before anything is saved, so no checkpoint ever
@@ -414,10 +416,14 @@ def _loop(run: _Run, state, train_iter) -> dict:
     compile_start = time.perf_counter()
     window = MetricsWindow(first_step, compile_start)
     last: dict = {}
+    previous_loss = None  # the step before the one just dispatched
     try:
         for step in range(first_step, t.num_steps):
             profiler.before(step)
             state, metrics = run.train_step(state, next(train_iter))
+            if previous_loss is not None:
+                jax.block_until_ready(previous_loss)
+            previous_loss = metrics["loss"]
             done = step + 1
             window.add(done, metrics)
             profiler.after(done, state)

@@ -91,7 +91,7 @@ def test_weights_are_sharded_on_the_mesh(converted):
     runner = inference.runner_from_checkpoint(converted["llama_untied"], RING)
     wq = runner.params["blocks"]["wq"][...]
     assert wq.shape == (2, 64, 4, 16)
-    assert {s.data.shape for s in wq.addressable_shards} == {(2, 32, 4, 16)}  # d_model over fsdp=2
+    assert {s.data.shape for s in wq.addressable_shards} == {(2, 8, 4, 16)}  # d_model over fsdp x sp = 2 x 4
 
 
 @pytest.mark.parametrize("name", ["llama_untied", "llama_tied", "mistral_window"])
