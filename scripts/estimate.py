@@ -122,7 +122,7 @@ def sweep(config, searches, lo_limit, hi_limit, out_stem) -> dict:
     """Doubling search of the longest per-chip shard L (power of two) that fits, for each
     (topology, sp, first L) of `searches`."""
     results = {"command": bc.command_line(), "model": _model_line(config), "points": [],
-               "best": []}
+               "best": [], "search": _SWEEP_GROW.value or _SWEEP_SHRINK.value}
     # Points of an earlier sweep of the same model are reused (compiles take minutes).
     previous = {}
     if os.path.exists(out_stem + ".json"):
@@ -231,8 +231,11 @@ def _sweep_markdown(results) -> str:
              f"Model: {results['model']}. Mesh dp=1, fsdp=N/sp, sp; global batch = fsdp, so every "
              "chip holds one shard of L = S/sp tokens. Per-device memory from the TPU compiler "
              "(`memory_analysis()`, or the compiler's own out-of-HBM figure when it refuses), "
-             "arguments + outputs - aliased + temporaries. L is searched in powers of two; every "
-             "row is a real compile of the full model, nothing is extrapolated.\n"]
+             "arguments + outputs - aliased + temporaries. "
+             + ("L is searched in powers of two" if results.get("search", True) else
+                "Each search is one compile at its first L (--nosweep_grow --nosweep_shrink): "
+                "\"longest S\" is the S that was tried and fits, longer may fit too")
+             + "; every row is a real compile of the full model, nothing is extrapolated.\n"]
     rows = []
     for b in results["best"]:
         rows.append([b["topology"], b["device_kind"], f"{b['hbm_gib']:.1f}" if b["hbm_gib"] else "-",
