@@ -117,17 +117,21 @@ def markdown(result) -> str:
         out.append("")
     out.append("### Targets\n")
     for key, s in result["weak_spread"].items():
-        verdict = "met" if s <= 0.10 else "MISSED"
         series = [r for r in result["weak"]
                   if f"{r['platform']} {r['impl']} {r.get('layers', 'unrolled')}" == key]
         series.sort(key=lambda r: r["sp"])
+        # The target is that a longer ring costs no more per device at a fixed L: judged on the
+        # rise above the smallest sp (a total that falls, e.g. as parameters split over sp, meets it).
+        rise = max(r["total_bytes"] for r in series) / series[0]["total_bytes"] - 1
+        verdict = "met" if rise <= 0.10 else "MISSED"
         growth = ""
         if len(series) > 1:
             dt = (series[-1]["temp_bytes"] - series[0]["temp_bytes"]) / MIB
             growth = (f"; temporaries {series[0]['temp_bytes'] / MIB:.1f} -> "
                       f"{series[-1]['temp_bytes'] / MIB:.1f} MiB ({dt:+.1f} MiB)")
-        out.append(f"- weak scaling, {key}: per-device total varies by {100 * s:.1f}% over sp = "
-                   f"{result['sp_values'][0]}..{result['sp_values'][-1]} (target <= 10%: {verdict})"
+        out.append(f"- weak scaling, {key}: per-device total at most {100 * rise:+.1f}% above "
+                   f"sp={series[0]['sp']}'s (target <= +10%: {verdict}); it varies by "
+                   f"{100 * s:.1f}% over sp = {result['sp_values'][0]}..{result['sp_values'][-1]}"
                    + growth)
     big = sorted({f"{r['platform']} {r['impl']} {r.get('layers', 'unrolled')}"
                   for k in ("weak", "strong") for r in result[k]
