@@ -83,6 +83,22 @@ def test_estimate_bad_topology_is_one_sentence():
     assert "Traceback" not in p.stderr
 
 
+@needs_libtpu
+def test_sweep_points_compile_once_each(tmp_path):
+    out = str(tmp_path / "fit")
+    p = run("scripts/estimate.py", "--config=configs/base.py:tiny", "--sweep", "--nosweep_grow",
+            "--nosweep_shrink", "--sweep_points=v5p:2x2x2/4/256", f"--sweep_out={out}")
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.load(open(out + ".json"))
+    assert [(q["topology"], q["sp"], q["shard_len"]) for q in r["points"]] == [("v5p:2x2x2", 4, 256)]
+    assert r["best"][0]["longest_seq_len"] == 1024 and r["best"][0]["compiles"] == 1
+    assert "one compile at its first L" in open(out + ".md").read()
+    bad = run("scripts/estimate.py", "--config=configs/base.py:tiny", "--sweep",
+              "--sweep_points=v5p:2x2x2/four/256", f"--sweep_out={out}")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "'v5p:2x2x2/four/256' is not topology/sp/L" in bad.stderr
+
+
 def test_remedies_for_a_step_that_does_not_fit():
     from configs import base
 
