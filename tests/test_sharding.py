@@ -64,14 +64,13 @@ def test_every_parameter_and_optimizer_leaf_is_split_over_fsdp_and_sp():
     # Every optimizer array of a parameter's shape (AdamW's mu and nu); scalars (the step count)
     # are the only replicated leaves.
     opt = list(zip(_named_leaves(shardings.opt_state), jax.tree.leaves(abstract.opt_state)))
-    arrays = [(name, s) for (name, s), a in opt if a.ndim > 0]
+    arrays = [(name, s, leaf) for (name, s), leaf in opt if leaf.ndim > 0]
     assert len(arrays) == 2 * len(params)
-    for name, sharding in arrays:
+    for name, sharding, leaf in arrays:
         assert {"fsdp", "sp"} <= _mesh_axes(sharding), f"opt_state{name}: {sharding.spec}"
         # each device holds 1/8 of the array
-        leaf = dict(zip((n for n, _ in _named_leaves(shardings.opt_state)), jax.tree.leaves(abstract.opt_state)))[name]
         assert np.prod(sharding.shard_shape(leaf.shape)) * 8 == np.prod(leaf.shape), name
-    assert all(a.ndim == 0 for (_, s), a in opt if _mesh_axes(s) == set())
+    assert all(leaf.ndim == 0 for (_, s), leaf in opt if _mesh_axes(s) == set())
 
 
 def test_optimizer_state_over_dp_leaves_parameters_whole_over_dp():
