@@ -3,6 +3,7 @@ VJP (save_qkv), recompute_qkv keeps less per layer, and the MLP in chunks is the
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -33,6 +34,17 @@ def _config(policy, mlp_chunk_size=None, **attention):
     return c
 
 
+ROWS = synthetic.packed_rows(2, 512, 97, seed=5, mean_doc_len=150)
+ATTENTION_CASES = {"sinks": dict(attention_sinks=True),
+                   "chunks_splash": dict(chunk_size=96, layout="contiguous", impl="splash", block_size=128)}
+
+
+@functools.lru_cache(maxsize=None)
+def _result(policy: str, case: str, mlp_chunk_size=None):
+    """(loss, grads) of one train-step gradient on ROWS; each setting is compiled once per session."""
+    return _loss_and_grads(_config(policy, mlp_chunk_size, **ATTENTION_CASES[case]), ROWS)
+
+
 def _loss_and_grads(config, rows):
     mesh = mesh_lib.make_mesh(config.mesh)
     layout = train_lib.resolve_layout(config, mesh.shape[mesh_lib.SP])
@@ -46,39 +58,30 @@ def _loss_and_grads(config, rows):
     return float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 
 
-@pytest.mark.parametrize("attention", [
-    dict(attention_sinks=True),
-    dict(chunk_size=96, layout="contiguous", impl="splash", block_size=128),
-])
-@pytest.mark.parametrize("policy", ["recompute_qkv", "offload_qkv"])
-def test_policy_gradients_equal_the_rings_own(policy, attention):
-    rows = synthetic.packed_rows(2, 512, 97, seed=5, mean_doc_len=150)
-    want_loss, want = _loss_and_grads(_config("save_qkv", **attention), rows)
-    got_loss, got = _loss_and_grads(_config(policy, **attention), rows)
+def _assert_same(got_result, want_result, rtol=1e-5):
+    (got_loss, got), (want_loss, want) = got_result, want_result
     assert got_loss == pytest.approx(want_loss, rel=1e-6)
     flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
     for path, g in jax.tree_util.tree_leaves_with_path(got):
         w = flat_want[path]
         assert np.any(w != 0), jax.tree_util.keystr(path)
         err = np.max(np.abs(g - w)) / np.max(np.abs(w))
-        assert err <= 1e-5, f"{jax.tree_util.keystr(path)}: {err:.2e}"
-    if attention.get("attention_sinks"):
-        assert any("sinks" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(got))
+        assert err <= rtol, f"{jax.tree_util.keystr(path)}: {err:.2e}"
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+@pytest.mark.parametrize("policy", ["recompute_qkv", "offload_qkv"])
+def test_policy_gradients_equal_the_rings_own(policy, case):
+    _assert_same(_result(policy, case), _result("save_qkv", case))
+    if case == "sinks":
+        assert any("sinks" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(_result(policy, case)[1]))
 
 
 @pytest.mark.parametrize("policy", ["save_qkv", "recompute_qkv"])
 def test_mlp_in_chunks_is_the_same_mlp(policy):
     """128 tokens per device in chunks of 32 (4 chunks per shard, under the layer scan and, for
     recompute_qkv, inside the layer's own VJP) against the whole shard at once."""
-    rows = synthetic.packed_rows(2, 512, 97, seed=6, mean_doc_len=150)
-    want_loss, want = _loss_and_grads(_config(policy), rows)
-    got_loss, got = _loss_and_grads(_config(policy, mlp_chunk_size=32), rows)
-    assert got_loss == pytest.approx(want_loss, rel=1e-6)
-    flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
-    for path, g in jax.tree_util.tree_leaves_with_path(got):
-        w = flat_want[path]
-        err = np.max(np.abs(g - w)) / np.max(np.abs(w))
-        assert err <= 1e-5, f"{jax.tree_util.keystr(path)}: {err:.2e}"
+    _assert_same(_result(policy, "sinks", mlp_chunk_size=32), _result(policy, "sinks"))
 
 
 @pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed")
