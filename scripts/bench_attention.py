@@ -26,7 +26,6 @@ from longctx import cli
 cli.start(cpu_devices=16)  # before jax is imported
 
 import argparse  # noqa: E402
-import os  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -273,10 +272,7 @@ def main():
     ap.add_argument("--no-dense", dest="dense", action="store_false")
     ap.add_argument("--dense-max", type=int, default=8192, help="largest S for the dense oracle")
     ap.add_argument("--no-tpu-compile", dest="tpu_compile", action="store_false")
-    ap.add_argument("--json", default=os.path.join(bc.DOCS, "bench_attention.json"))
-    ap.add_argument("--md", default=bc.BENCHMARKS_MD)
-    ap.add_argument("--render-only", action="store_true",
-                    help="rewrite the markdown section from --json without running")
+    bc.add_output_arguments(ap, "bench_attention", "rewrite the markdown section from --json without running")
     args = ap.parse_args()
     if args.render_only:
         import json

@@ -72,6 +72,15 @@ def write_section(name: str, markdown: str, path: str = BENCHMARKS_MD) -> None:
         f.write(text if text.endswith("\n") else text + "\n")
 
 
+def add_output_arguments(parser, section: str, render_only_help: str | None = None) -> None:
+    """--json (default docs/<section>.json) and --md (docs/benchmarks.md, whose <section> the script
+    writes); with `render_only_help`, also --render-only: rewrite the section from --json."""
+    parser.add_argument("--json", default=os.path.join(DOCS, f"{section}.json"))
+    parser.add_argument("--md", default=BENCHMARKS_MD)
+    if render_only_help:
+        parser.add_argument("--render-only", action="store_true", help=render_only_help)
+
+
 def table(headers, rows) -> str:
     """A markdown table."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]

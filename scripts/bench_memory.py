@@ -164,10 +164,7 @@ def main():
                     help="CPU series: layers unrolled, under lax.scan, or both")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other series already in --json (recompute only these)")
-    ap.add_argument("--json", default=os.path.join(bc.DOCS, "bench_memory.json"))
-    ap.add_argument("--md", default=bc.BENCHMARKS_MD)
-    ap.add_argument("--render-only", action="store_true",
-                    help="rewrite the markdown section from --json without compiling")
+    bc.add_output_arguments(ap, "bench_memory", "rewrite the markdown section from --json without compiling")
     args = ap.parse_args()
     if args.render_only:
         bc.write_section("bench_memory", markdown(json.load(open(args.json))), args.md)

@@ -417,10 +417,7 @@ def main():
                     help="largest S checked against the dense oracle")
     ap.add_argument("--peers", default=None,
                     help="directory with maxtext and ringattention (pip install --target)")
-    ap.add_argument("--json", default=os.path.join(bc.DOCS, "bench_ring.json"))
-    ap.add_argument("--md", default=bc.BENCHMARKS_MD)
-    ap.add_argument("--render-only", action="store_true",
-                    help="rewrite the markdown section from --json without running")
+    bc.add_output_arguments(ap, "bench_ring", "rewrite the markdown section from --json without running")
     args = ap.parse_args()
     if args.render_only:
         result = json.load(open(args.json))

@@ -14,7 +14,6 @@ from longctx import cli
 cli.start(cpu_devices=8)  # before jax is imported
 
 import argparse  # noqa: E402
-import os  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -115,8 +114,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--json", default=os.path.join(bc.DOCS, "bench_train.json"))
-    ap.add_argument("--md", default=bc.BENCHMARKS_MD)
+    bc.add_output_arguments(ap, "bench_train")
     args = ap.parse_args()
     shapes = SHAPES
     if args.quick:
