@@ -343,13 +343,11 @@ class Checkpointer:
             if not already_raised:
                 raise
         finally:
-            if self._failed is not None and not cli.debug_enabled():
-                # Orbax's writer threads still draining a failed save print asyncio tracebacks
-                # ("Event loop is closed") while the manager shuts its loops down; the failure
-                # itself is the RunError above.
-                with contextlib.redirect_stderr(io.StringIO()):
-                    self.manager.close()
-            else:
+            # Orbax's writer threads still draining a failed save print asyncio tracebacks
+            # ("Event loop is closed") while the manager shuts its loops down; the failure
+            # itself is the RunError above.
+            quiet = self._failed is not None and not cli.debug_enabled()
+            with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
                 self.manager.close()
 
     @contextlib.contextmanager

@@ -57,11 +57,7 @@ class MemoryBreakdown:
 
 def shard_bytes(tree) -> int:
     """Bytes of one device's shards of a tree of sharded ShapeDtypeStructs."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape)
-        total += math.prod(shape) * jax.numpy.dtype(x.dtype).itemsize
-    return total
+    return sum(_nbytes(x.sharding.shard_shape(x.shape), x.dtype) for x in jax.tree.leaves(tree))
 
 
 def memory_breakdown(config, mesh, layout: str, setup, state, batch, hlo: str | None, *,
@@ -97,10 +93,7 @@ def _global_bytes_by_axes(tree) -> dict[str, int]:
     """Global bytes of a tree of sharded ShapeDtypeStructs, keyed by the mesh axes that split them."""
     out: dict[str, int] = {}
     for x in jax.tree.leaves(tree):
-        axes = []
-        for entry in x.sharding.spec:
-            axes += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
-        key = ",".join(axes)
+        key = ",".join(mesh_lib.spec_axes(x.sharding.spec))
         out[key] = out.get(key, 0) + _nbytes(x.shape, x.dtype)
     return out
 

@@ -69,6 +69,11 @@ def _as_tuple(axes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec splits over, in order (P(None, ("fsdp", "sp")) -> fsdp, sp)."""
+    return tuple(axis for entry in spec for axis in _as_tuple(entry or ()))
+
+
 def split_axes(logical_axis: str, over_dp: bool = False) -> tuple[str, ...]:
     """The mesh axes a parameter's `logical_axis` (or, with over_dp, its optimizer state's) is
     split over: the dimension must divide by the product of their sizes."""

@@ -43,10 +43,7 @@ def _setup(config):
 
 
 def _mesh_axes(sharding) -> set[str]:
-    axes = set()
-    for entry in sharding.spec:
-        axes |= set(mesh_lib._as_tuple(entry or ()))
-    return axes
+    return set(mesh_lib.spec_axes(sharding.spec))
 
 
 def _named_leaves(tree):
