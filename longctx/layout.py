@@ -17,6 +17,7 @@ move together); the attention masks are always evaluated on the *global* positio
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -49,6 +50,22 @@ def permutation(layout: str, seq_len: int, num_shards: int) -> np.ndarray:
         return chunks[order].reshape(-1)
     # striped: row-major [L, sp] -> shard d takes column d.
     return np.arange(seq_len).reshape(-1, num_shards).T.reshape(-1)
+
+
+def positions_on_device(layout: str, seq_len: int, num_shards: int, shard, local):
+    """Global positions of local indices `local` on shard `shard` (traced ints allowed), in
+    closed form: `shard_positions(...)[shard, local]` without a [num_shards, L] table in the
+    program. int32."""
+    _check(layout, seq_len, num_shards)
+    L = seq_len // num_shards
+    shard, local = jnp.asarray(shard, jnp.int32), jnp.asarray(local, jnp.int32)
+    if layout == "contiguous":
+        return shard * L + local
+    if layout == "striped":
+        return shard + num_shards * local
+    half = L // 2  # zigzag: chunk `shard`, then chunk 2 * sp - 1 - shard, each L/2 long
+    return jnp.where(local < half, shard * half + local,
+                     (2 * num_shards - 1 - shard) * half + local - half)
 
 
 def inverse_permutation(perm: np.ndarray) -> np.ndarray:

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from longctx import layout as layout_lib
 
-_BIG = np.int64(2) ** 62  # "unbounded" interval end; positions are < 2**62
+# "Unbounded" interval ends: positions are < 2**62 on the host (int64) and < 2**30 on device
+# (int32, where lo - position and position - hi must not overflow).
+_BIG = np.int64(2) ** 62
+_BIG_ON_DEVICE = 2 ** 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,18 +28,23 @@ class MaskSpec:
     window: tuple[int, int] | None = None
     chunk: int | None = None
 
-    def bounds(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Allowed key interval [lo, hi] (inclusive) for queries at global positions `pos`."""
-        pos = np.asarray(pos, np.int64)
-        lo = np.full_like(pos, -_BIG)
-        hi = np.full_like(pos, _BIG)
+    def bounds(self, pos):
+        """Allowed key interval [lo, hi] (inclusive) for queries at global positions `pos`:
+        int64 numpy for host positions, int32 jax for positions computed on device. Both ends
+        are non-decreasing in the position (ops/tables.py relies on it)."""
+        if isinstance(pos, jax.Array):
+            xp, pos, big = jnp, pos.astype(jnp.int32), _BIG_ON_DEVICE
+        else:
+            xp, pos, big = np, np.asarray(pos, np.int64), _BIG
+        lo = xp.full_like(pos, -big)
+        hi = xp.full_like(pos, big)
         if self.causal or self.chunk is not None:
-            hi = np.minimum(hi, pos)
+            hi = xp.minimum(hi, pos)
         if self.window is not None:
-            lo = np.maximum(lo, pos - self.window[0])
-            hi = np.minimum(hi, pos + self.window[1])
+            lo = xp.maximum(lo, pos - self.window[0])
+            hi = xp.minimum(hi, pos + self.window[1])
         if self.chunk is not None:
-            lo = np.maximum(lo, pos // self.chunk * self.chunk)
+            lo = xp.maximum(lo, pos // self.chunk * self.chunk)
         return lo, hi
 
     def allowed(self, qpos, kpos):

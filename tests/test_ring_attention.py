@@ -376,6 +376,35 @@ def test_ring_is_a_loop_program_size_does_not_grow_with_sp():
     assert sizes[2] == sizes[4] == sizes[8], sizes
 
 
+def _constant_elements(impl, shard, block, sp=4):
+    """Elements of every constant in the lowered ring (forward + backward, causal, documents)."""
+    import re
+
+    mesh, data = _mesh(sp, 1), P(None, "sp")
+    q = jax.ShapeDtypeStruct((1, shard * sp, 2, 128), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, shard * sp), jnp.int32)
+    f = jax.shard_map(lambda q, k, v, s: ring_attention(q, k, v, s, impl=impl, block_sizes=block,
+                                                        causal=True, layout="zigzag"),
+                      mesh=mesh, in_specs=(data,) * 4, out_specs=data)
+    text = jax.jit(jax.grad(lambda q, k, v, s: f(q, k, v, s).sum(), argnums=(0, 1, 2))).lower(
+        q, q, q, seg).as_text()
+    return [int(np.prod([int(d) for d in shape.split("x")[:-1]] or [1]))
+            for shape in re.findall(r"stablehlo\.constant dense<.*?> : tensor<([^>]*)>", text)]
+
+
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+def test_the_program_holds_no_block_table(impl):
+    """Each device builds its own step's block tables (ops/tables.py), so the program's
+    constants (a partial block's pattern, a few numbers per block of a shard) grow at most
+    linearly with the blocks of a shard, never with the (q block, kv block) pairs: from 8 to 32
+    blocks per shard, at most 64 more elements per added block (measured: xla 12, splash 52;
+    each copy of a ring step in the program has its own). Tables built on the host for every
+    device hold sp x steps x (L / block)^2 entries (here +51,264 elements, 2,136 per added
+    block) and grow to hundreds of MiB at 2M tokens."""
+    small, large = (sum(_constant_elements(impl, shard, 128)) for shard in (1024, 4096))
+    assert large - small <= 64 * (32 - 8), (small, large)
+
+
 def test_pruned_rings_send_nothing_they_do_not_need():
     # chunks that never cross a shard: one ring step, no K/V transfer at all
     assert _count(_jaxpr(4, chunk_size=SHARD).jaxpr, "ppermute") == 0

@@ -1,6 +1,8 @@
 """The ring's block tables and schedule stats, checked against dense masks built from global
 positions: static (mask x layout) and dynamic (segment ids)."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -22,39 +24,70 @@ def _dense(spec, qpos, kpos):
     return spec.allowed(qpos[:, None].astype(np.int64), kpos[None, :].astype(np.int64))
 
 
-def _from_fwd_tables(tb, d, t, shard_len, bq, bkv):
+def _tables_on_device(spec, layout, seq_len, sp, bq, bkv):
+    """f(d, t) -> the step's classes, splash tables and pairs as the ring builds them on device
+    (without documents: every kept block is live)."""
+    tb = tables.ring_tables(spec, layout, seq_len, sp, bq, bkv)
+
+    @jax.jit
+    def step(d, t):
+        src = (d - jnp.asarray(tb.run_steps)[t]) % sp
+        blocks = tables.step_blocks(spec, layout, seq_len, sp, bq, bkv, d, src)
+        index = tables.partial_index(tb, spec, layout, seq_len, sp, bq, bkv, blocks)
+        live = (blocks.classes > 0)[None]
+        return dict(classes=blocks.classes, partial=tb.partial,
+                    fwd=tables.grid_tables(blocks.classes, index, live, tb.grid_width, axis=-1),
+                    dkv=tables.grid_tables(blocks.classes, index, live, tb.grid_height, axis=-2),
+                    pairs=tables.step_pairs(blocks.classes, tb.max_pairs))
+
+    return tb, lambda d, t: jax.tree.map(np.asarray, step(d, t))
+
+
+def _from_fwd_tables(step, shard_len, bq, bkv):
+    """The dense [L, L] mask that the forward/dq kernels' tables of one step compute."""
     out = np.zeros((shard_len, shard_len), bool)
     seen = np.zeros((shard_len // bq, shard_len // bkv), int)
-    data, blk = tb.fwd_data_next[d, t, 0], tb.fwd_block_mask[d, t, 0]
-    for i, j in zip(*np.nonzero(blk)):
-        kv = data[i, j]
-        seen[i, kv] += 1
-        rows, cols = slice(i * bq, (i + 1) * bq), slice(kv * bkv, (kv + 1) * bkv)
-        out[rows, cols] = True if blk[i, j] == 2 else tb.partial[tb.fwd_mask_next[d, t, 0, i, j]]
+    data, blk, nxt = (None if x is None else x[0, 0] for x in step["fwd"])
+    for i, e in zip(*np.nonzero(blk)):
+        j = data[i, e]
+        seen[i, j] += 1
+        rows, cols = slice(i * bq, (i + 1) * bq), slice(j * bkv, (j + 1) * bkv)
+        out[rows, cols] = True if blk[i, e] == 2 else step["partial"][nxt[i, e]]
     assert seen.max(initial=0) <= 1, "a block is visited twice"
     return out
 
 
-def _from_dkv_tables(tb, d, t, shard_len, bq, bkv):
+def _from_dkv_tables(step, shard_len, bq, bkv):
+    """The same from the dkv kernel's tables (packed along q; partial blocks read as [kv, q])."""
     out = np.zeros((shard_len, shard_len), bool)
-    data, blk = tb.dkv_data_next[d, t, 0], tb.dkv_block_mask[d, t, 0]
-    for r, j in zip(*np.nonzero(blk)):
-        i = data[r, j]
+    data, blk, nxt = (None if x is None else x[0, 0] for x in step["dkv"])
+    for e, j in zip(*np.nonzero(blk)):
+        i = data[e, j]
         rows, cols = slice(i * bq, (i + 1) * bq), slice(j * bkv, (j + 1) * bkv)
-        # the dkv kernel reads partial blocks transposed: [kv, q]
-        out[rows, cols] = True if blk[r, j] == 2 else tb.partial.swapaxes(1, 2)[
-            tb.dkv_mask_next[d, t, 0, r, j]].T
+        out[rows, cols] = True if blk[e, j] == 2 else step["partial"].swapaxes(1, 2)[nxt[e, j]].T
     return out
+
+
+def test_positions_on_device_are_the_layouts():
+    for layout in layout_lib.LAYOUTS:
+        for seq_len, sp in [(256, 4), (48, 3)]:
+            got = layout_lib.positions_on_device(layout, seq_len, sp, jnp.arange(sp)[:, None],
+                                                 jnp.arange(seq_len // sp)[None, :])
+            np.testing.assert_array_equal(got, layout_lib.shard_positions(layout, seq_len, sp))
 
 
 @pytest.mark.parametrize("name", list(MASKS))
 @pytest.mark.parametrize("layout", layout_lib.LAYOUTS)
-@pytest.mark.parametrize("bq,bkv", [(16, 16), (32, 16)])
+@pytest.mark.parametrize("bq,bkv", [(16, 16), (32, 16), (32, 32)])
 def test_tables_reproduce_the_dense_mask(name, layout, bq, bkv):
-    sp, seq_len = 4, 256
+    """The host's classes and every table the ring builds on device, against the dense mask of
+    global positions, for every (device, step). seq_len 384 on 4 shards with 32-token blocks:
+    the middle block of a zigzag shard holds the end of one half and the start of the other
+    (two runs of positions)."""
+    sp, seq_len = 4, (384 if bq == bkv == 32 else 256)
     shard_len = seq_len // sp
     spec = masks.make_mask_spec(**MASKS[name])
-    tb = tables.ring_tables(spec, layout, seq_len, sp, bq, bkv)
+    tb, step_tables = _tables_on_device(spec, layout, seq_len, sp, bq, bkv)
     pos = layout_lib.shard_positions(layout, seq_len, sp)
     for d in range(sp):
         for s in range(sp):
@@ -63,21 +96,25 @@ def test_tables_reproduce_the_dense_mask(name, layout, bq, bkv):
                 assert not dense.any(), f"step {s} has work but is pruned"
                 continue
             t = tb.run_steps.index(s)
-            np.testing.assert_array_equal(_from_fwd_tables(tb, d, t, shard_len, bq, bkv), dense)
-            np.testing.assert_array_equal(_from_dkv_tables(tb, d, t, shard_len, bq, bkv), dense)
-            assert tb.active[d, t] == dense.any()
+            step = step_tables(d, t)
             blocks = dense.reshape(shard_len // bq, bq, shard_len // bkv, bkv)
             kept, full = blocks.any(axis=(1, 3)), blocks.all(axis=(1, 3))
-            np.testing.assert_array_equal(tb.classes[d, t], np.where(full, 2, np.where(kept, 1, 0)))
-            n = int(kept.sum())
-            np.testing.assert_array_equal(tb.pairs[d, t, :n], np.argwhere(kept))
-            assert tb.pair_valid[d, t, :n].all() and not tb.pair_valid[d, t, n:].any()
+            classes = np.where(full, 2, np.where(kept, 1, 0))
+            np.testing.assert_array_equal(tb.classes[d, t], classes)
+            np.testing.assert_array_equal(step["classes"], classes)
+            np.testing.assert_array_equal(_from_fwd_tables(step, shard_len, bq, bkv), dense)
+            np.testing.assert_array_equal(_from_dkv_tables(step, shard_len, bq, bkv), dense)
+            assert tb.active[d, t] == dense.any()
+            (pairs, valid), n = step["pairs"], int(kept.sum())
+            np.testing.assert_array_equal(pairs[:n], np.argwhere(kept))
+            assert valid[:n].all() and not valid[n:].any()
             assert tb.kv_source[d, t] == (d - s) % sp
 
 
 def test_partial_blocks_are_deduplicated():
     tb = tables.ring_tables(masks.make_mask_spec(causal=True), "contiguous", 1024, 4, 64, 64)
-    assert tb.partial.shape[0] == 1  # only the diagonal block is partial, and it is shared
+    assert tb.partial.shape[0] == 1  # only diagonal blocks are partial, all with one pattern
+    assert tb.partial_signatures.shape == (1, 6)
 
 
 def test_schedule_targets_at_131072_tokens_on_8_devices():

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from longctx import layout as layout_lib
 from longctx import masks
 from longctx.ops import tables as tables_lib
 from longctx.ops.shmap import pick, sum_over_devices, vary_like
@@ -118,13 +119,20 @@ def _merge(o, lse, o_s, lse_s):
     return o * w[..., None] + o_s * w_s[..., None], new
 
 
-def _live(cfg, d, t, q_ranges, ks_t):
-    """bool [b or 1, q_blocks, kv_blocks]: the blocks of run step t this device computes (the
+def _step_blocks(cfg, d, t):
+    """This device's blocks at run step t, built on device (ops/tables.py)."""
+    kv_source = (d - jnp.asarray(cfg.tables.run_steps, jnp.int32)[t]) % cfg.sp
+    return tables_lib.step_blocks(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq, cfg.bkv,
+                                  d, kv_source)
+
+
+def _live(cfg, blocks, q_ranges, ks_t):
+    """bool [b or 1, q_blocks, kv_blocks]: the blocks of the step this device computes (the
     static mask's, less those whose queries and keys share no document)."""
     if not cfg.skip_documents:
         q_ranges = None
     kv_ranges = None if q_ranges is None else tables_lib.document_ranges(ks_t, cfg.bkv)
-    return tables_lib.live_blocks(pick(cfg.tables.classes, d, t), q_ranges, kv_ranges)
+    return tables_lib.live_blocks(blocks.classes, q_ranges, kv_ranges)
 
 
 def _any_live(cfg, d, t, live, qs):
@@ -147,11 +155,12 @@ def _forward(cfg, q, k, v, qs, ks, aux):
     def body(t, travel, acc, state):
         k_t, v_t, ks_t = travel
         o, lse = state
-        live = _live(cfg, d, t, q_ranges, ks_t)
+        blocks = _step_blocks(cfg, d, t)
+        live = _live(cfg, blocks, q_ranges, ks_t)
         # A step with no live block in any row skips its kernel (the K/V travel on regardless).
         o_s, lse_s = lax.cond(
             _any_live(cfg, d, t, live, qs),
-            lambda: backend.fwd_step(cfg, qx, k_t, v_t, qs, ks_t, live, d, t),
+            lambda: backend.fwd_step(cfg, qx, k_t, v_t, qs, ks_t, blocks, live),
             lambda: empty)
         return acc, _merge(o, lse, o_s, lse_s)
 
@@ -183,10 +192,11 @@ def _backward(cfg, res, do):
     def body(t, travel, acc, dq):
         k_t, v_t, ks_t = travel
         dk, dv = acc
-        live = _live(cfg, d, t, q_ranges, ks_t)
+        blocks = _step_blocks(cfg, d, t)
+        live = _live(cfg, blocks, q_ranges, ks_t)
         dq_s, dk_s, dv_s = lax.cond(
             _any_live(cfg, d, t, live, qs),
-            lambda: backend.bwd_step(cfg, qx, k_t, v_t, qs, ks_t, lse_k, do, di, live, d, t),
+            lambda: backend.bwd_step(cfg, qx, k_t, v_t, qs, ks_t, lse_k, do, di, blocks, live),
             lambda: (zq, zk, zk))
         return (dk + dk_s, dv + dv_s), dq + dq_s
 
@@ -208,7 +218,7 @@ def _backward(cfg, res, do):
 _PAD_Q, _PAD_KV = -1, -2
 
 
-def _kernel_segment_ids(q_ids, kv_ids, positions, chunk_size, shard_positions, axis_name):
+def _kernel_segment_ids(q_ids, kv_ids, positions, chunk_size, layout, seq_len, axis_name):
     """The int32 ids the kernels compare: padding (<= 0) split into _PAD_Q / _PAD_KV, and with
     `chunk_size` every (document, chunk of the document) made its own id.
 
@@ -219,8 +229,9 @@ def _kernel_segment_ids(q_ids, kv_ids, positions, chunk_size, shard_positions, a
     K/V side is computed here, before the ring, and travels with K/V."""
     q_ids, kv_ids = jnp.asarray(q_ids).astype(jnp.int32), jnp.asarray(kv_ids).astype(jnp.int32)
     if chunk_size is not None:
-        g = jnp.asarray(shard_positions, jnp.int32)[lax.axis_index(axis_name)][None, :]
-        chunk_start = g - jnp.asarray(positions, jnp.int32) % chunk_size + 1
+        g = layout_lib.positions_on_device(layout, seq_len, lax.axis_size(axis_name),
+                                           lax.axis_index(axis_name), jnp.arange(q_ids.shape[1]))
+        chunk_start = g[None, :] - jnp.asarray(positions, jnp.int32) % chunk_size + 1
         q_ids = jnp.where(q_ids > 0, chunk_start, q_ids)
         kv_ids = jnp.where(kv_ids > 0, chunk_start, kv_ids)
     return jnp.where(q_ids > 0, q_ids, _PAD_Q), jnp.where(kv_ids > 0, kv_ids, _PAD_KV)
@@ -347,7 +358,6 @@ def _prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, p
              block_sizes=None, skip_documents=True):
     """Checks the arguments; returns the static RingConfig, the kernels' segment ids and the
     sink logits marked device-varying."""
-    from longctx import layout as layout_lib
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
     if layout not in layout_lib.LAYOUTS + ("auto",):
@@ -394,7 +404,7 @@ def _prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, p
     if q_segment_ids is not None:
         q_segment_ids, kv_segment_ids = _kernel_segment_ids(
             q_segment_ids, kv_segment_ids, positions, chunk_size if per_document_chunks else None,
-            layout_lib.shard_positions(layout, seq_len, sp), axis_name)
+            layout, seq_len, axis_name)
     if per_document_chunks:
         # Chunks are now in the ids; what stays static is that a chunk spans at most chunk_size
         # tokens: a causal window of chunk_size - 1, which keeps the ring's pruning.

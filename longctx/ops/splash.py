@@ -1,8 +1,8 @@
 """The ring step on JAX's Pallas TPU splash-attention kernels (interpret mode off TPU).
 
-Per (device, run step) the host-computed MaskInfo (masks.RingTables) is picked with
-lax.axis_index and handed to splash's own forward (save_residuals: out + logsumexp), dq and
-dkv kernels, which skip empty blocks and apply partial blocks, segment ids and the soft cap.
+Per (device, run step) the MaskInfo is built on device from the step's blocks (ops/tables.py)
+and handed to splash's own forward (save_residuals: out + logsumexp), dq and dkv kernels,
+which skip empty blocks and apply partial blocks, segment ids and the soft cap.
 Splash's public `make_splash_mha` builds its MaskInfo from one static mask for the whole
 sequence; a ring needs a different one per (device, step), so we call the kernel functions
 below that layer (`_splash_attention_forward`, `_splash_attention_bwd_dq`, `_splash_attention_
@@ -14,49 +14,33 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
-
 from jax.sharding import PartitionSpec as P
 
 from longctx.ops import tables as tables_lib
-from longctx.ops.shmap import pick, vary_like
+from longctx.ops.shmap import vary_like
 
 MASK_VALUE = sk.DEFAULT_MASK_VALUE
 _HEAD_MINOR = sk.QKVLayout.HEAD_DIM_MINOR
 
 
-def _mask_infos(cfg, d, t, live, kind, documents: bool):
-    """((data_next, block_mask, mask_next), partial blocks) of run step t. With `documents`, the
-    static tables with the blocks that are not live switched off and not fetched
-    (tables.skip_dead_entries), one set per batch row [b, ...] (one for all rows when b = 1);
-    without, the static tables as they are."""
+def _mask_infos(cfg, blocks, live):
+    """((data_next, block_mask, mask_next), partial blocks) for the forward/dq kernels and for
+    the dkv kernel at this step, built on device from its blocks (ops/tables.py): each q-block
+    row's (kv-block column's) live blocks packed into the grid, the rest computing and fetching
+    nothing. The arrays are one set per batch row ([b, ...]) when documents make the rows
+    differ, else one for all rows; the partial blocks are shared."""
     tb = cfg.tables
-    if kind == "fwd":  # forward and dq kernels: rows = q blocks, entries along the grid width
-        data, block, nxt, axis = tb.fwd_data_next, tb.fwd_block_mask, tb.fwd_mask_next, -1
-        partial = tb.partial
-    else:  # dkv kernel: columns = kv blocks, entries along the grid height; partial as [kv, q]
-        data, block, nxt, axis = tb.dkv_data_next, tb.dkv_block_mask, tb.dkv_mask_next, -2
-        partial = None if tb.partial is None else tb.partial.swapaxes(1, 2)
-    rows = live.shape[0]
-    data, block = pick(data, d, t), pick(block, d, t)  # [1, q or grid blocks, grid or kv blocks]
-    nxt = None if nxt is None else pick(nxt, d, t)
-    partial = None if partial is None else jnp.asarray(partial)
-    if not documents:
-        return (data, block, nxt), partial
-    batch = lambda x: None if x is None else jnp.broadcast_to(x[None], (rows, *x.shape))  # noqa: E731
-    # Is entry e live? The block it names: (q block, data[e]) forward, (data[e], kv block) dkv.
-    entry_live = jnp.take_along_axis(live[:, None], batch(data), axis=axis) & (batch(block) > 0)
-    arrays = tables_lib.skip_dead_entries(batch(data), batch(block), batch(nxt), entry_live, axis=axis)
-    if rows == 1:  # one MaskInfo for every row
-        arrays = tuple(None if x is None else x[0] for x in arrays)
-    return arrays, partial
-
-
-def _documents(cfg, qs) -> bool:
-    """Whether blocks are skipped by documents (else the static tables are the whole story)."""
-    return qs is not None and cfg.skip_documents
+    index = tables_lib.partial_index(tb, cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq,
+                                     cfg.bkv, blocks)
+    partial = None if tb.partial is None else jnp.asarray(tb.partial)
+    fwd = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_width, axis=-1)
+    dkv = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_height, axis=-2)
+    if live.shape[0] == 1:  # one MaskInfo for every row
+        fwd, dkv = (tuple(None if x is None else x[0] for x in arrays) for arrays in (fwd, dkv))
+    # The dkv kernel reads partial blocks transposed: [kv, q].
+    return (fwd, partial), (dkv, None if partial is None else partial.swapaxes(1, 2))
 
 
 def _info(arrays, partial):
@@ -97,13 +81,11 @@ def _heads_major(x):
     return jnp.swapaxes(x, 1, 2)  # [b, L, heads, h] <-> [b, heads, L, h]
 
 
-def fwd_step(cfg, q, k, v, qs, ks, live, d, t):
-    del d  # the tables are picked inside the local region, from its own axis_index
+def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
     sizes = sk.BlockSizes(block_q=cfg.bq, block_kv=cfg.bkv, block_kv_compute=cfg.bkv_compute)
 
-    def local(q, k, v, qs, ks, live, t):
-        arrays, partial = _mask_infos(cfg, lax.axis_index(cfg.axis_name), t, live, "fwd",
-                                      _documents(cfg, qs))
+    def local(q, k, v, qs, ks, blocks, live):
+        (arrays, partial), _ = _mask_infos(cfg, blocks, live)
 
         def one_row(arrays, q1, k1, v1, seg):
             out, (lse,) = sk._splash_attention_forward(  # pylint: disable=protected-access
@@ -116,7 +98,7 @@ def fwd_step(cfg, q, k, v, qs, ks, live, d, t):
         return _over_rows(one_row, live)(arrays, _heads_major(q), _heads_major(k),
                                          _heads_major(v), _segments(qs, ks))
 
-    out, lse = _local(local, q, q, k, v, qs, ks, live, t)
+    out, lse = _local(local, q, q, k, v, qs, ks, blocks, live)
     out = _heads_major(out).astype(jnp.float32)
     lse = jnp.swapaxes(lse, 1, 2)  # [b, L, n]
     # A row with no allowed key in this step gets lse ~ MASK_VALUE (masked logits inside a
@@ -126,16 +108,13 @@ def fwd_step(cfg, q, k, v, qs, ks, live, d, t):
     return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
 
 
-def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, live, d, t):
-    del d  # see fwd_step
+def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live):
     layouts = dict(q_layout=_HEAD_MINOR, k_layout=_HEAD_MINOR, v_layout=_HEAD_MINOR)
     common = dict(is_mqa=False, mask_value=MASK_VALUE, attn_logits_soft_cap=cfg.soft_cap,
                   mask_function=None, interpret=cfg.interpret, **layouts)
 
-    def local(q, k, v, qs, ks, lse, do, di, live, t):
-        d = lax.axis_index(cfg.axis_name)
-        (fwd_arrays, fwd_partial), (dkv_arrays, dkv_partial) = (
-            _mask_infos(cfg, d, t, live, kind, _documents(cfg, qs)) for kind in ("fwd", "dkv"))
+    def local(q, k, v, qs, ks, lse, do, di, blocks, live):
+        (fwd_arrays, fwd_partial), (dkv_arrays, dkv_partial) = _mask_infos(cfg, blocks, live)
 
         def one_row(arrays, q1, k1, v1, seg, lse1, do1, di1):
             dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
@@ -151,6 +130,6 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, live, d, t):
             (fwd_arrays, dkv_arrays), _heads_major(q), _heads_major(k), _heads_major(v),
             _segments(qs, ks), jnp.swapaxes(lse, 1, 2), _heads_major(do), jnp.swapaxes(di, 1, 2))
 
-    dq, dk, dv = _local(local, q, q, k, v, qs, ks, lse, do, di, live, t)
+    dq, dk, dv = _local(local, q, q, k, v, qs, ks, lse, do, di, blocks, live)
     f = lambda x: _heads_major(x).astype(jnp.float32)
     return f(dq), f(dk), f(dv)

@@ -1,17 +1,27 @@
 """The ring's block tables: which (q block, kv block) pairs each (device, ring step) computes.
 
-Static tables (host, numpy, cached per mask x layout x shapes). For every (device d, ring step s)
-pair (device d's queries against the K/V shard that started on device (d - s) mod sp) the mask's
-block pattern is known on the host: every (q block, kv block) is 0 empty / 1 partial / 2 full,
-counted per query row from the mask's [lo, hi] key interval (a searchsorted on the block's sorted
-positions; no O(L^2) dense mask is ever built); the partial blocks are materialised once,
-deduplicated. From the classes, once:
-  - splash `MaskInfo` arrays for the forward/dq kernels and for the dkv kernel, stacked as
-    [device, run step, ...] so the ring body picks its own with `lax.axis_index` and the step;
-  - the same blocks as a list of (q block, kv block) pairs per (device, step), for the XLA path;
-  - ring pruning: the steps that are non-empty on some device (`run_steps`);
-  - the schedule report: computed blocks per (device, step) and the efficiency
-      useful blocks / (sp * sum over run steps of max over devices of computed blocks).
+Every static mask here gives each query an interval of allowed key positions [lo, hi], and every
+layout cuts a shard into blocks of evenly spaced positions (`block_runs`), so whether a block
+(q block, kv block) is 0 empty / 1 partial / 2 full is counted per query row in closed form;
+no O(L^2) dense mask is ever built.
+
+Host (numpy, cached per mask x layout x shapes; `ring_tables`): the classes of every (device d,
+ring step s) pair (device d's queries against the K/V shard that started on device (d - s) mod
+sp), and from them only what is static about the program: the ring's pruning (`run_steps`, the
+steps with work on some device), the kernels' grid sizes, and the schedule report (computed
+blocks per (device, step) and the efficiency
+    useful blocks / (sp * sum over run steps of max over devices of computed blocks)).
+
+The host also keeps the few distinct patterns of partial blocks, each named by a signature
+that decides it (`block_signatures`).
+
+Device (per ring step, inside the ring): each device computes its own step's classes from its
+index and the step (`step_blocks`, the same formula as the host's), then the kernels' tables:
+splash `MaskInfo` arrays packed from the live blocks (`grid_tables`, each partial block
+pointing at its pattern by signature: `partial_index`), or the list of (q block, kv block)
+pairs for the XLA path (`step_pairs`). Tables built on the host and indexed by device would be
+baked into the program as constants for every device at once: sp x steps x (L / block)^2
+entries, hundreds of MiB at 2M tokens.
 
 Dynamic tables (device, per batch row, every ring step) come from the segment ids. A block can
 hold a same-document (query, key) pair only if the id ranges [first, last] of its queries and of
@@ -26,7 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -34,40 +46,58 @@ from jax import lax
 from longctx import layout as layout_lib
 from longctx.masks import MaskSpec, default_block_size, make_mask_spec
 
-def _block_classes(spec: MaskSpec, qpos, kpos, bq: int, bkv: int) -> np.ndarray:
-    """int8 [q_blocks, kv_blocks]: 0 empty, 1 partial, 2 full (splash's block_mask values)."""
+def block_runs(layout: str, seq_len: int, num_shards: int, block: int):
+    """Each block of `block` local indices as at most two runs of evenly spaced global positions,
+    the same on every shard: (first local index int [blocks, 2], length int [blocks, 2], stride).
+    One run per block except a zigzag block that straddles the middle of its shard."""
+    L = seq_len // num_shards
+    start = np.arange(0, L, block)
+    middle = L // 2 if layout == "zigzag" else L
+    straddles = (start < middle) & (middle < start + block)
+    first_len = np.where(straddles, middle - start, block)
+    first = np.stack([start, np.where(straddles, middle, start)], axis=1)
+    return first, np.stack([first_len, block - first_len], axis=1), (
+        num_shards if layout == "striped" else 1)
+
+
+def _keys_in_bounds(xp, lo, hi, first_position, length, stride: int):
+    """How many of the positions first_position + stride * m (0 <= m < length) lie in [lo, hi],
+    broadcast over the arguments; numpy or jax (xp)."""
+    if stride == 1:  # no integer division (~5x faster on the host)
+        first, last = lo - first_position, hi - first_position
+    else:
+        first, last = -((first_position - lo) // stride), (hi - first_position) // stride
+    return xp.maximum(xp.minimum(last, length - 1) - xp.maximum(first, 0) + 1, 0)
+
+
+def _classes(xp, spec: MaskSpec, qpos, kv_first_positions, kv_lengths, stride: int,
+             bq: int, bkv: int):
+    """int32 [q_blocks, kv_blocks]: 0 empty, 1 partial, 2 full (splash's block_mask values), for
+    queries at global positions qpos [L] and kv blocks given as runs ([kv blocks, runs] first
+    positions and lengths), from each query's allowed key interval; numpy or jax (xp). Under jit
+    the [L, kv blocks] counts fuse into the reductions: no [L, kv blocks] array is kept."""
     lo, hi = spec.bounds(qpos)
-    kb = np.sort(np.asarray(kpos, np.int64).reshape(-1, bkv), axis=1)
-    step = kb[:, 1:2] - kb[:, :1] if bkv > 1 else np.ones((len(kb), 1), np.int64)
-    if bkv == 1 or (np.diff(kb, axis=1) == step).all() and (step > 0).all():
-        # Every layout here gives arithmetic progressions (stride 1, or sp for striped): the keys
-        # start + stride*m inside [lo, hi] are m in [ceil((lo-start)/stride), floor((hi-start)/
-        # stride)] clipped to [0, bkv-1]; counted for all rows and blocks at once.
-        start, stride = kb[:, 0][None, :], step[:, 0][None, :]
-        if (stride == 1).all():  # contiguous runs (no integer division: ~5x faster)
-            first, last = lo[:, None] - start, hi[:, None] - start
-        else:
-            first, last = -((start - lo[:, None]) // stride), (hi[:, None] - start) // stride
-        counts = np.minimum(last, bkv - 1) - np.maximum(first, 0) + 1
-    else:  # general sets of positions: count with a binary search per block
-        counts = np.empty((len(qpos), kb.shape[0]), np.int64)
-        for j, ks in enumerate(kb):
-            counts[:, j] = np.searchsorted(ks, hi, "right") - np.searchsorted(ks, lo, "left")
-    counts = np.maximum(counts, 0).reshape(-1, bq, kb.shape[0])
+    counts = sum(_keys_in_bounds(xp, lo[:, None], hi[:, None], kv_first_positions[None, :, r],
+                                 kv_lengths[None, :, r], stride)
+                 for r in range(kv_lengths.shape[1]))
+    counts = counts.reshape(-1, bq, counts.shape[1])
     empty = (counts == 0).all(axis=1)
     full = (counts == bkv).all(axis=1)
-    return np.where(empty, 0, np.where(full, 2, 1)).astype(np.int8)
+    return xp.where(empty, 0, xp.where(full, 2, 1)).astype(xp.int32)
 
 
 @functools.lru_cache(maxsize=64)
 def block_classes(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
                   bq: int, bkv: int) -> np.ndarray:
-    """int8 [device, step, q_blocks, kv_blocks] for every step 0..sp-1 of the ring."""
-    pos = layout_lib.shard_positions(layout, seq_len, num_shards)
+    """int8 [device, step, q_blocks, kv_blocks] for every step 0..sp-1 of the ring (host)."""
+    pos = layout_lib.shard_positions(layout, seq_len, num_shards).astype(np.int64)
+    first, length, stride = block_runs(layout, seq_len, num_shards, bkv)
+    if not length[:, 1].any():
+        first, length = first[:, :1], length[:, :1]
     out = np.stack([
-        np.stack([_block_classes(spec, pos[d], pos[(d - s) % num_shards], bq, bkv)
-                  for s in range(num_shards)])
-        for d in range(num_shards)])
+        np.stack([_classes(np, spec, pos[d], pos[(d - s) % num_shards][first], length, stride,
+                           bq, bkv) for s in range(num_shards)])
+        for d in range(num_shards)]).astype(np.int8)
     out.setflags(write=False)
     return out
 
@@ -118,47 +148,28 @@ def ring_schedule_efficiency(seq_len, num_shards, block_size=None, layout="conti
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RingTables:
-    """Everything static about the blocks of every (device, run step).
+    """What the host knows about the blocks of every (device, run step): the program's static
+    shapes and the ring's pruning. Nothing here that grows with (L / block)^2 enters the
+    program; each device builds its own step's blocks (`step_blocks`) and kernel tables.
 
-    classes: int8 [device, t, q_blocks, kv_blocks], the static class of each block (0/1/2).
-    fwd_* index [device, t, 1, q_blocks, grid_width]: for q block i, the j-th non-empty kv
-    block (data_next), its class (block_mask) and its partial-block id (mask_next); the forward
-    and dq kernels share them. dkv_* index [device, t, 1, grid_height, kv_blocks]: the same,
-    column-wise, for the dkv kernel. partial: bool [P, bq, bkv] (None when no partial block).
-    pairs: int32 [device, t, max blocks, 2], the (q block, kv block) of every non-empty block in
-    row-major order, padded with (0, 0) entries that `pair_valid` marks False (the XLA path).
+    classes: int8 [device, t, q_blocks, kv_blocks], the class of each block (0/1/2), for the
+    schedule report and tests. active: bool [device, t], any block to compute. kv_source: int32
+    [device, t], the device the visiting K/V started on. grid_width / grid_height: the most
+    blocks in one q-block row / kv-block column of a step (the forward and dq kernels' grid
+    width, the dkv kernel's grid height); max_pairs: the most blocks in one step.
+    partial: bool [P, bq, bkv], every distinct pattern of a partial block (None when there is
+    none), and partial_signatures: int32 [P, 6], what decides each one (`block_signatures`):
+    small, shared by every device and step.
     """
     run_steps: tuple[int, ...]
-    active: np.ndarray           # bool [device, t]: any block to compute
+    active: np.ndarray
     classes: np.ndarray
-    pairs: np.ndarray
-    pair_valid: np.ndarray
-    kv_source: np.ndarray        # int32 [device, t]: device the visiting K/V started on
-    q_positions: np.ndarray      # int32 [device, L]: global positions of each device's tokens
-    fwd_data_next: np.ndarray
-    fwd_block_mask: np.ndarray
-    fwd_mask_next: np.ndarray | None
-    dkv_data_next: np.ndarray
-    dkv_block_mask: np.ndarray
-    dkv_mask_next: np.ndarray | None
+    kv_source: np.ndarray
+    grid_width: int
+    grid_height: int
+    max_pairs: int
     partial: np.ndarray | None
-
-
-def _pack(classes_rows, pids_rows, width):
-    """Left-packs the non-empty entries of every row; pads by repeating the last index."""
-    n_rows, n_cols = classes_rows.shape
-    data = np.zeros((n_rows, width), np.int32)
-    blk = np.zeros((n_rows, width), np.int32)
-    mnext = np.zeros((n_rows, width), np.int32)
-    for r in range(n_rows):
-        cols = np.nonzero(classes_rows[r])[0]
-        n = len(cols)
-        if n:
-            data[r, :n], blk[r, :n], mnext[r, :n] = cols, classes_rows[r, cols], pids_rows[r, cols]
-            # Padding entries are skipped (block_mask 0) but still drive the DMA index maps:
-            # repeating the last index means no extra fetch.
-            data[r, n:], mnext[r, n:] = cols[-1], pids_rows[r, cols[-1]]
-    return data, blk, mnext
+    partial_signatures: np.ndarray | None
 
 
 @functools.lru_cache(maxsize=32)
@@ -168,58 +179,120 @@ def ring_tables(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
     classes = block_classes(spec, layout, seq_len, sp, bq, bkv)
     run = schedule_from_classes(classes).run_steps
     cls = classes[:, list(run)]  # [sp, R, qb, kb]
-    pos = layout_lib.shard_positions(layout, seq_len, sp)
-    kv_pos = np.stack([[pos[(d - s) % sp] for s in run] for d in range(sp)])
-    qb, kb = cls.shape[2:]
-
-    # Materialise and deduplicate the partial blocks (bool [bq, bkv]).
-    pids = np.zeros(cls.shape, np.int32)
-    uniq: dict[bytes, int] = {}
-    blocks = []
-    for d, t, i, j in zip(*np.nonzero(cls == 1)):
-        lo, hi = spec.bounds(pos[d, i * bq:(i + 1) * bq])
-        kp = kv_pos[d, t, j * bkv:(j + 1) * bkv].astype(np.int64)
-        blk = (kp[None, :] >= lo[:, None]) & (kp[None, :] <= hi[:, None])
-        key = np.packbits(blk).tobytes()
-        if key not in uniq:
-            uniq[key] = len(blocks)
-            blocks.append(blk)
-        pids[d, t, i, j] = uniq[key]
-
-    width = max(1, int((cls > 0).sum(axis=3).max()))   # forward grid width
-    height = max(1, int((cls > 0).sum(axis=2).max()))  # dkv grid height
-    R = len(run)
-    fwd = [np.zeros((sp, R, 1, qb, width), np.int32) for _ in range(3)]
-    dkv = [np.zeros((sp, R, 1, height, kb), np.int32) for _ in range(3)]
-    for d in range(sp):
-        for t in range(R):
-            for arr, val in zip(fwd, _pack(cls[d, t], pids[d, t], width)):
-                arr[d, t, 0] = val
-            for arr, val in zip(dkv, _pack(cls[d, t].T, pids[d, t].T, height)):
-                arr[d, t, 0] = val.T
-    partial = np.stack(blocks) if blocks else None
-    n_pairs = max(1, int((cls > 0).sum(axis=(2, 3)).max()))
-    pairs = np.zeros((sp, R, n_pairs, 2), np.int32)
-    pair_valid = np.zeros((sp, R, n_pairs), bool)
-    for d in range(sp):
-        for t in range(R):
-            ij = np.argwhere(cls[d, t] > 0)  # row-major: a q block's kv blocks are consecutive
-            pairs[d, t, :len(ij)], pair_valid[d, t, :len(ij)] = ij, True
-    for table in (cls, pairs, pair_valid):
-        table.setflags(write=False)
+    cls.setflags(write=False)
+    kept = cls > 0
+    partial, signatures = _distinct_partial_blocks(spec, layout, seq_len, sp, bq, bkv, run, cls)
     return RingTables(
         run_steps=run,
-        active=(cls > 0).any(axis=(2, 3)),
+        active=kept.any(axis=(2, 3)),
         classes=cls,
-        pairs=pairs,
-        pair_valid=pair_valid,
         kv_source=np.array([[(d - s) % sp for s in run] for d in range(sp)], np.int32),
-        q_positions=pos.astype(np.int32),
-        fwd_data_next=fwd[0], fwd_block_mask=fwd[1],
-        fwd_mask_next=fwd[2] if blocks else None,
-        dkv_data_next=dkv[0], dkv_block_mask=dkv[1],
-        dkv_mask_next=dkv[2] if blocks else None,
-        partial=partial)
+        grid_width=max(1, int(kept.sum(axis=3).max())),
+        grid_height=max(1, int(kept.sum(axis=2).max())),
+        max_pairs=max(1, int(kept.sum(axis=(2, 3)).max())),
+        partial=partial, partial_signatures=signatures)
+
+
+def block_signatures(xp, spec: MaskSpec, layout: str, seq_len: int, num_shards: int, bq: int,
+                     bkv: int, q_positions, kv_positions):
+    """int [q_blocks, kv_blocks, 6]: what decides the pattern of block (i, j) of one step, given
+    the global positions of the queries and of the visiting keys; numpy or jax (xp).
+
+    A block's queries are q0 + f(a) and its keys q0 + delta + g(b), where f and g depend only on
+    the run structure (the first run's length, the gap to the second run's start, the stride),
+    so masks of position differences (causal, windows) depend on (structures, delta), and
+    chunks also on the phase q0 mod chunk. Blocks with equal signatures have equal patterns."""
+    (qf, ql, _), (kf, kl, _) = (block_runs(layout, seq_len, num_shards, b) for b in (bq, bkv))
+    q0, k0 = q_positions[qf[:, 0]], kv_positions[kf[:, 0]]
+    q_gap, k_gap = q_positions[qf[:, 1]] - q0, kv_positions[kf[:, 1]] - k0
+    phase = q0 % spec.chunk if spec.chunk is not None else 0 * q0
+    parts = (ql[:, :1], q_gap[:, None], kl[None, :, 0], k_gap[None, :], k0[None, :] - q0[:, None],
+             phase[:, None])
+    shape = (len(qf), len(kf))
+    return xp.stack([xp.broadcast_to(xp.asarray(p, q0.dtype), shape) for p in parts], axis=-1)
+
+
+def _distinct_partial_blocks(spec, layout, seq_len, sp, bq, bkv, run_steps, classes):
+    """(bool [P, bq, bkv], int32 [P, 6]): one pattern per distinct signature among the partial
+    blocks of every (device, run step), computed once from the first block that has it."""
+    pos = layout_lib.shard_positions(layout, seq_len, sp).astype(np.int64)
+    found: dict[tuple, np.ndarray] = {}
+    for d in range(sp):
+        for t, s in enumerate(run_steps):
+            src = (d - s) % sp
+            sig = block_signatures(np, spec, layout, seq_len, sp, bq, bkv, pos[d], pos[src])
+            for i, j in zip(*np.nonzero(classes[d, t] == 1)):
+                key = tuple(int(x) for x in sig[i, j])
+                if key not in found:
+                    q, k = pos[d, i * bq:(i + 1) * bq], pos[src, j * bkv:(j + 1) * bkv]
+                    found[key] = spec.allowed(q[:, None], k[None, :])
+    if not found:
+        return None, None
+    return np.stack(list(found.values())), np.array(list(found), np.int32)
+
+
+# ----------------------------------------------------------------------------- per step, on device
+
+class StepBlocks(NamedTuple):
+    """One device's blocks at one ring step, built on device: classes int32 [q_blocks,
+    kv_blocks] (0/1/2), and the global positions of its queries and of the visiting keys, int32
+    [L] each."""
+    classes: jax.Array
+    q_positions: jax.Array
+    kv_positions: jax.Array
+
+
+def step_blocks(spec: MaskSpec, layout: str, seq_len: int, num_shards: int, bq: int, bkv: int,
+                device, kv_source) -> StepBlocks:
+    """The blocks of `device`'s queries against the K/V that started on `kv_source` (traced ints),
+    in closed form from the layout: equal to `block_classes(...)[device, step]` (tested)."""
+    L = seq_len // num_shards
+    position = functools.partial(layout_lib.positions_on_device, layout, seq_len, num_shards)
+    q_positions = position(device, jnp.arange(L))
+    kv_positions = position(kv_source, jnp.arange(L))
+    first, length, stride = block_runs(layout, seq_len, num_shards, bkv)
+    if not length[:, 1].any():
+        first, length = first[:, :1], length[:, :1]
+    classes = _classes(jnp, spec, q_positions, kv_positions[first], jnp.asarray(length, jnp.int32),
+                       stride, bq, bkv)
+    return StepBlocks(classes, q_positions, kv_positions)
+
+
+def partial_index(tables: RingTables, spec: MaskSpec, layout: str, seq_len: int,
+                  num_shards: int, bq: int, bkv: int, blocks: StepBlocks):
+    """int32 [q_blocks, kv_blocks]: for each partial block of the step, the index of its pattern
+    in `tables.partial` (found by signature; other blocks get 0). None without partial blocks."""
+    if tables.partial is None:
+        return None
+    sig = block_signatures(jnp, spec, layout, seq_len, num_shards, bq, bkv, blocks.q_positions,
+                           blocks.kv_positions)
+    same = (sig[:, :, None, :] == jnp.asarray(tables.partial_signatures)).all(axis=-1)
+    return jnp.argmax(same, axis=-1).astype(jnp.int32)
+
+
+def grid_tables(classes, partial_index, live, size: int, axis: int):
+    """Splash MaskInfo arrays (data_next, block_mask, mask_next) of one step, each
+    [rows, 1, q_blocks, size] packed along the kv axis (axis=-1: the forward and dq kernels) or
+    [rows, 1, size, kv_blocks] along the q axis (axis=-2: the dkv kernel): the live blocks of
+    each row/column in order, then entries that compute and fetch nothing (skip_dead_entries).
+    live: bool [rows, q_blocks, kv_blocks]; partial_index may be None."""
+    move = lambda x: jnp.moveaxis(jnp.broadcast_to(x, live.shape), axis, -1)  # noqa: E731
+    live_m = move(live)
+    # Stable sort: the live entries first, in block order.
+    order = jnp.argsort(jnp.logical_not(live_m), axis=-1, stable=True)[..., :size].astype(jnp.int32)
+    take = lambda x: None if x is None else jnp.take_along_axis(move(x), order, axis=-1)  # noqa: E731
+    data, block, nxt = skip_dead_entries(order, take(classes), take(partial_index),
+                                         take(live), axis=-1)
+    back = lambda x: None if x is None else jnp.moveaxis(x, -1, axis)[:, None]  # noqa: E731
+    return back(data), back(block), back(nxt)
+
+
+def step_pairs(classes, max_pairs: int):
+    """The step's blocks as (q block, kv block) pairs in row-major order, int32 [max_pairs, 2],
+    and bool [max_pairs], which of them are real (the rest repeat (0, 0))."""
+    i, j = jnp.nonzero(classes > 0, size=max_pairs, fill_value=0)
+    return (jnp.stack([i, j], axis=-1).astype(jnp.int32),
+            jnp.arange(max_pairs) < jnp.count_nonzero(classes > 0))
 
 
 # ----------------------------------------------------------------------------- dynamic (documents)

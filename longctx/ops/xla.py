@@ -2,12 +2,12 @@
 
 Same contract as splash.py (see ring.py for shapes): the step's normalised output and
 logsumexp in the forward, float32 dQ/dK/dV of the step in the backward. The step visits the
-(q block, kv block) pairs of its static table (tables.RingTables.pairs: the blocks the mask
-keeps, row-major) one at a time and computes a pair only when it is live in some batch row
-(the segment ids give its queries and keys a common document), so it computes exactly the
-blocks splash does and a balanced layout costs no more work than a contiguous one. Inside a
-pair the mask is applied element by element from global positions and segment ids. Memory
-per device is O(b * n * L) for the running statistics plus one block pair of logits.
+(q block, kv block) pairs the mask keeps (tables.step_pairs: row-major, built on device) one
+at a time and computes a pair only when it is live in some batch row (the segment ids give
+its queries and keys a common document), so it computes exactly the blocks splash does and a
+balanced layout costs no more work than a contiguous one. Inside a pair the mask is applied
+element by element from global positions and segment ids. Memory per device is O(b * n * L)
+for the running statistics plus one block pair of logits.
 
 Letters: b batch, t query positions (one q block), s key positions (one kv block), k kv heads,
 g query heads per kv head, h head_dim.
@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from longctx.ops.shmap import pick, vary_like
+from longctx.ops import tables
+from longctx.ops.shmap import vary_like
 
 f32 = jnp.float32
 
@@ -33,16 +34,14 @@ def _update(x, block, start, axis):
 class _Step:
     """The fixed inputs of one ring step, and how to cut the pair (i, j) out of them."""
 
-    def __init__(self, cfg, q, k, v, qs, ks, live, d, t):
-        tables = cfg.tables
+    def __init__(self, cfg, q, k, v, qs, ks, blocks, live):
         self.cfg, self.live = cfg, live
         b, L, n, h = q.shape
         self.kvh = k.shape[2]
         self.q5 = q.reshape(b, L, self.kvh, n // self.kvh, h)
         self.k, self.v, self.qs, self.ks = k, v, qs, ks
-        positions = jnp.asarray(tables.q_positions)  # [device, L], global positions
-        self.qpos, self.kpos = positions[d], positions[pick(tables.kv_source, d, t)]
-        self.pairs, self.valid = pick(tables.pairs, d, t), pick(tables.pair_valid, d, t)
+        self.qpos, self.kpos = blocks.q_positions, blocks.kv_positions  # global positions
+        self.pairs, self.valid = tables.step_pairs(blocks.classes, cfg.tables.max_pairs)
 
     def pair(self, p):
         """(i, j, live): the pair's q block, kv block, and whether any row computes it."""
@@ -79,9 +78,9 @@ def _to_bkgt(x, kvh):
     return jnp.moveaxis(x.reshape(b, L, kvh, n // kvh), 1, 3)
 
 
-def fwd_step(cfg, q, k, v, qs, ks, live, d, t):
+def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
     b, L, n, h = q.shape
-    step = _Step(cfg, q, k, v, qs, ks, live, d, t)
+    step = _Step(cfg, q, k, v, qs, ks, blocks, live)
     kvh, bq = step.kvh, cfg.bq
 
     def visit(p, carry):
@@ -114,9 +113,9 @@ def fwd_step(cfg, q, k, v, qs, ks, live, d, t):
     return o.reshape(b, L, n, h), _to_btn(lse)
 
 
-def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, live, d, t):
+def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live):
     b, L, n, h = q.shape
-    step = _Step(cfg, q, k, v, qs, ks, live, d, t)
+    step = _Step(cfg, q, k, v, qs, ks, blocks, live)
     kvh, bq, bkv = step.kvh, cfg.bq, cfg.bkv
     do5 = do.reshape(step.q5.shape)
     lse4, di4 = _to_bkgt(lse, kvh), _to_bkgt(di, kvh)
