@@ -77,13 +77,14 @@ def test_positions_on_device_are_the_layouts():
 
 
 @pytest.mark.parametrize("name", list(MASKS))
-@pytest.mark.parametrize("layout", layout_lib.LAYOUTS)
-@pytest.mark.parametrize("bq,bkv", [(16, 16), (32, 16), (32, 32)])
+@pytest.mark.parametrize("layout,bq,bkv", [(layout, bq, bkv) for layout in layout_lib.LAYOUTS
+                                           for bq, bkv in [(16, 16), (32, 16)]]
+                         + [("zigzag", 32, 32)])
 def test_tables_reproduce_the_dense_mask(name, layout, bq, bkv):
     """The host's classes and every table the ring builds on device, against the dense mask of
-    global positions, for every (device, step). seq_len 384 on 4 shards with 32-token blocks:
-    the middle block of a zigzag shard holds the end of one half and the start of the other
-    (two runs of positions)."""
+    global positions, for every (device, step). Zigzag with seq_len 384 on 4 shards and
+    32-token blocks: the middle block of a shard holds the end of one half and the start of the
+    other (two runs of positions)."""
     sp, seq_len = 4, (384 if bq == bkv == 32 else 256)
     shard_len = seq_len // sp
     spec = masks.make_mask_spec(**MASKS[name])
