@@ -76,40 +76,66 @@ def test_positions_on_device_are_the_layouts():
             np.testing.assert_array_equal(got, layout_lib.shard_positions(layout, seq_len, sp))
 
 
-@pytest.mark.parametrize("name", list(MASKS))
-@pytest.mark.parametrize("layout,bq,bkv", [(layout, bq, bkv) for layout in layout_lib.LAYOUTS
-                                           for bq, bkv in [(16, 16), (32, 16)]]
-                         + [("zigzag", 32, 32)])
-def test_tables_reproduce_the_dense_mask(name, layout, bq, bkv):
-    """The host's classes and every table the ring builds on device, against the dense mask of
-    global positions, for every (device, step). Zigzag with seq_len 384 on 4 shards and
-    32-token blocks: the middle block of a shard holds the end of one half and the start of the
-    other (two runs of positions)."""
-    sp, seq_len = 4, (384 if bq == bkv == 32 else 256)
-    shard_len = seq_len // sp
-    spec = masks.make_mask_spec(**MASKS[name])
-    tb, step_tables = _tables_on_device(spec, layout, seq_len, sp, bq, bkv)
+def _dense_blocks(spec, layout, seq_len, sp, bq, bkv):
+    """{(d, s): (dense mask [L, L], block classes [q blocks, kv blocks])} from global positions."""
     pos = layout_lib.shard_positions(layout, seq_len, sp)
+    out = {}
     for d in range(sp):
         for s in range(sp):
             dense = _dense(spec, pos[d], pos[(d - s) % sp])
-            if s not in tb.run_steps:
-                assert not dense.any(), f"step {s} has work but is pruned"
-                continue
-            t = tb.run_steps.index(s)
-            step = step_tables(d, t)
-            blocks = dense.reshape(shard_len // bq, bq, shard_len // bkv, bkv)
+            blocks = dense.reshape(dense.shape[0] // bq, bq, dense.shape[1] // bkv, bkv)
             kept, full = blocks.any(axis=(1, 3)), blocks.all(axis=(1, 3))
-            classes = np.where(full, 2, np.where(kept, 1, 0))
-            np.testing.assert_array_equal(tb.classes[d, t], classes)
-            np.testing.assert_array_equal(step["classes"], classes)
-            np.testing.assert_array_equal(_from_fwd_tables(step, shard_len, bq, bkv), dense)
-            np.testing.assert_array_equal(_from_dkv_tables(step, shard_len, bq, bkv), dense)
-            assert tb.active[d, t] == dense.any()
-            (pairs, valid), n = step["pairs"], int(kept.sum())
-            np.testing.assert_array_equal(pairs[:n], np.argwhere(kept))
-            assert valid[:n].all() and not valid[n:].any()
-            assert tb.kv_source[d, t] == (d - s) % sp
+            out[d, s] = dense, np.where(full, 2, np.where(kept, 1, 0))
+    return out
+
+
+# Zigzag with seq_len 384 on 4 shards and 32-token blocks: the middle block of a shard holds the
+# end of one half and the start of the other (two runs of positions).
+SHAPES = [(layout, 256, bq, bkv) for layout in layout_lib.LAYOUTS
+          for bq, bkv in [(16, 16), (32, 16)]] + [("zigzag", 384, 32, 32)]
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("layout,seq_len,bq,bkv", SHAPES)
+def test_host_tables_are_the_dense_mask(name, layout, seq_len, bq, bkv):
+    """The host's block classes, pruning and grid sizes, for every (device, step)."""
+    sp = 4
+    spec = masks.make_mask_spec(**MASKS[name])
+    tb = tables.ring_tables(spec, layout, seq_len, sp, bq, bkv)
+    for (d, s), (dense, classes) in _dense_blocks(spec, layout, seq_len, sp, bq, bkv).items():
+        if s not in tb.run_steps:
+            assert not dense.any(), f"step {s} has work but is pruned"
+            continue
+        t = tb.run_steps.index(s)
+        np.testing.assert_array_equal(tb.classes[d, t], classes)
+        assert tb.active[d, t] == dense.any()
+        assert tb.kv_source[d, t] == (d - s) % sp
+        assert (classes > 0).sum(axis=1).max() <= tb.grid_width
+        assert (classes > 0).sum(axis=0).max() <= tb.grid_height
+        assert (classes > 0).sum() <= tb.max_pairs
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("layout,seq_len,bq,bkv", [("contiguous", 256, 32, 16),
+                                                   ("striped", 256, 32, 16), SHAPES[-1]])
+def test_device_tables_reproduce_the_dense_mask(name, layout, seq_len, bq, bkv):
+    """Every table the ring builds on device, against the dense mask of global positions, for
+    every (device, step): its block classes, the forward/dq and dkv MaskInfo rebuilt into a dense
+    mask, and the XLA path's pairs."""
+    sp = 4
+    shard_len = seq_len // sp
+    spec = masks.make_mask_spec(**MASKS[name])
+    tb, step_tables = _tables_on_device(spec, layout, seq_len, sp, bq, bkv)
+    for (d, s), (dense, classes) in _dense_blocks(spec, layout, seq_len, sp, bq, bkv).items():
+        if s not in tb.run_steps:
+            continue
+        step = step_tables(d, tb.run_steps.index(s))
+        np.testing.assert_array_equal(step["classes"], classes)
+        np.testing.assert_array_equal(_from_fwd_tables(step, shard_len, bq, bkv), dense)
+        np.testing.assert_array_equal(_from_dkv_tables(step, shard_len, bq, bkv), dense)
+        (pairs, valid), n = step["pairs"], int((classes > 0).sum())
+        np.testing.assert_array_equal(pairs[:n], np.argwhere(classes > 0))
+        assert valid[:n].all() and not valid[n:].any()
 
 
 def test_partial_blocks_are_deduplicated():
