@@ -71,8 +71,13 @@ def _inputs(seed, batch, seq_len, kv_heads, dtype=np.float32):
 
 @functools.lru_cache(maxsize=None)
 def _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_seg, with_aux,
-                  kv_segments_differ=False):
+                  kv_segments_differ=False, split_backward=False):
     mesh = _mesh(sp, fsdp)
+    block = BLOCK
+    if split_backward:  # splash's dq and dkv kernels instead of its fused backward
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+        block = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK,
+                              use_fused_bwd_kernel=False)
     kw = dict(mask_items)
     # "auto": the data pipeline permutes rows with the layout resolve_layout names
     perm = layout_lib.permutation(resolve_layout(layout, seq_len, sp, **kw), seq_len, sp)
@@ -80,7 +85,7 @@ def _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_se
 
     def per_shard(q, k, v, qs, ks, pos, aux):
         return ring_attention(q, k, v, qs, ks, aux, positions=pos, logits_soft_cap=soft_cap,
-                              axis_name="sp", layout=layout, impl=impl, block_sizes=BLOCK, **kw)
+                              axis_name="sp", layout=layout, impl=impl, block_sizes=block, **kw)
 
     def ring(q, k, v, qs, ks, aux):
         f = jax.shard_map(per_shard, mesh=mesh,
@@ -112,15 +117,16 @@ def _ref_program(mask_items, soft_cap):
 
 
 def _check(*, impl, layout, mask, with_seg, kv_heads, with_aux, soft_cap, sp=4, fsdp=2,
-           seed=0, segments=None):
+           seed=0, segments=None, shard=SHARD, split_backward=False):
     """`segments`, if given, replaces the random documents: natural-order ids [batch, S]."""
-    seq_len, batch = SHARD * sp, 2 * fsdp
+    seq_len, batch = shard * sp, 2 * fsdp
     q, k, v, seg, aux, dout = _inputs(seed, batch, seq_len, kv_heads)
     seg = seg if segments is None else segments
     qs = seg if with_seg else None
     aux = aux if with_aux else None
     mask_items = tuple(sorted(MASKS[mask].items()))
-    ring = _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_seg, with_aux)
+    ring = _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_seg, with_aux,
+                         split_backward=split_backward)
     out, grads = ring(q, k, v, qs, None, aux, dout)
     ref_out, ref_grads = _ref_program(mask_items, soft_cap)(q, k, v, qs, None, aux, dout)
     np.testing.assert_allclose(out, ref_out, **FWD_TOL, err_msg="output")
@@ -162,6 +168,15 @@ SPLASH_CASES = [  # every mask once; layouts, segments, GQA, sinks and soft cap 
 def test_splash_ring_matches_reference(layout, mask, with_seg, kv_heads, with_aux, soft_cap):
     _check(impl="splash", layout=layout, mask=mask, with_seg=with_seg, kv_heads=kv_heads,
            with_aux=with_aux, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_splash_backward_fused_in_groups_and_split(split_backward):
+    """Shards of 4 blocks: splash's fused backward runs in two groups of two kv blocks (float32;
+    ops/splash.py kv_group_size), and the split one (dq and dkv kernels) still works."""
+    _check(impl="splash", layout="zigzag", mask="causal_window", with_seg=True, kv_heads=2,
+           with_aux=True, soft_cap=None, sp=2, fsdp=1, shard=4 * BLOCK,
+           split_backward=split_backward)
 
 
 @pytest.mark.parametrize("impl,sp,fsdp,layout,mask", [

@@ -51,6 +51,7 @@ class RingConfig:
     axis_name: str
     interpret: bool
     skip_documents: bool = True
+    fused_bwd: bool = False
 
     @property
     def tables(self) -> tables_lib.RingTables:
@@ -194,11 +195,12 @@ def _backward(cfg, res, do):
         dk, dv = acc
         blocks = _step_blocks(cfg, d, t)
         live = _live(cfg, blocks, q_ranges, ks_t)
-        dq_s, dk_s, dv_s = lax.cond(
+        # The backend adds this step's dQ into the float32 accumulator itself (one copy of it).
+        dq, dk_s, dv_s = lax.cond(
             _any_live(cfg, d, t, live, qs),
-            lambda: backend.bwd_step(cfg, qx, k_t, v_t, qs, ks_t, lse_k, do, di, blocks, live),
-            lambda: (zq, zk, zk))
-        return (dk + dk_s, dv + dv_s), dq + dq_s
+            lambda: backend.bwd_step(cfg, qx, k_t, v_t, qs, ks_t, lse_k, do, di, blocks, live, dq),
+            lambda: (dq, zk, zk))
+        return (dk + dk_s, dv + dv_s), dq
 
     zq, zk = vary_like((jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32)), q)
     (dk, dv), dq, hops = _ring_loop(cfg, (k, v, ks), (zk, zk), zq, body)
@@ -274,8 +276,6 @@ def _block_sizes(block_sizes, shard_len, impl):
             if getattr(bs, name) not in (None, bs.block_kv):
                 raise ValueError(f"block_sizes.{name}={getattr(bs, name)} must equal "
                                  f"block_sizes.block_kv={bs.block_kv} (one mask table per ring step)")
-        if bs.use_fused_bwd_kernel:
-            raise ValueError("block_sizes.use_fused_bwd_kernel=True is not supported by the ring")
         sizes = (bs.block_q, bs.block_kv, bs.block_kv_compute or bs.block_kv,
                  bs.block_kv_dkv_compute or bs.block_kv)
     else:
@@ -292,6 +292,13 @@ def _block_sizes(block_sizes, shard_len, impl):
         raise ValueError(f"block_sizes: block_kv={sizes[1]} must be a multiple of the compute "
                          f"blocks {sizes[2]} and {sizes[3]}")
     return sizes
+
+
+def _fused_backward(block_sizes) -> bool:
+    """Whether splash's backward runs as one fused kernel (dq, dk, dv in one pass; ops/splash.py)
+    or as its dq and dkv kernels: fused unless a splash BlockSizes asks otherwise."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    return not isinstance(block_sizes, sk.BlockSizes) or block_sizes.use_fused_bwd_kernel
 
 
 def _on_tpu():
@@ -319,7 +326,8 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     each document's start, as at inference. softmax_aux [heads] are attention-sink logits
     (differentiable). impl="splash" runs the Pallas TPU kernel (interpret mode off TPU);
     impl="xla" the same schedule in plain XLA. block_sizes: None (512/256/128 dividing L), an
-    int, or a splash BlockSizes. skip_documents=False computes every block the static mask keeps
+    int, or a splash BlockSizes (its use_fused_bwd_kernel=False gives splash's separate dq and
+    dkv kernels instead of the fused backward). skip_documents=False computes every block the static mask keeps
     and leaves documents to the element-wise mask (the same result, slower: for measuring what
     the skipping buys). Returns [b, L, heads, head_dim] in query's dtype.
     """
@@ -416,7 +424,8 @@ def _prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, p
                      soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                      scale=scale, axis_name=axis_name,
                      interpret=impl == "splash" and not _on_tpu(),
-                     skip_documents=bool(skip_documents))
+                     skip_documents=bool(skip_documents),
+                     fused_bwd=impl == "splash" and _fused_backward(block_sizes))
     if softmax_aux is not None:
         # The sink gradient of a replicated aux is summed over devices by the cast's transpose.
         softmax_aux = vary_like(softmax_aux, query)

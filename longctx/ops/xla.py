@@ -113,7 +113,7 @@ def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
     return o.reshape(b, L, n, h), _to_btn(lse)
 
 
-def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live):
+def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
     b, L, n, h = q.shape
     step = _Step(cfg, q, k, v, qs, ks, blocks, live)
     kvh, bq, bkv = step.kvh, cfg.bq, cfg.bkv
@@ -144,7 +144,7 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live):
 
         return lax.cond(is_live, run, lambda: carry)
 
-    init = vary_like((jnp.zeros(step.q5.shape, f32), jnp.zeros(k.shape, f32),
-                      jnp.zeros(k.shape, f32)), q)
+    init = (dq.reshape(step.q5.shape),) + vary_like((jnp.zeros(k.shape, f32),
+                                                     jnp.zeros(k.shape, f32)), q)
     dq, dk, dv = lax.fori_loop(0, step.pairs.shape[0], visit, init)
     return dq.reshape(b, L, n, h), dk, dv
