@@ -171,9 +171,9 @@ def test_splash_ring_matches_reference(layout, mask, with_seg, kv_heads, with_au
 
 
 @pytest.mark.parametrize("split_backward", [False, True])
-def test_splash_backward_fused_in_groups_and_split(split_backward):
-    """Shards of 4 blocks: splash's fused backward runs in two groups of two kv blocks (float32;
-    ops/splash.py kv_group_size), and the split one (dq and dkv kernels) still works."""
+def test_splash_backward_fused_per_kv_block_and_split(split_backward):
+    """Shards of 4 blocks: splash's fused backward runs one kv block at a time, each adding its
+    dq into the ring's (ops/splash.py), and the split one (dq and dkv kernels) still works."""
     _check(impl="splash", layout="zigzag", mask="causal_window", with_seg=True, kv_heads=2,
            with_aux=True, soft_cap=None, sp=2, fsdp=1, shard=4 * BLOCK,
            split_backward=split_backward)

@@ -10,11 +10,12 @@ At ring step s device d holds the K/V (and kv segment ids) that started on devic
 Only `run_steps` (steps with work on some device) execute; consecutive run steps are a
 `lax.fori_loop` passing K/V one hop per iteration, and a gap between runs is a single ppermute
 of the gap's length, so K/V never travel further than the last run step and the traced program
-does not grow with sp. At every step each device works out its live blocks (tables.py: the
-static mask's blocks, less those whose queries and keys share no document, per batch row) and
-skips its kernel when there are none (`lax.cond`). The per-step math lives in a backend
-(splash.py or xla.py) that returns the step's normalised output and logsumexp, computing only
-live blocks; merging, sinks and the sink gradient live here, once.
+does not grow with sp. At every step each device works out its blocks in closed form and its
+live blocks (tables.py: the static mask's blocks, less those whose queries and keys share no
+document, per batch row) and skips its kernel when there are none (`lax.cond`). The per-step
+math lives in a backend (splash.py or xla.py) that returns the step's normalised output and
+logsumexp in the forward and adds the step's dQ into the float32 accumulator in the backward,
+computing only live blocks; merging, sinks and the sink gradient live here, once.
 """
 from __future__ import annotations
 
@@ -327,9 +328,9 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     (differentiable). impl="splash" runs the Pallas TPU kernel (interpret mode off TPU);
     impl="xla" the same schedule in plain XLA. block_sizes: None (512/256/128 dividing L), an
     int, or a splash BlockSizes (its use_fused_bwd_kernel=False gives splash's separate dq and
-    dkv kernels instead of the fused backward). skip_documents=False computes every block the static mask keeps
-    and leaves documents to the element-wise mask (the same result, slower: for measuring what
-    the skipping buys). Returns [b, L, heads, head_dim] in query's dtype.
+    dkv kernels instead of the fused backward). skip_documents=False computes every block the
+    static mask keeps and leaves documents to the element-wise mask (the same result, slower:
+    for measuring what the skipping buys). Returns [b, L, heads, head_dim] in query's dtype.
     """
     cfg, q_ids, kv_ids, aux = _prepare(
         query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, positions=positions,

@@ -5,9 +5,8 @@ and handed to splash's own forward (save_residuals: out + logsumexp) and backwar
 which skip empty blocks and apply partial blocks, segment ids and the soft cap. The backward
 is splash's fused kernel (dq, dk and dv from one pass over the blocks; on CPU, causal 8K,
 sp=4: 25-32% faster than its separate dq and dkv kernels, which each recompute the
-probabilities), run over groups of kv blocks so that its per-kv-block dq stays small
-(`kv_group_size`); a splash BlockSizes with use_fused_bwd_kernel=False selects the two
-kernels.
+probabilities), called one kv block at a time so that its per-kv-block dq stays one block's
+worth; a splash BlockSizes with use_fused_bwd_kernel=False selects the two kernels.
 Splash's public `make_splash_mha` builds its MaskInfo from one static mask for the whole
 sequence; a ring needs a different one per (device, step), so we call the kernel functions
 below that layer (`_splash_attention_forward`, `_splash_attention_bwd_dq`, `_splash_attention_
@@ -35,14 +34,14 @@ def _mask_infos(cfg, blocks, live):
     """((data_next, block_mask, mask_next), partial blocks) for the forward/dq kernels and for
     the dkv kernel at this step, built on device from its blocks (ops/tables.py): each q-block
     row's (kv-block column's) live blocks packed into the grid, the rest computing and fetching
-    nothing. The arrays are one set per batch row ([b, ...]) when documents make the rows
-    differ, else one for all rows; the partial blocks are shared."""
+    nothing; for the fused backward the dkv grid is not packed (it writes dq by grid position).
+    The arrays are one set per batch row ([b, ...]) when documents make the rows differ, else
+    one for all rows; the partial blocks are shared."""
     tb = cfg.tables
     index = tables_lib.partial_index(tb, cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq,
                                      cfg.bkv, blocks)
     partial = None if tb.partial is None else jnp.asarray(tb.partial)
     fwd = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_width, axis=-1)
-    # Splash's fused backward writes dq blocks by grid position: its dkv grid is not packed.
     dkv = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_height, axis=-2,
                                  packed=not cfg.fused_bwd)
     if live.shape[0] == 1:  # one MaskInfo for every row
@@ -116,16 +115,6 @@ def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
     return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
 
 
-def kv_group_size(kv_blocks: int, dtype) -> int:
-    """How many kv blocks one call of splash's fused backward takes. The kernel writes dq once
-    per kv block ([kv blocks, heads, L, head_dim] in the input dtype, summed after it), which at
-    long L is far more memory than the attention itself; groups of at most 2 bytes per dq
-    element (one block in float32, one in bf16), added into the ring's float32 dq one group at
-    a time, bound it."""
-    limit = max(1, 2 // jnp.dtype(dtype).itemsize)
-    return max(g for g in range(1, min(limit, kv_blocks) + 1) if kv_blocks % g == 0)
-
-
 def _bwd_kernel_inputs(qs, ks, lse, do, di, q, k, v):
     """The backward kernels' per-row inputs, heads-major."""
     return (_heads_major(q), _heads_major(k), _heads_major(v), _segments(qs, ks),
@@ -139,15 +128,16 @@ def _common(cfg):
 
 
 def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
-    """bwd_step on splash's fused kernel: one pass over the blocks computes dq, dk and dv, over
-    groups of kv blocks (`kv_group_size`), each group's dq added into the ring's float32 `dq`.
-    The loop runs outside the kernel's local region so the accumulator keeps its type and is
-    updated in place (an accumulator inside the region cost a second float32 dq: 64K tokens on
-    v5p:2x2x2, 259 vs 177 MiB of temporaries)."""
-    _, (arrays, partial) = _mask_infos(cfg, blocks, live)  # dkv grid, unpacked
-    kv_blocks = arrays[0].shape[-1]
-    group = kv_group_size(kv_blocks, q.dtype)
-    width = group * cfg.bkv
+    """bwd_step on splash's fused kernel: one pass over the blocks computes dq, dk and dv.
+
+    The kernel writes dq once per kv block of its call ([kv blocks, heads, L, head_dim] in the
+    input dtype, summed after it): called on the whole shard that is kv_blocks times the
+    attention's own memory (64 GiB per step at 65,536 tokens per chip for the 8B shape). So it
+    is called one kv block at a time, and each block's dq is added into the ring's float32
+    `dq` in place. The loop runs outside the kernel's local region so that the accumulator
+    keeps its type and is updated in place (an accumulator inside the region cost a second
+    float32 dq: 64K tokens on v5p:2x2x2, 259 vs 177 MiB of temporaries)."""
+    _, (arrays, partial) = _mask_infos(cfg, blocks, live)  # the dkv grid, unpacked
     common = _common(cfg)
 
     def kernel(arrays, q, k, v, qs, ks, lse, do, di):
@@ -159,20 +149,20 @@ def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
 
         return _over_rows(one_row, live)(arrays, *_bwd_kernel_inputs(qs, ks, lse, do, di, q, k, v))
 
-    def one_group(g, carry):
+    def one_kv_block(j, carry):
         dq, dk, dv = carry
-        cols = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
-            x, g * group, group, axis=x.ndim - 1)
+        column = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
+            x, j, 1, axis=x.ndim - 1)
         keys = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
-            x, g * width, width, axis=1)
-        dq_g, dk_g, dv_g = _local(kernel, q, tuple(map(cols, arrays)), q, keys(k), keys(v), qs,
+            x, j * cfg.bkv, cfg.bkv, axis=1)
+        dq_j, dk_j, dv_j = _local(kernel, q, tuple(map(column, arrays)), q, keys(k), keys(v), qs,
                                   keys(ks), lse, do, di)
         put = lambda total, part: lax.dynamic_update_slice_in_dim(  # noqa: E731
-            total, _heads_major(part).astype(jnp.float32), g * width, axis=1)
-        return dq + _heads_major(dq_g).astype(jnp.float32), put(dk, dk_g), put(dv, dv_g)
+            total, _heads_major(part).astype(jnp.float32), j * cfg.bkv, axis=1)
+        return dq + _heads_major(dq_j).astype(jnp.float32), put(dk, dk_j), put(dv, dv_j)
 
     zeros = vary_like(jnp.zeros(k.shape, jnp.float32), q)
-    return lax.fori_loop(0, kv_blocks // group, one_group, (dq, zeros, zeros))
+    return lax.fori_loop(0, arrays[0].shape[-1], one_kv_block, (dq, zeros, zeros))
 
 
 def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):

@@ -1,13 +1,14 @@
 """The ring step in plain XLA: block-sparse online softmax, recomputation in the backward.
 
 Same contract as splash.py (see ring.py for shapes): the step's normalised output and
-logsumexp in the forward, float32 dQ/dK/dV of the step in the backward. The step visits the
-(q block, kv block) pairs the mask keeps (tables.step_pairs: row-major, built on device) one
-at a time and computes a pair only when it is live in some batch row (the segment ids give
-its queries and keys a common document), so it computes exactly the blocks splash does and a
-balanced layout costs no more work than a contiguous one. Inside a pair the mask is applied
-element by element from global positions and segment ids. Memory per device is O(b * n * L)
-for the running statistics plus one block pair of logits.
+logsumexp in the forward; in the backward, the step's dQ added into the ring's float32
+accumulator, and its float32 dK/dV. The step visits the (q block, kv block) pairs the mask
+keeps (tables.step_pairs: row-major, built on device) one at a time and computes a pair only
+when it is live in some batch row (the segment ids give its queries and keys a common
+document), so it computes exactly the blocks splash does and a balanced layout costs no more
+work than a contiguous one. Inside a pair the mask is applied element by element from global
+positions and segment ids. Memory per device is O(b * n * L) for the running statistics plus
+one block pair of logits.
 
 Letters: b batch, t query positions (one q block), s key positions (one kv block), k kv heads,
 g query heads per kv head, h head_dim.
