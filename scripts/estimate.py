@@ -118,17 +118,35 @@ def sweep_point(config, topology: str, sp: int, shard_len: int) -> dict:
     return out
 
 
+def _source_digest() -> str:
+    """A digest of longctx's own source files: what a stored sweep point was measured with."""
+    import hashlib
+
+    import longctx
+    root = os.path.dirname(os.path.abspath(longctx.__file__))
+    digest = hashlib.sha256()
+    for folder, _, names in sorted(os.walk(root)):
+        for name in sorted(n for n in names if n.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 def sweep(config, searches, lo_limit, hi_limit, out_stem) -> dict:
     """Doubling search of the longest per-chip shard L (power of two) that fits, for each
     (topology, sp, first L) of `searches`."""
-    results = {"command": bc.command_line(), "model": _model_line(config), "points": [],
-               "best": [], "search": _SWEEP_GROW.value or _SWEEP_SHRINK.value}
-    # Points of an earlier sweep of the same model are reused (compiles take minutes).
+    results = {"command": bc.command_line(), "model": _model_line(config),
+               "source": _source_digest(), "points": [], "best": [],
+               "search": _SWEEP_GROW.value or _SWEEP_SHRINK.value}
+    # Points of an earlier sweep of the same model by the same code are reused (compiles take
+    # minutes): an interrupted sweep resumes; a changed longctx measures afresh.
     previous = {}
     if os.path.exists(out_stem + ".json"):
         with open(out_stem + ".json") as f:
             old = json.load(f)
-        if old.get("model") == results["model"]:
+        if old.get("model") == results["model"] and old.get("source") == results["source"]:
             previous = {(p["topology"], p["sp"], p["shard_len"]): p for p in old["points"]}
 
     save = functools.partial(_save_sweep, out_stem, results)

@@ -92,6 +92,7 @@ def test_sweep_points_compile_once_each(tmp_path):
     r = json.load(open(out + ".json"))
     assert [(q["topology"], q["sp"], q["shard_len"]) for q in r["points"]] == [("v5p:2x2x2", 4, 256)]
     assert r["best"][0]["longest_seq_len"] == 1024 and r["best"][0]["compiles"] == 1
+    assert len(r["source"]) == 16  # a later sweep reuses these points only with the same code
     assert "one compile at its first L" in open(out + ".md").read()
     bad = run("scripts/estimate.py", "--config=configs/base.py:tiny", "--sweep",
               "--sweep_points=v5p:2x2x2/four/256", f"--sweep_out={out}")
