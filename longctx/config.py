@@ -25,7 +25,8 @@ def _choices() -> dict[str, tuple]:
     from longctx.data import packing
 
     return {"attention.impl": ops.IMPLS, "attention.layout": layout.LAYOUTS + ("auto",),
-            "attention.residuals": attention.RESIDUAL_POLICIES, "data.packer": packing.PACKERS, "model.dtype": DTYPES, "model.param_dtype": DTYPES,
+            "attention.residuals": attention.RESIDUAL_POLICIES, "data.packer": packing.PACKERS,
+            "model.dtype": DTYPES, "model.param_dtype": DTYPES,
             "model.remat_policy": tuple(model.REMAT_POLICIES), "train.on_nonfinite": NONFINITE_ACTIONS}
 
 

@@ -8,7 +8,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

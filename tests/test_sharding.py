@@ -9,7 +9,6 @@ import sys
 
 import jax
 import numpy as np
-import pytest
 
 from longctx import checkpoint as checkpoint_lib
 from longctx import data as data_lib

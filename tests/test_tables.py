@@ -31,8 +31,8 @@ def _tables_on_device(spec, layout, seq_len, sp, bq, bkv):
 
     @jax.jit
     def step(d, t):
-        src = (d - jnp.asarray(tb.run_steps)[t]) % sp
-        blocks = tables.step_blocks(spec, layout, seq_len, sp, bq, bkv, d, src)
+        blocks = tables.step_blocks(spec, layout, seq_len, sp, bq, bkv, d,
+                                    jnp.asarray(tb.kv_source)[d, t])
         index = tables.partial_index(tb, spec, layout, seq_len, sp, bq, bkv, blocks)
         live = (blocks.classes > 0)[None]
         return dict(classes=blocks.classes, partial=tb.partial,

@@ -123,9 +123,8 @@ def _merge(o, lse, o_s, lse_s):
 
 def _step_blocks(cfg, d, t):
     """This device's blocks at run step t, built on device (ops/tables.py)."""
-    kv_source = (d - jnp.asarray(cfg.tables.run_steps, jnp.int32)[t]) % cfg.sp
     return tables_lib.step_blocks(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq, cfg.bkv,
-                                  d, kv_source)
+                                  d, pick(cfg.tables.kv_source, d, t))
 
 
 def _live(cfg, blocks, q_ranges, ks_t):

@@ -30,24 +30,31 @@ MASK_VALUE = sk.DEFAULT_MASK_VALUE
 _HEAD_MINOR = sk.QKVLayout.HEAD_DIM_MINOR
 
 
-def _mask_infos(cfg, blocks, live):
-    """((data_next, block_mask, mask_next), partial blocks) for the forward/dq kernels and for
-    the dkv kernel at this step, built on device from its blocks (ops/tables.py): each q-block
-    row's (kv-block column's) live blocks packed into the grid, the rest computing and fetching
-    nothing; for the fused backward the dkv grid is not packed (it writes dq by grid position).
-    The arrays are one set per batch row ([b, ...]) when documents make the rows differ, else
-    one for all rows; the partial blocks are shared."""
+def _partial_index(cfg, blocks):
+    """Each partial block's pattern in cfg.tables.partial (ops/tables.py), shared by every kernel
+    of the step."""
+    return tables_lib.partial_index(cfg.tables, cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq,
+                                    cfg.bkv, blocks)
+
+
+def _mask_info(cfg, blocks, live, index, kernel: str):
+    """((data_next, block_mask, mask_next), partial blocks) of this step for `kernel`, built on
+    device from its blocks (ops/tables.py). "fwd" (the forward and dq kernels): each q-block
+    row's live blocks packed into the grid, the rest computing and fetching nothing. "dkv": the
+    same per kv-block column, not packed for the fused backward (it writes dq by grid position),
+    partial blocks transposed ([kv, q], as the kernel reads them). The arrays are one set per
+    batch row ([b, ...]) when documents make the rows differ, else one for all rows."""
     tb = cfg.tables
-    index = tables_lib.partial_index(tb, cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq,
-                                     cfg.bkv, blocks)
     partial = None if tb.partial is None else jnp.asarray(tb.partial)
-    fwd = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_width, axis=-1)
-    dkv = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_height, axis=-2,
-                                 packed=not cfg.fused_bwd)
+    if kernel == "fwd":
+        arrays = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_width, axis=-1)
+    else:
+        arrays = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_height, axis=-2,
+                                        packed=not cfg.fused_bwd)
+        partial = None if partial is None else partial.swapaxes(1, 2)
     if live.shape[0] == 1:  # one MaskInfo for every row
-        fwd, dkv = (tuple(None if x is None else x[0] for x in arrays) for arrays in (fwd, dkv))
-    # The dkv kernel reads partial blocks transposed: [kv, q].
-    return (fwd, partial), (dkv, None if partial is None else partial.swapaxes(1, 2))
+        arrays = tuple(None if x is None else x[0] for x in arrays)
+    return arrays, partial
 
 
 def _info(arrays, partial):
@@ -92,7 +99,7 @@ def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
     sizes = sk.BlockSizes(block_q=cfg.bq, block_kv=cfg.bkv, block_kv_compute=cfg.bkv_compute)
 
     def local(q, k, v, qs, ks, blocks, live):
-        (arrays, partial), _ = _mask_infos(cfg, blocks, live)
+        arrays, partial = _mask_info(cfg, blocks, live, _partial_index(cfg, blocks), "fwd")
 
         def one_row(arrays, q1, k1, v1, seg):
             out, (lse,) = sk._splash_attention_forward(  # pylint: disable=protected-access
@@ -137,7 +144,7 @@ def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
     `dq` in place. The loop runs outside the kernel's local region so that the accumulator
     keeps its type and is updated in place (an accumulator inside the region cost a second
     float32 dq: 64K tokens on v5p:2x2x2, 259 vs 177 MiB of temporaries)."""
-    _, (arrays, partial) = _mask_infos(cfg, blocks, live)  # the dkv grid, unpacked
+    arrays, partial = _mask_info(cfg, blocks, live, _partial_index(cfg, blocks), "dkv")
     common = _common(cfg)
 
     def kernel(arrays, q, k, v, qs, ks, lse, do, di):
@@ -171,7 +178,9 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
     common = _common(cfg)
 
     def local(q, k, v, qs, ks, lse, do, di, blocks, live):
-        (fwd_arrays, fwd_partial), (dkv_arrays, dkv_partial) = _mask_infos(cfg, blocks, live)
+        index = _partial_index(cfg, blocks)
+        fwd_arrays, fwd_partial = _mask_info(cfg, blocks, live, index, "fwd")
+        dkv_arrays, dkv_partial = _mask_info(cfg, blocks, live, index, "dkv")
 
         def one_row(arrays, q1, k1, v1, seg, lse1, do1, di1):
             # dq and dk/dv from two kernels, each recomputing the probabilities.

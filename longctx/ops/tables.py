@@ -47,17 +47,20 @@ from longctx import layout as layout_lib
 from longctx.masks import MaskSpec, default_block_size, make_mask_spec
 
 def block_runs(layout: str, seq_len: int, num_shards: int, block: int):
-    """Each block of `block` local indices as at most two runs of evenly spaced global positions,
-    the same on every shard: (first local index int [blocks, 2], length int [blocks, 2], stride).
-    One run per block except a zigzag block that straddles the middle of its shard."""
+    """Each block of `block` local indices as runs of evenly spaced global positions, the same
+    on every shard: (first local index int [blocks, runs], length int [blocks, runs], stride).
+    One run per block, except when a zigzag block straddles the middle of its shard: then two
+    for every block (a block that does not straddle has an empty second run)."""
     L = seq_len // num_shards
     start = np.arange(0, L, block)
     middle = L // 2 if layout == "zigzag" else L
     straddles = (start < middle) & (middle < start + block)
+    stride = num_shards if layout == "striped" else 1
+    if not straddles.any():
+        return start[:, None], np.full((len(start), 1), block), stride
     first_len = np.where(straddles, middle - start, block)
     first = np.stack([start, np.where(straddles, middle, start)], axis=1)
-    return first, np.stack([first_len, block - first_len], axis=1), (
-        num_shards if layout == "striped" else 1)
+    return first, np.stack([first_len, block - first_len], axis=1), stride
 
 
 def _keys_in_bounds(xp, lo, hi, first_position, length, stride: int):
@@ -92,8 +95,6 @@ def block_classes(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
     """int8 [device, step, q_blocks, kv_blocks] for every step 0..sp-1 of the ring (host)."""
     pos = layout_lib.shard_positions(layout, seq_len, num_shards).astype(np.int64)
     first, length, stride = block_runs(layout, seq_len, num_shards, bkv)
-    if not length[:, 1].any():
-        first, length = first[:, :1], length[:, :1]
     out = np.stack([
         np.stack([_classes(np, spec, pos[d], pos[(d - s) % num_shards][first], length, stride,
                            bq, bkv) for s in range(num_shards)])
@@ -204,7 +205,8 @@ def block_signatures(xp, spec: MaskSpec, layout: str, seq_len: int, num_shards: 
     chunks also on the phase q0 mod chunk. Blocks with equal signatures have equal patterns."""
     (qf, ql, _), (kf, kl, _) = (block_runs(layout, seq_len, num_shards, b) for b in (bq, bkv))
     q0, k0 = q_positions[qf[:, 0]], kv_positions[kf[:, 0]]
-    q_gap, k_gap = q_positions[qf[:, 1]] - q0, kv_positions[kf[:, 1]] - k0
+    # The last run's start: the second run's, or the first's again (gap 0) for one run.
+    q_gap, k_gap = q_positions[qf[:, -1]] - q0, kv_positions[kf[:, -1]] - k0
     phase = q0 % spec.chunk if spec.chunk is not None else 0 * q0
     parts = (ql[:, :1], q_gap[:, None], kl[None, :, 0], k_gap[None, :], k0[None, :] - q0[:, None],
              phase[:, None])
@@ -251,8 +253,6 @@ def step_blocks(spec: MaskSpec, layout: str, seq_len: int, num_shards: int, bq: 
     q_positions = position(device, jnp.arange(L))
     kv_positions = position(kv_source, jnp.arange(L))
     first, length, stride = block_runs(layout, seq_len, num_shards, bkv)
-    if not length[:, 1].any():
-        first, length = first[:, :1], length[:, :1]
     classes = _classes(jnp, spec, q_positions, kv_positions[first], jnp.asarray(length, jnp.int32),
                        stride, bq, bkv)
     return StepBlocks(classes, q_positions, kv_positions)
