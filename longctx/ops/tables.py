@@ -292,12 +292,12 @@ def grid_tables(classes, partial_index, live, size: int, axis: int, packed: bool
     return back(data), back(block), back(nxt)
 
 
-def step_pairs(classes, max_pairs: int):
-    """The step's blocks as (q block, kv block) pairs in row-major order, int32 [max_pairs, 2],
-    and bool [max_pairs], which of them are real (the rest repeat (0, 0))."""
-    i, j = jnp.nonzero(classes > 0, size=max_pairs, fill_value=0)
-    return (jnp.stack([i, j], axis=-1).astype(jnp.int32),
-            jnp.arange(max_pairs) < jnp.count_nonzero(classes > 0))
+def step_pairs(blocks, max_pairs: int):
+    """The nonzero entries of `blocks` [q_blocks, kv_blocks] (classes, or live flags) as
+    (q block, kv block) pairs in row-major order: int32 [max_pairs, 2], and how many of them are
+    real (the rest repeat (0, 0))."""
+    i, j = jnp.nonzero(blocks, size=max_pairs, fill_value=0)
+    return jnp.stack([i, j], axis=-1).astype(jnp.int32), jnp.count_nonzero(blocks)
 
 
 # ----------------------------------------------------------------------------- dynamic (documents)

@@ -2,13 +2,18 @@
 
 Same contract as splash.py (see ring.py for shapes): the step's normalised output and
 logsumexp in the forward; in the backward, the step's dQ added into the ring's float32
-accumulator, and its float32 dK/dV. The step visits the (q block, kv block) pairs the mask
-keeps (tables.step_pairs: row-major, built on device) one at a time and computes a pair only
-when it is live in some batch row (the segment ids give its queries and keys a common
-document), so it computes exactly the blocks splash does and a balanced layout costs no more
-work than a contiguous one. Inside a pair the mask is applied element by element from global
-positions and segment ids. Memory per device is O(b * n * L) for the running statistics plus
-one block pair of logits.
+accumulator, and its float32 dK/dV. The step visits, one at a time, exactly the (q block,
+kv block) pairs that are live in some batch row (the static mask keeps them and the segment ids
+give their queries and keys a common document; tables.step_pairs, row-major, built on device):
+a loop of data-dependent length, so it computes what splash does and a balanced layout costs no
+more work than a contiguous one. Inside a pair the mask is applied element by element from
+global positions and segment ids, except on a block the static mask keeps whole when there are
+no documents. Memory per device is O(b * n * L) for the running statistics plus one block pair
+of logits.
+
+Inside the step the operands are head-major ([b, k, g, L, h], K/V [b, k, L, h]), transposed
+once per step, so that every block product is a plain batched matmul with no transposes of its
+own (on CPU, causal 8K, sp=4: forward 646 -> 331 ms with the pair list and this layout).
 
 Letters: b batch, t query positions (one q block), s key positions (one kv block), k kv heads,
 g query heads per kv head, h head_dim.
@@ -24,128 +29,122 @@ from longctx.ops.shmap import vary_like
 f32 = jnp.float32
 
 
-def _slice(x, start, size, axis):
-    return lax.dynamic_slice_in_dim(x, start, size, axis)
+def _heads_major(x, kvh):
+    """[b, L, n, ...] -> [b, k, g, L, ...] (n = k * g)."""
+    b, L, n = x.shape[:3]
+    return jnp.moveaxis(x.reshape(b, L, kvh, n // kvh, *x.shape[3:]), 1, 3)
 
 
-def _update(x, block, start, axis):
-    return lax.dynamic_update_slice_in_dim(x, block, start, axis)
+def _heads_minor(x):
+    """[b, k, g, L, ...] -> [b, L, n, ...]: the inverse of _heads_major."""
+    b, kvh, g, L = x.shape[:4]
+    return jnp.moveaxis(x, 3, 1).reshape(b, L, kvh * g, *x.shape[4:])
 
 
 class _Step:
-    """The fixed inputs of one ring step, and how to cut the pair (i, j) out of them."""
+    """One ring step's operands, head-major, its live pairs, and how to cut a block out."""
 
     def __init__(self, cfg, q, k, v, qs, ks, blocks, live):
-        self.cfg, self.live = cfg, live
-        b, L, n, h = q.shape
+        self.cfg, self.qs, self.ks, self.blocks = cfg, qs, ks, blocks
         self.kvh = k.shape[2]
-        self.q5 = q.reshape(b, L, self.kvh, n // self.kvh, h)
-        self.k, self.v, self.qs, self.ks = k, v, qs, ks
-        self.qpos, self.kpos = blocks.q_positions, blocks.kv_positions  # global positions
-        self.pairs, self.valid = tables.step_pairs(blocks.classes, cfg.tables.max_pairs)
+        self.q = _heads_major(q, self.kvh)
+        self.k, self.v = jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)
+        self.pairs, self.count = tables.step_pairs(jnp.any(live, axis=0), cfg.tables.max_pairs)
 
-    def pair(self, p):
-        """(i, j, live): the pair's q block, kv block, and whether any row computes it."""
-        i, j = self.pairs[p, 0], self.pairs[p, 1]
-        return i, j, self.valid[p] & jnp.any(self.live[:, i, j])
+    def q_block(self, x, i):
+        """Query block i of a head-major [b, k, g, L, ...] array."""
+        return lax.dynamic_slice_in_dim(x, i * self.cfg.bq, self.cfg.bq, 3)
+
+    def kv_block(self, x, j):
+        """Key block j of a [b, k, L, h] array."""
+        return lax.dynamic_slice_in_dim(x, j * self.cfg.bkv, self.cfg.bkv, 2)
 
     def logits(self, i, j):
-        """Raw logits [b, k, g, t, s] (float32) of pair (i, j) and its mask, broadcastable."""
-        cfg = self.cfg
-        qi = _slice(self.q5, i * cfg.bq, cfg.bq, 1)
-        kj = _slice(self.k, j * cfg.bkv, cfg.bkv, 1)
-        raw = jnp.einsum("btkgh,bskh->bkgts", qi, kj, preferred_element_type=f32)
-        qp, kp = _slice(self.qpos, i * cfg.bq, cfg.bq, 0), _slice(self.kpos, j * cfg.bkv, cfg.bkv, 0)
-        mask = cfg.spec.allowed(qp[:, None], kp[None, :])[None]  # [1, t, s]
+        """Raw logits [b, k, g, t, s] (float32) of pair (i, j)."""
+        return jnp.einsum("bkgth,bksh->bkgts", self.q_block(self.q, i), self.kv_block(self.k, j),
+                          preferred_element_type=f32)
+
+    def masked(self, i, j, x, fill):
+        """x [b, k, g, t, s] with `fill` where pair (i, j)'s mask is False."""
+        cfg, bq, bkv = self.cfg, self.cfg.bq, self.cfg.bkv
+
+        def apply():
+            qp = lax.dynamic_slice_in_dim(self.blocks.q_positions, i * bq, bq, 0)
+            kp = lax.dynamic_slice_in_dim(self.blocks.kv_positions, j * bkv, bkv, 0)
+            mask = cfg.spec.allowed(qp[:, None], kp[None, :])[None]  # [1, t, s]
+            if self.qs is not None:
+                qsi = lax.dynamic_slice_in_dim(self.qs, i * bq, bq, 1)
+                ksj = lax.dynamic_slice_in_dim(self.ks, j * bkv, bkv, 1)
+                mask = mask & (qsi[:, :, None] == ksj[:, None, :])  # [b, t, s]
+            return jnp.where(mask[:, None, None], x, fill)
+
         if self.qs is not None:
-            qsi, ksj = _slice(self.qs, i * cfg.bq, cfg.bq, 1), _slice(self.ks, j * cfg.bkv, cfg.bkv, 1)
-            mask = mask & (qsi[:, :, None] == ksj[:, None, :])  # [b, t, s]
-        return raw, mask[:, None, None]
+            return apply()
+        return lax.cond(self.blocks.classes[i, j] == 2, lambda: x, apply)  # full: nothing masked
 
 
 def _cap(cfg, raw):
     return raw if cfg.soft_cap is None else cfg.soft_cap * jnp.tanh(raw / cfg.soft_cap)
 
 
-def _to_btn(x):
-    """[b, k, g, t] -> [b, t, k * g]."""
-    b, kvh, g, L = x.shape
-    return jnp.moveaxis(x, 3, 1).reshape(b, L, kvh * g)
-
-
-def _to_bkgt(x, kvh):
-    """[b, t, n] -> [b, k, g, t]."""
-    b, L, n = x.shape
-    return jnp.moveaxis(x.reshape(b, L, kvh, n // kvh), 1, 3)
+def _add_block(total, part, start, axis):
+    return lax.dynamic_update_slice_in_dim(
+        total, lax.dynamic_slice_in_dim(total, start, part.shape[axis], axis) + part, start, axis)
 
 
 def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
     b, L, n, h = q.shape
     step = _Step(cfg, q, k, v, qs, ks, blocks, live)
-    kvh, bq = step.kvh, cfg.bq
+    bq = cfg.bq
 
     def visit(p, carry):
-        i, j, is_live = step.pair(p)
+        m_all, l_all, o_all = carry
+        i, j = step.pairs[p, 0], step.pairs[p, 1]
+        s = step.masked(i, j, _cap(cfg, step.logits(i, j)), -jnp.inf)
+        m, l, o = step.q_block(m_all, i), step.q_block(l_all, i), step.q_block(o_all, i)
+        m_new = jnp.maximum(m, s.max(-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # row still empty: keep exp() finite
+        prob = jnp.exp(s - safe[..., None])
+        alpha = jnp.exp(m - safe)
+        pv = jnp.einsum("bkgts,bksh->bkgth", prob.astype(v.dtype), step.kv_block(step.v, j),
+                        preferred_element_type=f32)
+        update = lambda total, block: lax.dynamic_update_slice_in_dim(total, block, i * bq, 3)  # noqa: E731
+        return (update(m_all, m_new), update(l_all, alpha * l + prob.sum(-1)),
+                update(o_all, o * alpha[..., None] + pv))
 
-        def run():
-            m_all, l_all, o_all = carry
-            m, l = _slice(m_all, i * bq, bq, 3), _slice(l_all, i * bq, bq, 3)
-            o = _slice(o_all, i * bq, bq, 1)
-            raw, mask = step.logits(i, j)
-            s = jnp.where(mask, _cap(cfg, raw), -jnp.inf)
-            m_new = jnp.maximum(m, s.max(-1))
-            safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # row still empty: keep exp() finite
-            prob = jnp.exp(s - safe[..., None])
-            alpha = jnp.exp(m - safe)
-            vj = _slice(v, j * cfg.bkv, cfg.bkv, 1)
-            pv = jnp.einsum("bkgts,bskh->btkgh", prob.astype(v.dtype), vj, preferred_element_type=f32)
-            o = o * jnp.moveaxis(alpha, 3, 1)[..., None] + pv
-            return (_update(m_all, m_new, i * bq, 3), _update(l_all, alpha * l + prob.sum(-1), i * bq, 3),
-                    _update(o_all, o, i * bq, 1))
-
-        return lax.cond(is_live, run, lambda: carry)
-
-    init = vary_like((jnp.full((b, kvh, n // kvh, L), -jnp.inf, f32),
-                      jnp.zeros((b, kvh, n // kvh, L), f32),
-                      jnp.zeros((b, L, kvh, n // kvh, h), f32)), q)
-    m, l, o = lax.fori_loop(0, step.pairs.shape[0], visit, init)
+    stats = step.q.shape[:4]  # [b, k, g, L]
+    init = vary_like((jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32),
+                      jnp.zeros(step.q.shape, f32)), q)
+    m, l, o = lax.fori_loop(0, step.count, visit, init)
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-    o = o / jnp.moveaxis(jnp.where(l > 0, l, 1.0), 3, 1)[..., None]
-    return o.reshape(b, L, n, h), _to_btn(lse)
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]
+    return _heads_minor(o), _heads_minor(lse)
 
 
 def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
-    b, L, n, h = q.shape
     step = _Step(cfg, q, k, v, qs, ks, blocks, live)
     kvh, bq, bkv = step.kvh, cfg.bq, cfg.bkv
-    do5 = do.reshape(step.q5.shape)
-    lse4, di4 = _to_bkgt(lse, kvh), _to_bkgt(di, kvh)
+    do, lse, di = _heads_major(do, kvh), _heads_major(lse, kvh), _heads_major(di, kvh)
 
     def visit(p, carry):
-        i, j, is_live = step.pair(p)
+        dq_all, dk_all, dv_all = carry
+        i, j = step.pairs[p, 0], step.pairs[p, 1]
+        raw = step.logits(i, j)
+        # Recompute the probabilities from the stored global logsumexp.
+        prob = step.masked(i, j, jnp.exp(_cap(cfg, raw) - step.q_block(lse, i)[..., None]), 0.0)
+        do_i, q_i = step.q_block(do, i), step.q_block(step.q, i)
+        k_j, v_j = step.kv_block(step.k, j), step.kv_block(step.v, j)
+        dv = jnp.einsum("bkgts,bkgth->bksh", prob.astype(do.dtype), do_i, preferred_element_type=f32)
+        dp = jnp.einsum("bkgth,bksh->bkgts", do_i, v_j, preferred_element_type=f32)
+        ds = prob * (dp - step.q_block(di, i)[..., None])
+        if cfg.soft_cap is not None:  # d cap(x)/dx = 1 - tanh(x / cap)^2
+            ds = ds * (1.0 - jnp.square(jnp.tanh(raw / cfg.soft_cap)))
+        dq = jnp.einsum("bkgts,bksh->bkgth", ds.astype(k.dtype), k_j, preferred_element_type=f32)
+        dk = jnp.einsum("bkgts,bkgth->bksh", ds.astype(q.dtype), q_i, preferred_element_type=f32)
+        return (_add_block(dq_all, dq, i * bq, 3), _add_block(dk_all, dk, j * bkv, 2),
+                _add_block(dv_all, dv, j * bkv, 2))
 
-        def run():
-            dq_all, dk_all, dv_all = carry
-            raw, mask = step.logits(i, j)
-            # Recompute the probabilities from the stored global logsumexp.
-            lse_i, di_i = _slice(lse4, i * bq, bq, 3), _slice(di4, i * bq, bq, 3)
-            prob = jnp.where(mask, jnp.exp(_cap(cfg, raw) - lse_i[..., None]), 0.0)
-            do_i, q_i = _slice(do5, i * bq, bq, 1), _slice(step.q5, i * bq, bq, 1)
-            k_j, v_j = _slice(k, j * bkv, bkv, 1), _slice(v, j * bkv, bkv, 1)
-            dv = jnp.einsum("bkgts,btkgh->bskh", prob.astype(do.dtype), do_i, preferred_element_type=f32)
-            dp = jnp.einsum("btkgh,bskh->bkgts", do_i, v_j, preferred_element_type=f32)
-            ds = prob * (dp - di_i[..., None])
-            if cfg.soft_cap is not None:  # d cap(x)/dx = 1 - tanh(x / cap)^2
-                ds = ds * (1.0 - jnp.square(jnp.tanh(raw / cfg.soft_cap)))
-            dq = jnp.einsum("bkgts,bskh->btkgh", ds.astype(k.dtype), k_j, preferred_element_type=f32)
-            dk = jnp.einsum("bkgts,btkgh->bskh", ds.astype(q.dtype), q_i, preferred_element_type=f32)
-            add = lambda total, part, start: _update(  # noqa: E731
-                total, _slice(total, start, part.shape[1], 1) + part, start, 1)
-            return add(dq_all, dq, i * bq), add(dk_all, dk, j * bkv), add(dv_all, dv, j * bkv)
-
-        return lax.cond(is_live, run, lambda: carry)
-
-    init = (dq.reshape(step.q5.shape),) + vary_like((jnp.zeros(k.shape, f32),
-                                                     jnp.zeros(k.shape, f32)), q)
-    dq, dk, dv = lax.fori_loop(0, step.pairs.shape[0], visit, init)
-    return dq.reshape(b, L, n, h), dk, dv
+    init = (_heads_major(dq, kvh),) + vary_like((jnp.zeros(step.k.shape, f32),
+                                                 jnp.zeros(step.k.shape, f32)), q)
+    dq, dk, dv = lax.fori_loop(0, step.count, visit, init)
+    return _heads_minor(dq), jnp.moveaxis(dk, 2, 1), jnp.moveaxis(dv, 2, 1)
