@@ -64,19 +64,34 @@ class _Step:
         return jnp.einsum("bkgth,bksh->bkgts", self.q_block(self.q, i), self.kv_block(self.k, j),
                           preferred_element_type=f32)
 
-    def masked(self, i, j, x, fill):
-        """x [b, k, g, t, s] with `fill` where pair (i, j)'s mask is False."""
+    def logits_t(self, i, j):
+        """The same transposed, [b, k, s, g, t]: the backward's layout, in which three of its
+        four block products read their operands as stored (in the ring on CPU at 8K, causal and
+        with documents: fwd+bwd 3-7% faster than with [.., t, s])."""
+        return jnp.einsum("bksh,bkgth->bksgt", self.kv_block(self.k, j), self.q_block(self.q, i),
+                          preferred_element_type=f32)
+
+    def masked(self, i, j, x, fill, transposed=False):
+        """x [b, k, g, t, s] (transposed: [b, k, s, g, t]) with `fill` where pair (i, j)'s mask
+        is False."""
         cfg, bq, bkv = self.cfg, self.cfg.bq, self.cfg.bkv
 
         def apply():
             qp = lax.dynamic_slice_in_dim(self.blocks.q_positions, i * bq, bq, 0)
             kp = lax.dynamic_slice_in_dim(self.blocks.kv_positions, j * bkv, bkv, 0)
-            mask = cfg.spec.allowed(qp[:, None], kp[None, :])[None]  # [1, t, s]
-            if self.qs is not None:
-                qsi = lax.dynamic_slice_in_dim(self.qs, i * bq, bq, 1)
-                ksj = lax.dynamic_slice_in_dim(self.ks, j * bkv, bkv, 1)
-                mask = mask & (qsi[:, :, None] == ksj[:, None, :])  # [b, t, s]
-            return jnp.where(mask[:, None, None], x, fill)
+            qid = None if self.qs is None else lax.dynamic_slice_in_dim(self.qs, i * bq, bq, 1)
+            kid = None if self.qs is None else lax.dynamic_slice_in_dim(self.ks, j * bkv, bkv, 1)
+            if transposed:  # [b, s, t] -> [b, 1, s, 1, t]
+                mask = cfg.spec.allowed(qp[None, :], kp[:, None])[None]
+                if qid is not None:
+                    mask = mask & (kid[:, :, None] == qid[:, None, :])
+                mask = mask[:, None, :, None]
+            else:  # [b, t, s] -> [b, 1, 1, t, s]
+                mask = cfg.spec.allowed(qp[:, None], kp[None, :])[None]
+                if qid is not None:
+                    mask = mask & (qid[:, :, None] == kid[:, None, :])
+                mask = mask[:, None, None]
+            return jnp.where(mask, x, fill)
 
         if self.qs is not None:
             return apply()
@@ -129,18 +144,20 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
     def visit(p, carry):
         dq_all, dk_all, dv_all = carry
         i, j = step.pairs[p, 0], step.pairs[p, 1]
-        raw = step.logits(i, j)
+        # Everything [b, k, s, g, t]: see _Step.logits_t.
+        raw = step.logits_t(i, j)
+        row = lambda x: step.q_block(x, i)[:, :, None]  # noqa: E731  [b, k, 1, g, t]
         # Recompute the probabilities from the stored global logsumexp.
-        prob = step.masked(i, j, jnp.exp(_cap(cfg, raw) - step.q_block(lse, i)[..., None]), 0.0)
+        prob = step.masked(i, j, jnp.exp(_cap(cfg, raw) - row(lse)), 0.0, transposed=True)
         do_i, q_i = step.q_block(do, i), step.q_block(step.q, i)
         k_j, v_j = step.kv_block(step.k, j), step.kv_block(step.v, j)
-        dv = jnp.einsum("bkgts,bkgth->bksh", prob.astype(do.dtype), do_i, preferred_element_type=f32)
-        dp = jnp.einsum("bkgth,bksh->bkgts", do_i, v_j, preferred_element_type=f32)
-        ds = prob * (dp - step.q_block(di, i)[..., None])
+        dv = jnp.einsum("bksgt,bkgth->bksh", prob.astype(do.dtype), do_i, preferred_element_type=f32)
+        dp = jnp.einsum("bksh,bkgth->bksgt", v_j, do_i, preferred_element_type=f32)
+        ds = prob * (dp - row(di))
         if cfg.soft_cap is not None:  # d cap(x)/dx = 1 - tanh(x / cap)^2
             ds = ds * (1.0 - jnp.square(jnp.tanh(raw / cfg.soft_cap)))
-        dq = jnp.einsum("bkgts,bksh->bkgth", ds.astype(k.dtype), k_j, preferred_element_type=f32)
-        dk = jnp.einsum("bkgts,bkgth->bksh", ds.astype(q.dtype), q_i, preferred_element_type=f32)
+        dk = jnp.einsum("bksgt,bkgth->bksh", ds.astype(q.dtype), q_i, preferred_element_type=f32)
+        dq = jnp.einsum("bksgt,bksh->bkgth", ds.astype(k.dtype), k_j, preferred_element_type=f32)
         return (_add_block(dq_all, dq, i * bq, 3), _add_block(dk_all, dk, j * bkv, 2),
                 _add_block(dv_all, dv, j * bkv, 2))
 
