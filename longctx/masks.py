@@ -88,8 +88,16 @@ def make_mask_spec(causal=False, sliding_window=None, chunk_size=None) -> MaskSp
     return MaskSpec(bool(causal), window, chunk_size)
 
 
-def default_block_size(shard_len: int) -> int:
-    """The block used when none is given (and by layout='auto'): 512, 256 or 128 dividing L."""
+def default_block_size(shard_len: int, layout: str = "contiguous") -> int:
+    """The block used when none is given (and by layout='auto'): 512, 256 or 128 dividing L;
+    for zigzag, dividing L / 2 where one does. A zigzag shard is two halves from opposite ends
+    of the sequence, and a block across both is computed whole: at L = 512 a 512 block makes
+    every causal block partial and none skippable (CPU, S=2048, sp=4: zigzag 1.5-2x contiguous's
+    time at block 512, within 10% of it at 256)."""
+    if layout == "zigzag" and shard_len % 2 == 0:
+        for b in (512, 256, 128):
+            if (shard_len // 2) % b == 0:
+                return b
     for b in (512, 256, 128):
         if shard_len % b == 0:
             return b
@@ -97,16 +105,20 @@ def default_block_size(shard_len: int) -> int:
 
 
 def resolve_layout(layout: str, seq_len: int, num_shards: int, *, causal=False,
-                   sliding_window=None, chunk_size=None) -> str:
+                   sliding_window=None, chunk_size=None, block_size: int | None = None) -> str:
     """Concrete layout name; "auto" picks the layout whose ring finishes first for the mask.
 
     "Finishes first" = the smallest critical path, sum over run steps of max over devices of
-    computed blocks (the denominator of the efficiency). For a fixed mask the useful work is the
-    same in every layout up to block rounding, so this is the highest efficiency measured in
-    useful work; it also stops a perfectly balanced but wasteful layout from winning (striped
-    with a sliding window computes on all sp steps, contiguous on 2). Ties: higher efficiency,
-    fewer steps, then the order of `layout.LAYOUTS`. "auto" always scores with
-    `default_block_size`, so the data pipeline and the model agree without knowing block sizes.
+    computed blocks (the denominator of the efficiency), counted in (query, key) pairs. For a
+    fixed mask the useful work is the same in every layout up to block rounding, so this is the
+    highest efficiency measured in useful work; it also stops a perfectly balanced but wasteful
+    layout from winning (striped with a sliding window computes on all sp steps, contiguous on
+    2). Ties: higher efficiency, fewer steps, then the order of `layout.LAYOUTS`.
+
+    Each layout is scored with `block_size`, the block the ring will run, when the caller knows
+    it (train.resolve_layout: attention.block_size; the pipeline and the model are both given the
+    result), else with its `default_block_size`: what ring_attention(layout="auto") does, so that
+    a data pipeline resolving "auto" without knowing the block agrees with it.
     """
     from longctx.ops import tables  # (the tables are built from this module's MaskSpec)
 
@@ -119,9 +131,11 @@ def resolve_layout(layout: str, seq_len: int, num_shards: int, *, causal=False,
             layout_lib.permutation(name, seq_len, num_shards)
         except ValueError:
             continue  # e.g. zigzag needs seq_len divisible by 2*sp
-        sched = tables.ring_schedule(seq_len, num_shards, None, name, causal, sliding_window,
+        block = block_size or default_block_size(seq_len // num_shards, name)
+        sched = tables.ring_schedule(seq_len, num_shards, block, name, causal, sliding_window,
                                      chunk_size)
-        key = (sched.critical_path, -round(sched.efficiency, 9), sched.steps, rank)
+        # In (query, key) pairs: the layouts' default blocks can differ (zigzag's is smaller).
+        key = (sched.critical_path * block * block, -round(sched.efficiency, 9), sched.steps, rank)
         if best_key is None or key < best_key:
             best, best_key = name, key
     if best is None:

@@ -68,8 +68,10 @@ def make_optimizer(config) -> optax.GradientTransformation:
 
 
 def resolve_layout(config, sp: int) -> str:
-    """The concrete sequence layout for this run (resolves "auto" by schedule efficiency)."""
+    """The concrete sequence layout for this run (resolves "auto" by the ring's schedule with
+    the run's attention.block_size)."""
     return ops.resolve_layout(config.attention.layout, config.data.seq_len, sp,
+                              block_size=config.attention.block_size,
                               **config_lib.mask_kwargs(config.attention))
 
 

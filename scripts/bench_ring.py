@@ -7,7 +7,9 @@ with and without document skipping, optionally beside other JAX rings, every res
   python scripts/bench_ring.py --quick                 # S = 2048, one run, no peers
   python scripts/bench_ring.py --render-only           # rewrite the markdown from the JSON
 
-Cases (sp = 4, 4 heads x head_dim 64, block 512, float32, batch 1 unless said):
+Cases (sp = 4, 4 heads x head_dim 64, block 512 at most L = S/sp, and at most L/2 for zigzag,
+whose shard is two halves from opposite ends of the sequence: a block across both would be
+computed whole (masks.default_block_size); float32, batch 1 unless said):
   causal     causal
   docs9      causal + 9 documents per row (8 random cuts, none on a shard boundary), batch 2
   docs_s32   causal + documents of mean length S/32 (31 random cuts)
@@ -323,6 +325,14 @@ def variant_list(args, case):
     return out
 
 
+def layout_block(block, shard, layout):
+    """The block of a longctx variant: `block`, halved until it divides L/2 for zigzag (the
+    rule of masks.default_block_size)."""
+    while layout == "zigzag" and (shard // 2) % block and block % 2 == 0:
+        block //= 2
+    return block
+
+
 def run_row(args, mesh, case, seq_len):
     sp = args.sp
     shard = seq_len // sp
@@ -352,9 +362,10 @@ def run_row(args, mesh, case, seq_len):
                     fn, fargs, back = ringattention_variant(mesh, case, x, seq_len, sp, block,
                                                             args.peers)
             else:
-                rec["computed_blocks"] = computed_blocks(case, x, seq_len, sp, block, spec["layout"],
-                                                         spec["skip_documents"])
-                fn, fargs, back = longctx_variant(mesh, case, x, seq_len, sp, block, **spec)
+                rec["block"] = layout_block(block, shard, spec["layout"])
+                rec["computed_blocks"] = computed_blocks(case, x, seq_len, sp, rec["block"],
+                                                         spec["layout"], spec["skip_documents"])
+                fn, fargs, back = longctx_variant(mesh, case, x, seq_len, sp, rec["block"], **spec)
             t0 = time.perf_counter()
             compiled = fn.lower(*fargs).compile()
             rec["compile_s"] = round(time.perf_counter() - t0, 2)

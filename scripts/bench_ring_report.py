@@ -224,7 +224,8 @@ def markdown(result):
            if load and "end" in load else "")
         + (f", {result['wall_s'] / 60:.0f} min" if "wall_s" in result else "") + ". "
         f"sp = {st['sp']}, {heads} heads (GQA: {heads}/2) x {st.get('head_dim', 64)}, block {st['block']} "
-        "(min with L = S/sp), float32, batch 1 (docs9: 2). "
+        "(min with L = S/sp; zigzag: with L/2, see `masks.default_block_size`), float32, batch 1 "
+        "(docs9: 2). "
         f"Time: jit(forward + vjp over q, k, v), compile excluded, inputs already in each "
         f"layout; median of {st['repeats']} runs in ms, the variants of a row timed "
         "round-robin. splash = the Pallas TPU kernel in interpret mode (CPU). Peers run on the "

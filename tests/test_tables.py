@@ -321,3 +321,21 @@ def test_ring_report_with_documents():
     assert contiguous["kept_blocks"] == 24 and contiguous["computed_blocks"] == [[6]] * 4
     assert contiguous["run_steps"] == [0] and contiguous["doc_efficiency"] == 1.0
     assert report["layouts"]["zigzag"]["kept_blocks"] == 24
+
+
+def test_default_block_keeps_a_zigzag_shards_halves_apart():
+    """The default block of a zigzag shard divides L/2 where it can, so no block holds positions
+    from both ends of the sequence (such a block is computed whole)."""
+    assert masks.default_block_size(512) == 512
+    assert masks.default_block_size(512, "zigzag") == 256
+    assert masks.default_block_size(4096, "zigzag") == 512
+    for shard_len in (512, 768, 1024, 4096):
+        block = masks.default_block_size(shard_len, "zigzag")
+        first, _, _ = tables.block_runs("zigzag", 4 * shard_len, 4, block)
+        assert first.shape[1] == 1, (shard_len, block)  # one run per block: none straddles
+    # auto compares layouts in (query, key) pairs, whatever their blocks: at L = 512 zigzag's
+    # 256-token blocks beat contiguous's imbalance.
+    assert masks.resolve_layout("auto", 2048, 4, causal=True) == "zigzag"
+    # With the ring's block given, every layout is scored with it (the block must fit them all).
+    with pytest.raises(ValueError, match="does not divide"):
+        masks.resolve_layout("auto", 2048, 4, causal=True, block_size=384)

@@ -10,11 +10,13 @@ Public API:
                       positions, causal, sliding_window, chunk_size, logits_soft_cap, softmax_scale)
       Dense oracle on whole natural-order sequences (tests).
   resolve_layout(layout, seq_len, num_shards, *, causal=False, sliding_window=None,
-                 chunk_size=None) -> str
+                 chunk_size=None, block_size=None) -> str
       The concrete layout ring_attention uses for `layout` ("auto" -> the layout whose ring
       finishes first for the mask). The data pipeline permutes every row with
       `longctx.layout.permutation(resolve_layout(...), seq_len, sp)` so that tokens arrive in
       the order the attention expects; call it with the same mask keywords as the model.
+      block_size scores the layouts with the ring's block; then give the model the concrete
+      layout (ring_attention's own "auto" scores with default blocks, as block_size=None does).
   ring_schedule_efficiency(seq_len, num_shards, block_size=None, layout="contiguous",
                            causal=False, sliding_window=None, chunk_size=None) -> float
       useful blocks / (sp * sum over run steps of max over devices of computed blocks), for a

@@ -257,11 +257,11 @@ def ring_fn(cfg: RingConfig):
     return ring
 
 
-def _block_sizes(block_sizes, shard_len, impl):
+def _block_sizes(block_sizes, shard_len, impl, layout):
     """(bq, bkv, bkv_compute, bkv_dkv_compute) from None | int | splash BlockSizes."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     if block_sizes is None:
-        b = masks.default_block_size(shard_len)
+        b = masks.default_block_size(shard_len, layout)
         sizes = (b, b, b, b)
     elif isinstance(block_sizes, int) and not isinstance(block_sizes, bool):
         sizes = (block_sizes,) * 4
@@ -325,11 +325,12 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     segment ids and chunk_size they make chunked attention per document, chunks counted from
     each document's start, as at inference. softmax_aux [heads] are attention-sink logits
     (differentiable). impl="splash" runs the Pallas TPU kernel (interpret mode off TPU);
-    impl="xla" the same schedule in plain XLA. block_sizes: None (512/256/128 dividing L), an
-    int, or a splash BlockSizes (its use_fused_bwd_kernel=False gives splash's separate dq and
-    dkv kernels instead of the fused backward). skip_documents=False computes every block the
-    static mask keeps and leaves documents to the element-wise mask (the same result, slower:
-    for measuring what the skipping buys). Returns [b, L, heads, head_dim] in query's dtype.
+    impl="xla" the same schedule in plain XLA. block_sizes: None (masks.default_block_size:
+    512/256/128 dividing L, or L/2 for zigzag), an int, or a splash BlockSizes (its
+    use_fused_bwd_kernel=False gives splash's separate dq and dkv kernels instead of the fused
+    backward). skip_documents=False computes every block the static mask keeps and leaves
+    documents to the element-wise mask (the same result, slower: for measuring what the
+    skipping buys). Returns [b, L, heads, head_dim] in query's dtype.
     """
     cfg, q_ids, kv_ids, aux = _prepare(
         query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, positions=positions,
@@ -417,7 +418,7 @@ def _prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, p
         # Chunks are now in the ids; what stays static is that a chunk spans at most chunk_size
         # tokens: a causal window of chunk_size - 1, which keeps the ring's pruning.
         spec = masks.within_chunk_window(spec)
-    bq, bkv, bkvc, bkvc_dkv = _block_sizes(block_sizes, L, impl)
+    bq, bkv, bkvc, bkvc_dkv = _block_sizes(block_sizes, L, impl, layout)
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     cfg = RingConfig(spec=spec, layout=layout, seq_len=seq_len, sp=sp, bq=bq, bkv=bkv,
                      bkv_compute=bkvc, bkv_dkv_compute=bkvc_dkv, impl=impl,

@@ -134,7 +134,7 @@ def ring_schedule(seq_len: int, num_shards: int, block_size: int | None = None,
     spec = make_mask_spec(causal, sliding_window, chunk_size)
     layout_lib.permutation(layout, seq_len, num_shards)  # validates layout and divisibility
     shard_len = seq_len // num_shards
-    block = default_block_size(shard_len) if block_size is None else int(block_size)
+    block = default_block_size(shard_len, layout) if block_size is None else int(block_size)
     if block < 1 or shard_len % block:
         raise ValueError(f"block_size={block_size} does not divide the shard length "
                          f"{shard_len} (seq_len={seq_len} / num_shards={num_shards})")
