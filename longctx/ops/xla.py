@@ -108,7 +108,6 @@ def _add_block(total, part, start, axis):
 
 
 def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
-    b, L, n, h = q.shape
     step = _Step(cfg, q, k, v, qs, ks, blocks, live)
     bq = cfg.bq
 
@@ -141,8 +140,19 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
     kvh, bq, bkv = step.kvh, cfg.bq, cfg.bkv
     do, lse, di = _heads_major(do, kvh), _heads_major(lse, kvh), _heads_major(di, kvh)
 
+    # dK and dV read a pair's dS as it is computed ([.., s, t]); dQ needs it transposed. Made in
+    # the same iteration, XLA fuses that transpose with the arithmetic producing dS and computes
+    # it element by element with strided reads (on CPU 2.5x the time of a block product). So dQ
+    # of each pair is computed one iteration later, from the dS the loop carried: a plain
+    # transpose of a stored array (fwd+bwd 22-32% faster at 8K on CPU, causal and GQA).
+    def add_dq(dq_all, pending):
+        ds, i, j = pending
+        dq = jnp.einsum("bksgt,bksh->bkgth", ds, step.kv_block(step.k, j), preferred_element_type=f32)
+        return _add_block(dq_all, dq, i * bq, 3)
+
     def visit(p, carry):
-        dq_all, dk_all, dv_all = carry
+        dq_all, dk_all, dv_all, pending = carry
+        dq_all = add_dq(dq_all, pending)
         i, j = step.pairs[p, 0], step.pairs[p, 1]
         # Everything [b, k, s, g, t]: see _Step.logits_t.
         raw = step.logits_t(i, j)
@@ -150,18 +160,22 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
         # Recompute the probabilities from the stored global logsumexp.
         prob = step.masked(i, j, jnp.exp(_cap(cfg, raw) - row(lse)), 0.0, transposed=True)
         do_i, q_i = step.q_block(do, i), step.q_block(step.q, i)
-        k_j, v_j = step.kv_block(step.k, j), step.kv_block(step.v, j)
         dv = jnp.einsum("bksgt,bkgth->bksh", prob.astype(do.dtype), do_i, preferred_element_type=f32)
-        dp = jnp.einsum("bksh,bkgth->bksgt", v_j, do_i, preferred_element_type=f32)
+        dp = jnp.einsum("bksh,bkgth->bksgt", step.kv_block(step.v, j), do_i,
+                        preferred_element_type=f32)
         ds = prob * (dp - row(di))
         if cfg.soft_cap is not None:  # d cap(x)/dx = 1 - tanh(x / cap)^2
             ds = ds * (1.0 - jnp.square(jnp.tanh(raw / cfg.soft_cap)))
-        dk = jnp.einsum("bksgt,bkgth->bksh", ds.astype(q.dtype), q_i, preferred_element_type=f32)
-        dq = jnp.einsum("bksgt,bksh->bkgth", ds.astype(k.dtype), k_j, preferred_element_type=f32)
-        return (_add_block(dq_all, dq, i * bq, 3), _add_block(dk_all, dk, j * bkv, 2),
-                _add_block(dv_all, dv, j * bkv, 2))
+        ds = ds.astype(q.dtype)
+        dk = jnp.einsum("bksgt,bkgth->bksh", ds, q_i, preferred_element_type=f32)
+        return (dq_all, _add_block(dk_all, dk, j * bkv, 2), _add_block(dv_all, dv, j * bkv, 2),
+                (ds, i, j))
 
+    b, n = q.shape[0], q.shape[2]
+    nothing_pending = (vary_like(jnp.zeros((b, kvh, bkv, n // kvh, bq), q.dtype), q),
+                       *vary_like((jnp.int32(0), jnp.int32(0)), step.pairs))  # (dS 0, pair (0, 0))
     init = (_heads_major(dq, kvh),) + vary_like((jnp.zeros(step.k.shape, f32),
-                                                 jnp.zeros(step.k.shape, f32)), q)
-    dq, dk, dv = lax.fori_loop(0, step.count, visit, init)
+                                                 jnp.zeros(step.k.shape, f32)), q) + (nothing_pending,)
+    dq, dk, dv, pending = lax.fori_loop(0, step.count, visit, init)
+    dq = add_dq(dq, pending)  # the last pair's
     return _heads_minor(dq), jnp.moveaxis(dk, 2, 1), jnp.moveaxis(dv, 2, 1)
