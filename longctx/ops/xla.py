@@ -8,8 +8,8 @@ give their queries and keys a common document; tables.step_pairs, row-major, bui
 a loop of data-dependent length, so it computes what splash does and a balanced layout costs no
 more work than a contiguous one. Inside a pair the mask is applied element by element from
 global positions and segment ids, except on a block the static mask keeps whole when there are
-no documents. Memory per device is O(b * n * L) for the running statistics plus one block pair
-of logits.
+no documents. Memory per device is O(b * n * L) for the running statistics plus a few block
+pairs of logits (the backward carries one pair's dS into the next iteration).
 
 Inside the step the operands are head-major ([b, k, g, L, h], K/V [b, k, L, h]), transposed
 once per step, so that every block product is a plain batched matmul with no transposes of its
