@@ -334,7 +334,8 @@ def test_default_block_keeps_a_zigzag_shards_halves_apart():
         first, _, _ = tables.block_runs("zigzag", 4 * shard_len, 4, block)
         assert first.shape[1] == 1, (shard_len, block)  # one run per block: none straddles
     # auto compares layouts in (query, key) pairs, whatever their blocks: at L = 512 zigzag's
-    # 256-token blocks beat contiguous's imbalance.
+    # critical path is 9 blocks of 256^2 pairs, contiguous's 4 of 512^2 (counted in blocks,
+    # contiguous would win).
     assert masks.resolve_layout("auto", 2048, 4, causal=True) == "zigzag"
     # With the ring's block given, every layout is scored with it (the block must fit them all).
     with pytest.raises(ValueError, match="does not divide"):
