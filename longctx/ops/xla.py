@@ -79,18 +79,12 @@ class _Step:
         def apply():
             qp = lax.dynamic_slice_in_dim(self.blocks.q_positions, i * bq, bq, 0)
             kp = lax.dynamic_slice_in_dim(self.blocks.kv_positions, j * bkv, bkv, 0)
-            qid = None if self.qs is None else lax.dynamic_slice_in_dim(self.qs, i * bq, bq, 1)
-            kid = None if self.qs is None else lax.dynamic_slice_in_dim(self.ks, j * bkv, bkv, 1)
-            if transposed:  # [b, s, t] -> [b, 1, s, 1, t]
-                mask = cfg.spec.allowed(qp[None, :], kp[:, None])[None]
-                if qid is not None:
-                    mask = mask & (kid[:, :, None] == qid[:, None, :])
-                mask = mask[:, None, :, None]
-            else:  # [b, t, s] -> [b, 1, 1, t, s]
-                mask = cfg.spec.allowed(qp[:, None], kp[None, :])[None]
-                if qid is not None:
-                    mask = mask & (qid[:, :, None] == kid[:, None, :])
-                mask = mask[:, None, None]
+            mask = cfg.spec.allowed(qp[:, None], kp[None, :])[None]  # [1, t, s]
+            if self.qs is not None:
+                qsi = lax.dynamic_slice_in_dim(self.qs, i * bq, bq, 1)
+                ksj = lax.dynamic_slice_in_dim(self.ks, j * bkv, bkv, 1)
+                mask = mask & (qsi[:, :, None] == ksj[:, None, :])  # [b, t, s]
+            mask = jnp.swapaxes(mask, 1, 2)[:, None, :, None] if transposed else mask[:, None, None]
             return jnp.where(mask, x, fill)
 
         if self.qs is not None:
