@@ -8,10 +8,11 @@ sp=4: 25-32% faster than its separate dq and dkv kernels, which each recompute t
 probabilities), called one kv block at a time so that its per-kv-block dq stays one block's
 worth; a splash BlockSizes with use_fused_bwd_kernel=False selects the two kernels.
 Splash's public `make_splash_mha` builds its MaskInfo from one static mask for the whole
-sequence; a ring needs a different one per (device, step), so we call the kernel functions
-below that layer (`_splash_attention_forward`, `_splash_attention_bwd_dq`, `_splash_attention_
-bwd_dkv`) with our own tables. Sinks are *not* given to the kernel: they enter once, in the
-ring's float32 merge. Shapes: see ring.py. Kernels work per batch row (vmap over b), on
+sequence; a ring needs a different one per (device, step), so we call splash's kernels below
+that layer with our own tables, through ops/splash_kernels.py, whose pallas_calls return the
+step's out, dq, dk and dv in float32 (the ring sums them over steps; splash's wrappers would
+round each to the input dtype first). Sinks are *not* given to the kernel: they enter once, in
+the ring's float32 merge. Shapes: see ring.py. Kernels work per batch row (vmap over b), on
 [heads, L, head_dim].
 """
 from __future__ import annotations
@@ -23,11 +24,11 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
 from jax.sharding import PartitionSpec as P
 
+from longctx.ops import splash_kernels as kernels
 from longctx.ops import tables as tables_lib
 from longctx.ops.shmap import vary_like
 
 MASK_VALUE = sk.DEFAULT_MASK_VALUE
-_HEAD_MINOR = sk.QKVLayout.HEAD_DIM_MINOR
 
 
 def _partial_index(cfg, blocks):
@@ -96,24 +97,20 @@ def _heads_major(x):
 
 
 def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
-    sizes = sk.BlockSizes(block_q=cfg.bq, block_kv=cfg.bkv, block_kv_compute=cfg.bkv_compute)
-
     def local(q, k, v, qs, ks, blocks, live):
         arrays, partial = _mask_info(cfg, blocks, live, _partial_index(cfg, blocks), "fwd")
 
         def one_row(arrays, q1, k1, v1, seg):
-            out, (lse,) = sk._splash_attention_forward(  # pylint: disable=protected-access
-                _info(arrays, partial), q1, k1, v1, seg, None, mask_value=MASK_VALUE,
-                is_mqa=False, block_sizes=sizes, residual_checkpoint_name=None,
-                save_residuals=True, mask_function=None, attn_logits_soft_cap=cfg.soft_cap,
-                interpret=cfg.interpret)
-            return out, lse
+            return kernels.forward(_info(arrays, partial), q1, k1, v1, seg, bq=cfg.bq,
+                                   bkv=cfg.bkv, bkv_compute=cfg.bkv_compute,
+                                   mask_value=MASK_VALUE, soft_cap=cfg.soft_cap,
+                                   interpret=cfg.interpret)
 
         return _over_rows(one_row, live)(arrays, _heads_major(q), _heads_major(k),
                                          _heads_major(v), _segments(qs, ks))
 
     out, lse = _local(local, q, q, k, v, qs, ks, blocks, live)
-    out = _heads_major(out).astype(jnp.float32)
+    out = _heads_major(out)
     lse = jnp.swapaxes(lse, 1, 2)  # [b, L, n]
     # A row with no allowed key in this step gets lse ~ MASK_VALUE (masked logits inside a
     # computed block) or -inf with a NaN output (q block with no block at all). Either way it
@@ -129,19 +126,17 @@ def _bwd_kernel_inputs(qs, ks, lse, do, di, q, k, v):
 
 
 def _common(cfg):
-    return dict(is_mqa=False, mask_value=MASK_VALUE, attn_logits_soft_cap=cfg.soft_cap,
-                mask_function=None, interpret=cfg.interpret, q_layout=_HEAD_MINOR,
-                k_layout=_HEAD_MINOR, v_layout=_HEAD_MINOR)
+    return dict(bq=cfg.bq, bkv=cfg.bkv, mask_value=MASK_VALUE, soft_cap=cfg.soft_cap,
+                interpret=cfg.interpret)
 
 
 def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
     """bwd_step on splash's fused kernel: one pass over the blocks computes dq, dk and dv.
 
-    The kernel writes dq once per kv block of its call ([kv blocks, heads, L, head_dim] in the
-    input dtype, summed after it): called on the whole shard that is kv_blocks times the
-    attention's own memory (64 GiB per step at 65,536 tokens per chip for the 8B shape). So it
-    is called one kv block at a time, and each block's dq is added into the ring's float32
-    `dq` in place. The loop runs outside the kernel's local region so that the accumulator
+    The kernel writes dq once per kv block of its call ([kv blocks, heads, L, head_dim], summed
+    after it): called on the whole shard that is kv_blocks times the attention's own memory
+    (64 GiB per step in bf16 at 65,536 tokens per chip for the 8B shape). So it is called one kv
+    block at a time, and each block's dq is added into the ring's float32 `dq` in place. The loop runs outside the kernel's local region so that the accumulator
     keeps its type and is updated in place (an accumulator inside the region cost a second
     float32 dq: 64K tokens on v5p:2x2x2, 259 vs 177 MiB of temporaries)."""
     arrays, partial = _mask_info(cfg, blocks, live, _partial_index(cfg, blocks), "dkv")
@@ -149,10 +144,8 @@ def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
 
     def kernel(arrays, q, k, v, qs, ks, lse, do, di):
         def one_row(arrays, q1, k1, v1, seg, lse1, do1, di1):
-            return sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
-                q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
-                bkv_compute=cfg.bkv_dkv_compute, mask_info=_info(arrays, partial),
-                use_fused_bwd_kernel=True, **common)
+            return kernels.backward_dkv(_info(arrays, partial), q1, k1, v1, seg, lse1, do1, di1,
+                                        bkv_compute=cfg.bkv_dkv_compute, fused=True, **common)
 
         return _over_rows(one_row, live)(arrays, *_bwd_kernel_inputs(qs, ks, lse, do, di, q, k, v))
 
@@ -165,8 +158,8 @@ def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
         dq_j, dk_j, dv_j = _local(kernel, q, tuple(map(column, arrays)), q, keys(k), keys(v), qs,
                                   keys(ks), lse, do, di)
         put = lambda total, part: lax.dynamic_update_slice_in_dim(  # noqa: E731
-            total, _heads_major(part).astype(jnp.float32), j * cfg.bkv, axis=1)
-        return dq + _heads_major(dq_j).astype(jnp.float32), put(dk, dk_j), put(dv, dv_j)
+            total, _heads_major(part), j * cfg.bkv, axis=1)
+        return dq + _heads_major(dq_j), put(dk, dk_j), put(dv, dv_j)
 
     zeros = vary_like(jnp.zeros(k.shape, jnp.float32), q)
     return lax.fori_loop(0, arrays[0].shape[-1], one_kv_block, (dq, zeros, zeros))
@@ -184,18 +177,15 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
 
         def one_row(arrays, q1, k1, v1, seg, lse1, do1, di1):
             # dq and dk/dv from two kernels, each recomputing the probabilities.
-            dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
-                q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
-                mask_info=_info(arrays[0], fwd_partial), **common)
-            _, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
-                q1, k1, v1, seg, None, lse1, do1, di1, bq=cfg.bq, bkv=cfg.bkv,
-                bkv_compute=cfg.bkv_dkv_compute, mask_info=_info(arrays[1], dkv_partial),
-                use_fused_bwd_kernel=False, **common)
+            dq = kernels.backward_dq(_info(arrays[0], fwd_partial), q1, k1, v1, seg, lse1, do1,
+                                     di1, **common)
+            _, dk, dv = kernels.backward_dkv(_info(arrays[1], dkv_partial), q1, k1, v1, seg,
+                                             lse1, do1, di1, bkv_compute=cfg.bkv_dkv_compute,
+                                             fused=False, **common)
             return dq, dk, dv
 
         return _over_rows(one_row, live)((fwd_arrays, dkv_arrays),
                                          *_bwd_kernel_inputs(qs, ks, lse, do, di, q, k, v))
 
     dq_s, dk, dv = _local(local, q, q, k, v, qs, ks, lse, do, di, blocks, live)
-    f = lambda x: _heads_major(x).astype(jnp.float32)
-    return dq + f(dq_s), f(dk), f(dv)
+    return dq + _heads_major(dq_s), _heads_major(dk), _heads_major(dv)

@@ -1,0 +1,195 @@
+"""Splash's Pallas kernels in pallas_calls of our own, whose results are float32.
+
+Splash's wrappers (`_splash_attention_forward`, `_splash_attention_bwd_dq`, `_bwd_dkv`) declare
+out, dq, dk and dv in the input dtype. That suits one call over a whole sequence, which rounds
+once. A ring step's results are partials that the ring sums in float32 over sp steps: rounded
+to bf16 first, every result carries sp roundings instead of one (out's mean error was 1.26-1.54x
+single-device splash's at bf16, S=4096, sp=4; scripts/bench_bf16_error.py). The kernel bodies
+already compute in float32 and cast only when they store (`o_ref[...] = x.astype(o_ref.dtype)`),
+so declaring float32 results is the whole change: the kernels are splash's, unmodified, and the
+block specs below are splash's, specialised to the one configuration the ring uses:
+  - operands heads-major, [heads, L, head_dim] (splash's HEAD_DIM_MINOR), one batch row;
+  - multi-head K/V, query head h reading kv head h // (heads / kv_heads) (GQA);
+  - a MaskInfo from ops/tables.py: data_next, block_mask and mask_next always present, partial
+    blocks optional, no q_sequence; no mask_function; no sinks (the ring merges them once).
+As in splash, each K/V block (forward, dq) or Q block (dkv) is fetched at `data_next`, the block
+the table says comes next, so a block that is skipped is never fetched either.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+LANES, SUBLANES = sk.NUM_LANES, sk.NUM_SUBLANES
+_HEAD_MINOR = sk.QKVLayout.HEAD_DIM_MINOR
+_LAYOUTS = dict(q_layout=_HEAD_MINOR, k_layout=_HEAD_MINOR, v_layout=_HEAD_MINOR)
+f32 = jnp.float32
+
+
+def _kv_head(h, heads, kv_heads):
+    per_kv = heads // kv_heads
+    return h if per_kv == 1 else lax.div(h, per_kv)
+
+
+def _next(h, i, j, tables, next_i=False):
+    """(block to fetch, partial-block index) at grid point (h, i, j): splash's _next_nonzero."""
+    block, mask, *_ = sk._next_nonzero(h, i, j, *tables, next_i=next_i)  # pylint: disable=protected-access
+    return block, mask
+
+
+def _tables(info):
+    return info.data_next, info.block_mask, info.mask_next
+
+
+def _call(kernel, name, grid, in_specs, out_specs, out_shapes, semantics, interpret, info, *args):
+    with jax.named_scope(name):
+        return pl.pallas_call(
+            kernel, out_shape=out_shapes, name=name, interpret=interpret,
+            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, in_specs=in_specs,
+                                                   out_specs=out_specs, grid=grid),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        )(*_tables(info), *args)
+
+
+# ----------------------------------------------------------------------------- forward and dq
+# Grid (query head h, q block i, table column j): each q block visits its live K/V blocks.
+
+def _row_major_specs(info, q, k, segment_ids, bq, bkv):
+    """q, k, v, segment-id and partial-block specs and arrays shared by the forward and dq."""
+    heads, L, head_dim = q.shape
+    kv_heads, kv_len, _ = k.shape
+
+    def kv_map(h, i, j, *tables):
+        return _kv_head(h, heads, kv_heads), _next(h, i, j, tables)[0], 0
+
+    q_spec = pl.BlockSpec((None, bq, head_dim), lambda h, i, j, *_: (h, i, 0))
+    kv_spec = pl.BlockSpec((None, bkv, head_dim), kv_map)
+    if segment_ids is None:
+        seg_specs, seg_arrays = [None, None], [None, None]
+    else:
+        seg_specs = [pl.BlockSpec((bq, LANES), lambda h, i, j, *_: (i, 0)),
+                     pl.BlockSpec((SUBLANES, bkv),
+                                  lambda h, i, j, *tables: (0, _next(h, i, j, tables)[0]))]
+        seg_arrays = [lax.broadcast_in_dim(segment_ids.q, (L, LANES), (0,)),
+                      lax.broadcast_in_dim(segment_ids.kv, (SUBLANES, kv_len), (1,))]
+    mask_spec = None if info.partial_mask_blocks is None else pl.BlockSpec(
+        (None, bq, bkv), lambda h, i, j, *tables: (_next(h, i, j, tables)[1], 0, 0))
+    return q_spec, kv_spec, seg_specs, seg_arrays, mask_spec
+
+
+def forward(info, q, k, v, segment_ids, *, bq, bkv, bkv_compute, mask_value, soft_cap, interpret):
+    """Splash's forward kernel: (out [heads, L, head_dim], logsumexp [heads, L]), both float32."""
+    heads, L, head_dim = q.shape
+    grid_width = info.data_next.shape[-1]
+    q_spec, kv_spec, seg_specs, seg_arrays, mask_spec = _row_major_specs(
+        info, q, k, segment_ids, bq, bkv)
+    fixed = lambda shape: pl.BlockSpec(shape, lambda *_: (0, 0))  # noqa: E731  (scratch)
+    kernel = functools.partial(
+        sk.flash_attention_kernel, mask_value=mask_value, grid_width=grid_width, bq=bq, bkv=bkv,
+        bkv_compute=bkv_compute, head_dim_v=head_dim, attn_logits_soft_cap=soft_cap,
+        mask_function=None, **_LAYOUTS)
+    *_, out, lse = _call(
+        kernel, "longctx_splash_fwd", (heads, L // bq, grid_width),
+        [q_spec, kv_spec, kv_spec, *seg_specs, None, mask_spec, None],
+        [fixed((bq, LANES)), fixed((bq, LANES)), fixed((bq, head_dim)),
+         pl.BlockSpec((None, bq, head_dim), lambda h, i, j, *_: (h, i, 0)),
+         pl.BlockSpec((None, bq, LANES), lambda h, i, j, *_: (h, i, 0))],
+        [jax.ShapeDtypeStruct((bq, LANES), f32), jax.ShapeDtypeStruct((bq, LANES), f32),
+         jax.ShapeDtypeStruct((bq, head_dim), f32), jax.ShapeDtypeStruct((heads, L, head_dim), f32),
+         jax.ShapeDtypeStruct((heads, L, LANES), f32)],
+        ("parallel", "arbitrary", "arbitrary"), interpret, info,
+        q, k, v, *seg_arrays, None, info.partial_mask_blocks, None)
+    return out, lse[..., 0]
+
+
+def backward_dq(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, mask_value, soft_cap,
+                interpret):
+    """Splash's dq kernel (the unfused backward): dq [heads, L, head_dim] float32."""
+    heads, L, head_dim = q.shape
+    grid_width = info.data_next.shape[-1]
+    q_spec, kv_spec, seg_specs, seg_arrays, mask_spec = _row_major_specs(
+        info, q, k, segment_ids, bq, bkv)
+    row_spec = pl.BlockSpec((None, 1, bq), lambda h, i, *_: (h, 0, i))  # lse, di: [heads, 1, L]
+    kernel = functools.partial(
+        sk._flash_attention_dq_kernel,  # pylint: disable=protected-access
+        mask_value=mask_value, grid_width=grid_width, bq=bq, bkv=bkv,
+        attn_logits_soft_cap=soft_cap, mask_function=None, **_LAYOUTS)
+    _, dq = _call(
+        kernel, "longctx_splash_dq", (heads, L // bq, grid_width),
+        [q_spec, kv_spec, kv_spec, *seg_specs, None, row_spec, q_spec, row_spec, mask_spec, None],
+        [pl.BlockSpec((bq, head_dim), lambda *_: (0, 0)), q_spec],
+        [jax.ShapeDtypeStruct((bq, head_dim), f32), jax.ShapeDtypeStruct(q.shape, f32)],
+        ("arbitrary", "arbitrary", "arbitrary"), interpret, info,
+        q, k, v, *seg_arrays, None, lse[:, None], do, di[:, None], info.partial_mask_blocks, None)
+    return dq
+
+
+# ----------------------------------------------------------------------------- dk, dv (and fused dq)
+# Grid (kv block j, query head h, table row i): each kv block visits its live q blocks.
+
+def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_compute, mask_value,
+                 soft_cap, fused, interpret):
+    """Splash's dkv kernel: (dq, dk, dv), float32. fused: the kernel also computes dq, writing
+    one [heads, L, head_dim] per kv block of the call by grid position (so `info` must not be
+    packed: ops/tables.py), summed here; else dq is None."""
+    heads, L, head_dim = q.shape
+    kv_heads, kv_len, _ = k.shape
+    grid_height = info.data_next.shape[-2]
+
+    def q_map(j, h, i, *tables):
+        return h, _next(h, i, j, tables, next_i=True)[0], 0
+
+    def row_map(j, h, i, *tables):  # lse, di: [heads, SUBLANES, L]
+        return h, 0, _next(h, i, j, tables, next_i=True)[0]
+
+    def kv_map(j, h, *_):
+        return _kv_head(h, heads, kv_heads), j, 0
+
+    q_spec = pl.BlockSpec((None, bq, head_dim), q_map)
+    kv_spec = pl.BlockSpec((None, bkv, head_dim), kv_map)
+    row_spec = pl.BlockSpec((None, SUBLANES, bq), row_map)
+    rows = lambda x: jnp.broadcast_to(x[:, None], (heads, SUBLANES, L))  # noqa: E731
+    if segment_ids is None:
+        seg_specs, seg_arrays = [None, None], [None, None]
+    else:
+        seg_specs = [pl.BlockSpec((SUBLANES, bq),
+                                  lambda j, h, i, *tables: (0, _next(h, i, j, tables, True)[0])),
+                     pl.BlockSpec((bkv, LANES), lambda j, *_: (j, 0))]
+        seg_arrays = [lax.broadcast_in_dim(segment_ids.q, (SUBLANES, L), (1,)),
+                      lax.broadcast_in_dim(segment_ids.kv, (kv_len, LANES), (0,))]
+    mask_spec = None if info.partial_mask_blocks is None else pl.BlockSpec(
+        (None, bkv, bq), lambda j, h, i, *tables: (_next(h, i, j, tables, True)[1], 0, 0))
+    fixed = lambda shape: pl.BlockSpec(shape, lambda *_: (0, 0))  # noqa: E731  (scratch)
+    scratch = lambda shape: jax.ShapeDtypeStruct(shape, f32)  # noqa: E731
+    if not fused:
+        dq_specs, dq_shapes = [None, None], [None, None]
+    else:
+        dq_spec = pl.BlockSpec((None, None, bq, head_dim), lambda j, h, i, *_: (j, h, i, 0))
+        dq_shape = scratch((kv_len // bkv, heads, L, head_dim))
+        if bkv == bkv_compute:  # the kernel keeps no dq scratch then
+            dq_specs, dq_shapes = [None, dq_spec], [None, dq_shape]
+        else:
+            dq_specs, dq_shapes = [fixed((bq, head_dim)), dq_spec], [scratch((bq, head_dim)), dq_shape]
+    kernel = functools.partial(
+        sk._flash_attention_dkv_kernel,  # pylint: disable=protected-access
+        mask_value=mask_value, num_q_heads=heads, num_kv_heads=kv_heads, is_mqa=False,
+        grid_width=grid_height, bq=bq, bkv=bkv, bkv_compute=bkv_compute,
+        attn_logits_soft_cap=soft_cap, mask_function=None, **_LAYOUTS)
+    # Every grid axis "arbitrary", as splash has it: dk/dv reduce over heads and q blocks, and
+    # its prefetch schedule assumes no megacore split of the kv axis.
+    _, _, _, dq, dk, dv = _call(
+        kernel, "longctx_splash_dkv", (kv_len // bkv, heads, grid_height),
+        [q_spec, kv_spec, kv_spec, *seg_specs, None, row_spec, q_spec, row_spec, mask_spec, None],
+        [dq_specs[0], fixed((bkv, head_dim)), fixed((bkv, head_dim)), dq_specs[1], kv_spec,
+         kv_spec],
+        [dq_shapes[0], scratch((bkv, head_dim)), scratch((bkv, head_dim)), dq_shapes[1],
+         scratch(k.shape), scratch(v.shape)],
+        ("arbitrary", "arbitrary", "arbitrary"), interpret, info,
+        q, k, v, *seg_arrays, None, rows(lse), do, rows(di), info.partial_mask_blocks, None)
+    return None if dq is None else dq.sum(axis=0), dk, dv

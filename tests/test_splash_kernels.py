@@ -1,0 +1,165 @@
+"""ops/splash_kernels.py: splash's kernels in pallas_calls with float32 results.
+
+1. The same kernels, the same math: on splash's own MaskInfo, our calls give exactly what
+   splash's wrappers give, float32 bit for bit, and bf16 once rounded (splash rounds its results
+   to the input dtype; we do not).
+2. What that is for (issue 12): the bf16 ring is no less accurate than plain single-device
+   splash on the same inputs, against the dense float32 oracle.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
+from jax.sharding import PartitionSpec as P
+
+from longctx import layout as layout_lib
+from longctx.ops import reference_attention, ring_attention
+from longctx.ops import splash_kernels as kernels
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
+BLOCK, COMPUTE = 256, 128  # kv blocks computed in two halves where a kernel allows it
+MASK_VALUE = sk.DEFAULT_MASK_VALUE
+
+
+def _operands(dtype, seq_len=512, seed=0):
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+    q, do = draw(HEADS, seq_len, HEAD_DIM), draw(HEADS, seq_len, HEAD_DIM)
+    k, v = draw(KV_HEADS, seq_len, HEAD_DIM), draw(KV_HEADS, seq_len, HEAD_DIM)
+    lse = jnp.asarray(rng.standard_normal((HEADS, seq_len)) + 5.0, jnp.float32)
+    di = jnp.asarray(rng.standard_normal((HEADS, seq_len)), jnp.float32)
+    ids = jnp.asarray(np.cumsum(rng.random(seq_len) < 1 / 100) + 1, jnp.int32)
+    return q, k, v, sk.SegmentIds(q=ids, kv=ids), lse, do, di
+
+
+def _infos(seq_len=512):
+    """Splash's own MaskInfo for a causal mask given as a dense array (partial blocks, no
+    q_sequence): forward/dq, and dkv unshrunk as its fused backward needs."""
+    dense = np.tril(np.ones((seq_len, seq_len), bool))
+    mask = sm.MultiHeadMask([sm.NumpyMask(dense)] * HEADS)
+    fwd, _ = mi.process_mask(mask, (BLOCK, BLOCK))
+    dkv, _ = mi.process_mask_dkv(mask, (BLOCK, BLOCK), shrink_grid=False)
+    return fwd, dkv
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_float32_results_of_splash_kernels(dtype):
+    """Forward (out, lse), dq, the split dkv and the fused dkv (with a compute block smaller than
+    the kv block, where the kernel keeps a dq scratch, and equal to it), GQA, segment ids, soft
+    cap: splash's result == ours rounded to splash's dtype."""
+    q, k, v, seg, lse, do, di = _operands(dtype)
+    fwd_info, dkv_info = _infos()
+    cap = 30.0
+    theirs = dict(mask_value=MASK_VALUE, attn_logits_soft_cap=cap, mask_function=None,
+                  interpret=True, is_mqa=False)
+    layouts = dict(q_layout=sk.QKVLayout.HEAD_DIM_MINOR, k_layout=sk.QKVLayout.HEAD_DIM_MINOR,
+                   v_layout=sk.QKVLayout.HEAD_DIM_MINOR)
+    ours = dict(mask_value=MASK_VALUE, soft_cap=cap, interpret=True)
+    checks = []
+
+    sizes = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=COMPUTE)
+    out, (lse_out,) = sk._splash_attention_forward(  # pylint: disable=protected-access
+        fwd_info, q, k, v, seg, None, block_sizes=sizes, residual_checkpoint_name=None,
+        save_residuals=True, **theirs)
+    got = kernels.forward(fwd_info, q, k, v, seg, bq=BLOCK, bkv=BLOCK, bkv_compute=COMPUTE, **ours)
+    checks += [("out", got[0], out), ("lse", got[1], lse_out)]
+
+    dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
+        q, k, v, seg, None, lse, do, di, bq=BLOCK, bkv=BLOCK, mask_info=fwd_info, **theirs, **layouts)
+    got = kernels.backward_dq(fwd_info, q, k, v, seg, lse, do, di, bq=BLOCK, bkv=BLOCK, **ours)
+    checks.append(("dq kernel", got, dq))
+
+    # dkv, split and fused, one kv block per call as the ring calls it (ops/splash.py): the
+    # fused kernel's dq of a call is then one block's, which splash rounds before summing.
+    for j in range(k.shape[1] // BLOCK):
+        keys = lambda x: x[:, j * BLOCK:(j + 1) * BLOCK]  # noqa: E731
+        column = mi.MaskInfo(*(None if x is None else x[..., j:j + 1] for x in dkv_info[:3]),
+                             partial_mask_blocks=dkv_info.partial_mask_blocks, q_sequence=None)
+        seg_j = sk.SegmentIds(q=seg.q, kv=seg.kv[j * BLOCK:(j + 1) * BLOCK])
+        for fused in (False, True):
+            for bkv_compute in (COMPUTE, BLOCK):
+                want = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
+                    q, keys(k), keys(v), seg_j, None, lse, do, di, bq=BLOCK, bkv=BLOCK,
+                    bkv_compute=bkv_compute, mask_info=column, use_fused_bwd_kernel=fused,
+                    **theirs, **layouts)
+                got = kernels.backward_dkv(column, q, keys(k), keys(v), seg_j, lse, do, di, bq=BLOCK,
+                                           bkv=BLOCK, bkv_compute=bkv_compute, fused=fused, **ours)
+                assert (got[0] is None) == (not fused)
+                kind = f"{'fused' if fused else 'dkv'} kernel, kv block {j}, compute {bkv_compute}"
+                checks += [(f"{name} ({kind})", g, w)
+                           for name, g, w in zip(("dq", "dk", "dv"), got, want) if g is not None]
+
+    for name, got, want in checks:
+        assert got.dtype == jnp.float32, name
+        assert np.isfinite(np.asarray(got)).all(), name
+        np.testing.assert_array_equal(np.asarray(got.astype(want.dtype)), np.asarray(want),
+                                      err_msg=name)
+    if dtype == jnp.bfloat16:  # and ours keeps what splash's rounding drops
+        out = checks[0][1]
+        assert not np.array_equal(np.asarray(out), np.asarray(out.astype(dtype), np.float32))
+
+
+# ----------------------------------------------------------------------------- the bf16 ring
+
+SEQ_LEN, SP, RING_BLOCK = 1024, 4, 128
+
+
+def _single_device_splash(q, k, v, seg):
+    """Splash's public kernel on the whole sequence (sp = 1), fused backward, bf16 results."""
+    mask = sm.MultiHeadMask([sm.CausalMask((SEQ_LEN, SEQ_LEN))] * HEADS)
+    b = RING_BLOCK
+    sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                          block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
+    kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
+                                interpret=True)
+    heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    row = lambda q, k, v, ids: kernel(q, k, v, segment_ids=sk.SegmentIds(q=ids, kv=ids))  # noqa: E731
+    # q * 1/8 (head_dim 64) is exact in bf16, as the ring's own pre-scaling is
+    return heads_major(jax.vmap(row)(heads_major(q * jnp.asarray(HEAD_DIM ** -0.5, q.dtype)),
+                                     heads_major(k), heads_major(v), seg))
+
+
+def _ring(q, k, v, seg, layout):
+    mesh = jax.make_mesh((SP,), ("sp",), devices=jax.devices()[:SP],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    perm = layout_lib.permutation(layout, SEQ_LEN, SP)
+    f = jax.shard_map(functools.partial(ring_attention, causal=True, layout=layout, impl="splash",
+                                        block_sizes=RING_BLOCK),
+                      mesh=mesh, in_specs=(P(None, "sp"),) * 4, out_specs=P(None, "sp"))
+    return lambda q, k, v: f(q[:, perm], k[:, perm], v[:, perm], seg[:, perm])[
+        :, layout_lib.inverse_permutation(perm)]
+
+
+def _errors(attention, q, k, v, dout, want):
+    out, vjp = jax.vjp(attention, q, k, v)
+    got = (out, *vjp(dout))
+    assert all(g.dtype == jnp.bfloat16 for g in got)
+    return [float(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64)).mean())
+            for g, w in zip(got, want)]
+
+
+@pytest.mark.parametrize("layout", layout_lib.LAYOUTS)
+def test_bf16_ring_is_as_accurate_as_single_device_splash(layout):
+    """Mean absolute error of out, dq, dk and dv against the float32 oracle: the ring's no larger
+    than single-device splash's (within 1%). With each step's partials rounded to bf16 (splash's
+    own wrappers) the ring's out was 1.1-1.5x and dk, dv 1.1-1.25x single's (S=4096, sp=4,
+    scripts/bench_bf16_error.py)."""
+    rng = np.random.default_rng(1)
+    draw = lambda: jnp.asarray(rng.standard_normal((1, SEQ_LEN, HEADS, HEAD_DIM)), jnp.bfloat16)  # noqa: E731
+    q, k, v, dout = draw(), draw(), draw(), draw()
+    seg = jnp.asarray(np.cumsum(rng.random((1, SEQ_LEN)) < 1 / 300, axis=1) + 1, jnp.int32)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref = lambda q, k, v: reference_attention(q, k, v, seg, causal=True)  # noqa: E731
+    out, vjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+    want = (out, *vjp(f32(dout)))
+    single = _errors(jax.jit(lambda q, k, v: _single_device_splash(q, k, v, seg)), q, k, v, dout, want)
+    ring = _errors(jax.jit(_ring(q, k, v, seg, layout)), q, k, v, dout, want)
+    for name, r, s in zip(("out", "dq", "dk", "dv"), ring, single):
+        assert r <= 1.01 * s, f"{layout} {name}: ring mean error {r:.4g} vs single-device {s:.4g}"
