@@ -136,9 +136,10 @@ def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
     The kernel writes dq once per kv block of its call ([kv blocks, heads, L, head_dim], summed
     after it): called on the whole shard that is kv_blocks times the attention's own memory
     (64 GiB per step in bf16 at 65,536 tokens per chip for the 8B shape). So it is called one kv
-    block at a time, and each block's dq is added into the ring's float32 `dq` in place. The loop runs outside the kernel's local region so that the accumulator
-    keeps its type and is updated in place (an accumulator inside the region cost a second
-    float32 dq: 64K tokens on v5p:2x2x2, 259 vs 177 MiB of temporaries)."""
+    block at a time, and each block's dq is added into the ring's float32 `dq` in place. The
+    loop runs outside the kernel's local region so that the accumulator keeps its type and is
+    updated in place (an accumulator inside the region cost a second float32 dq: 64K tokens on
+    v5p:2x2x2, 259 vs 177 MiB of temporaries)."""
     arrays, partial = _mask_info(cfg, blocks, live, _partial_index(cfg, blocks), "dkv")
     common = _common(cfg)
 

@@ -3,11 +3,12 @@
 Splash's wrappers (`_splash_attention_forward`, `_splash_attention_bwd_dq`, `_bwd_dkv`) declare
 out, dq, dk and dv in the input dtype. That suits one call over a whole sequence, which rounds
 once. A ring step's results are partials that the ring sums in float32 over sp steps: rounded
-to bf16 first, every result carries sp roundings instead of one (out's mean error was 1.26-1.54x
-single-device splash's at bf16, S=4096, sp=4; scripts/bench_bf16_error.py). The kernel bodies
-already compute in float32 and cast only when they store (`o_ref[...] = x.astype(o_ref.dtype)`),
-so declaring float32 results is the whole change: the kernels are splash's, unmodified, and the
-block specs below are splash's, specialised to the one configuration the ring uses:
+to bf16 first, a result carries a rounding per step besides its final one (out's mean error
+was 1.04-1.54x single-device splash's at bf16, S=4096, sp=4; scripts/bench_bf16_error.py).
+The kernel bodies already compute in float32 and cast only when they store
+(`o_ref[...] = x.astype(o_ref.dtype)`), so declaring float32 results is the whole change: the
+kernels are splash's, unmodified, and the block specs below are splash's, specialised to the
+one configuration the ring uses:
   - operands heads-major, [heads, L, head_dim] (splash's HEAD_DIM_MINOR), one batch row;
   - multi-head K/V, query head h reading kv head h // (heads / kv_heads) (GQA);
   - a MaskInfo from ops/tables.py: data_next, block_mask and mask_next always present, partial
@@ -29,7 +30,15 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 LANES, SUBLANES = sk.NUM_LANES, sk.NUM_SUBLANES
 _HEAD_MINOR = sk.QKVLayout.HEAD_DIM_MINOR
 _LAYOUTS = dict(q_layout=_HEAD_MINOR, k_layout=_HEAD_MINOR, v_layout=_HEAD_MINOR)
-f32 = jnp.float32
+
+
+def _f32(shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _scratch(shape):
+    """One block for the whole grid: splash's kernels take their scratch buffers as outputs."""
+    return pl.BlockSpec(shape, lambda *_: (0, 0))
 
 
 def _kv_head(h, heads, kv_heads):
@@ -89,7 +98,6 @@ def forward(info, q, k, v, segment_ids, *, bq, bkv, bkv_compute, mask_value, sof
     grid_width = info.data_next.shape[-1]
     q_spec, kv_spec, seg_specs, seg_arrays, mask_spec = _row_major_specs(
         info, q, k, segment_ids, bq, bkv)
-    fixed = lambda shape: pl.BlockSpec(shape, lambda *_: (0, 0))  # noqa: E731  (scratch)
     kernel = functools.partial(
         sk.flash_attention_kernel, mask_value=mask_value, grid_width=grid_width, bq=bq, bkv=bkv,
         bkv_compute=bkv_compute, head_dim_v=head_dim, attn_logits_soft_cap=soft_cap,
@@ -97,12 +105,11 @@ def forward(info, q, k, v, segment_ids, *, bq, bkv, bkv_compute, mask_value, sof
     *_, out, lse = _call(
         kernel, "longctx_splash_fwd", (heads, L // bq, grid_width),
         [q_spec, kv_spec, kv_spec, *seg_specs, None, mask_spec, None],
-        [fixed((bq, LANES)), fixed((bq, LANES)), fixed((bq, head_dim)),
+        [_scratch((bq, LANES)), _scratch((bq, LANES)), _scratch((bq, head_dim)),
          pl.BlockSpec((None, bq, head_dim), lambda h, i, j, *_: (h, i, 0)),
          pl.BlockSpec((None, bq, LANES), lambda h, i, j, *_: (h, i, 0))],
-        [jax.ShapeDtypeStruct((bq, LANES), f32), jax.ShapeDtypeStruct((bq, LANES), f32),
-         jax.ShapeDtypeStruct((bq, head_dim), f32), jax.ShapeDtypeStruct((heads, L, head_dim), f32),
-         jax.ShapeDtypeStruct((heads, L, LANES), f32)],
+        [_f32((bq, LANES)), _f32((bq, LANES)), _f32((bq, head_dim)), _f32((heads, L, head_dim)),
+         _f32((heads, L, LANES))],
         ("parallel", "arbitrary", "arbitrary"), interpret, info,
         q, k, v, *seg_arrays, None, info.partial_mask_blocks, None)
     return out, lse[..., 0]
@@ -123,8 +130,8 @@ def backward_dq(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, mask_value,
     _, dq = _call(
         kernel, "longctx_splash_dq", (heads, L // bq, grid_width),
         [q_spec, kv_spec, kv_spec, *seg_specs, None, row_spec, q_spec, row_spec, mask_spec, None],
-        [pl.BlockSpec((bq, head_dim), lambda *_: (0, 0)), q_spec],
-        [jax.ShapeDtypeStruct((bq, head_dim), f32), jax.ShapeDtypeStruct(q.shape, f32)],
+        [_scratch((bq, head_dim)), q_spec],
+        [_f32((bq, head_dim)), _f32(q.shape)],
         ("arbitrary", "arbitrary", "arbitrary"), interpret, info,
         q, k, v, *seg_arrays, None, lse[:, None], do, di[:, None], info.partial_mask_blocks, None)
     return dq
@@ -165,17 +172,16 @@ def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_comput
                       lax.broadcast_in_dim(segment_ids.kv, (kv_len, LANES), (0,))]
     mask_spec = None if info.partial_mask_blocks is None else pl.BlockSpec(
         (None, bkv, bq), lambda j, h, i, *tables: (_next(h, i, j, tables, True)[1], 0, 0))
-    fixed = lambda shape: pl.BlockSpec(shape, lambda *_: (0, 0))  # noqa: E731  (scratch)
-    scratch = lambda shape: jax.ShapeDtypeStruct(shape, f32)  # noqa: E731
     if not fused:
         dq_specs, dq_shapes = [None, None], [None, None]
     else:
         dq_spec = pl.BlockSpec((None, None, bq, head_dim), lambda j, h, i, *_: (j, h, i, 0))
-        dq_shape = scratch((kv_len // bkv, heads, L, head_dim))
+        dq_shape = _f32((kv_len // bkv, heads, L, head_dim))
         if bkv == bkv_compute:  # the kernel keeps no dq scratch then
             dq_specs, dq_shapes = [None, dq_spec], [None, dq_shape]
         else:
-            dq_specs, dq_shapes = [fixed((bq, head_dim)), dq_spec], [scratch((bq, head_dim)), dq_shape]
+            dq_specs = [_scratch((bq, head_dim)), dq_spec]
+            dq_shapes = [_f32((bq, head_dim)), dq_shape]
     kernel = functools.partial(
         sk._flash_attention_dkv_kernel,  # pylint: disable=protected-access
         mask_value=mask_value, num_q_heads=heads, num_kv_heads=kv_heads, is_mqa=False,
@@ -186,10 +192,10 @@ def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_comput
     _, _, _, dq, dk, dv = _call(
         kernel, "longctx_splash_dkv", (kv_len // bkv, heads, grid_height),
         [q_spec, kv_spec, kv_spec, *seg_specs, None, row_spec, q_spec, row_spec, mask_spec, None],
-        [dq_specs[0], fixed((bkv, head_dim)), fixed((bkv, head_dim)), dq_specs[1], kv_spec,
+        [dq_specs[0], _scratch((bkv, head_dim)), _scratch((bkv, head_dim)), dq_specs[1], kv_spec,
          kv_spec],
-        [dq_shapes[0], scratch((bkv, head_dim)), scratch((bkv, head_dim)), dq_shapes[1],
-         scratch(k.shape), scratch(v.shape)],
+        [dq_shapes[0], _f32((bkv, head_dim)), _f32((bkv, head_dim)), dq_shapes[1], _f32(k.shape),
+         _f32(v.shape)],
         ("arbitrary", "arbitrary", "arbitrary"), interpret, info,
         q, k, v, *seg_arrays, None, rows(lse), do, rows(di), info.partial_mask_blocks, None)
     return None if dq is None else dq.sum(axis=0), dk, dv
