@@ -1,8 +1,8 @@
 """ops/splash_kernels.py: splash's kernels in pallas_calls with float32 results.
 
 1. The same kernels, the same math: on splash's own MaskInfo, our calls give exactly what
-   splash's wrappers give, float32 bit for bit, and bf16 once rounded (splash rounds its results
-   to the input dtype; we do not).
+   splash's wrappers give once rounded (splash rounds its results to the input dtype; we do
+   not).
 2. What that is for (issue 12): the bf16 ring is no less accurate than plain single-device
    splash on the same inputs, against the dense float32 oracle.
 """
@@ -49,11 +49,12 @@ def _infos(seq_len=512):
     return fwd, dkv
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_float32_results_of_splash_kernels(dtype):
+def test_float32_results_of_splash_kernels():
     """Forward (out, lse), dq, the split dkv and the fused dkv (with a compute block smaller than
     the kv block, where the kernel keeps a dq scratch, and equal to it), GQA, segment ids, soft
-    cap: splash's result == ours rounded to splash's dtype."""
+    cap, bf16 operands: splash's bf16 result == ours rounded to bf16, every element (a spec that
+    fetched a wrong block would change values far beyond a rounding)."""
+    dtype = jnp.bfloat16
     q, k, v, seg, lse, do, di = _operands(dtype)
     fwd_info, dkv_info = _infos()
     cap = 30.0
@@ -101,9 +102,8 @@ def test_float32_results_of_splash_kernels(dtype):
         assert np.isfinite(np.asarray(got)).all(), name
         np.testing.assert_array_equal(np.asarray(got.astype(want.dtype)), np.asarray(want),
                                       err_msg=name)
-    if dtype == jnp.bfloat16:  # and ours keeps what splash's rounding drops
-        out = checks[0][1]
-        assert not np.array_equal(np.asarray(out), np.asarray(out.astype(dtype), np.float32))
+    out = checks[0][1]  # and ours keeps what splash's rounding drops
+    assert not np.array_equal(np.asarray(out), np.asarray(out.astype(dtype), np.float32))
 
 
 # ----------------------------------------------------------------------------- the bf16 ring
@@ -137,29 +137,39 @@ def _ring(q, k, v, seg, layout):
         :, layout_lib.inverse_permutation(perm)]
 
 
-def _errors(attention, q, k, v, dout, want):
-    out, vjp = jax.vjp(attention, q, k, v)
+def _errors(attention, x, want):
+    """Mean absolute error of (out, dq, dk, dv) of `attention` on x against `want`."""
+    q, k, v, dout, _ = x
+    out, vjp = jax.vjp(jax.jit(attention), q, k, v)
     got = (out, *vjp(dout))
     assert all(g.dtype == jnp.bfloat16 for g in got)
     return [float(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64)).mean())
             for g, w in zip(got, want)]
 
 
-@pytest.mark.parametrize("layout", layout_lib.LAYOUTS)
-def test_bf16_ring_is_as_accurate_as_single_device_splash(layout):
-    """Mean absolute error of out, dq, dk and dv against the float32 oracle: the ring's no larger
-    than single-device splash's (within 1%). With each step's partials rounded to bf16 (splash's
-    own wrappers) the ring's out was 1.1-1.5x and dk, dv 1.1-1.25x single's (S=4096, sp=4,
-    scripts/bench_bf16_error.py)."""
+@functools.lru_cache(maxsize=None)
+def _inputs_oracle_and_single_device_errors():
+    """bf16 (q, k, v, dout, segment ids), the float32 oracle's (out, dq, dk, dv) on them, and
+    single-device splash's mean errors: once for every layout."""
     rng = np.random.default_rng(1)
     draw = lambda: jnp.asarray(rng.standard_normal((1, SEQ_LEN, HEADS, HEAD_DIM)), jnp.bfloat16)  # noqa: E731
     q, k, v, dout = draw(), draw(), draw(), draw()
     seg = jnp.asarray(np.cumsum(rng.random((1, SEQ_LEN)) < 1 / 300, axis=1) + 1, jnp.int32)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    x = (q, k, v, dout, seg)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     ref = lambda q, k, v: reference_attention(q, k, v, seg, causal=True)  # noqa: E731
     out, vjp = jax.vjp(ref, f32(q), f32(k), f32(v))
     want = (out, *vjp(f32(dout)))
-    single = _errors(jax.jit(lambda q, k, v: _single_device_splash(q, k, v, seg)), q, k, v, dout, want)
-    ring = _errors(jax.jit(_ring(q, k, v, seg, layout)), q, k, v, dout, want)
+    return x, want, _errors(lambda q, k, v: _single_device_splash(q, k, v, seg), x, want)
+
+
+@pytest.mark.parametrize("layout", layout_lib.LAYOUTS)
+def test_bf16_ring_is_as_accurate_as_single_device_splash(layout):
+    """Mean absolute error of out, dq, dk and dv against the float32 oracle: the ring's no larger
+    than single-device splash's (within 1%). Here it is 1.000x for out, dk and dv and 0.87x for
+    dq; with each step's partials rounded to bf16 (splash's own wrappers) it was 1.08-1.50x
+    (out), 1.00-1.07x (dq), 1.14-1.23x (dk, dv), depending on the layout."""
+    x, want, single = _inputs_oracle_and_single_device_errors()
+    ring = _errors(_ring(*x[:3], x[4], layout), x, want)
     for name, r, s in zip(("out", "dq", "dk", "dv"), ring, single):
         assert r <= 1.01 * s, f"{layout} {name}: ring mean error {r:.4g} vs single-device {s:.4g}"
