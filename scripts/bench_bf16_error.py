@@ -35,6 +35,7 @@ from longctx import layout as layout_lib  # noqa: E402
 from longctx.ops import reference_attention, ring_attention  # noqa: E402
 
 HEADS, HEAD_DIM = 4, 64
+CASES = {"causal": "causal", "docs9": "causal + 9 documents per row (8 random cuts)"}
 SCALE = HEAD_DIM ** -0.5  # 1/8
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -136,7 +137,7 @@ def markdown(result):
              f"Machine: {result['machine']['date_utc']} UTC, jax {result['machine']['jax']}, "
              f"{result['machine']['cpu_count']} CPUs.  ",
              f"S = {s['seq_len']}, batch {s['batch']}, {s['heads']} heads x {s['head_dim']}, "
-             f"block {s['block']}, causal; bf16 inputs and outputs, errors against the dense "
+             f"block {s['block']}; bf16 inputs and outputs, errors against the dense "
              "float32 oracle on the same bf16 values. ratio = ring / single (<= 1: the ring is no "
              "less accurate); elements worse: the fraction of elements whose error is larger "
              "than single's for the same element.", ""]
@@ -150,7 +151,7 @@ def markdown(result):
                 worse = "" if prog == "single" else f"{e['worse']:.2%}"
                 rows.append([prog, name, f"{e['mean']:.3e}", ratio("mean"), f"{e['rms']:.3e}",
                              ratio("rms"), f"{e['max']:.3e}", ratio("max"), worse])
-        lines += [f"**{case}**", "",
+        lines += [f"**{CASES[case]}**", "",
                   bc.table(["program", "tensor", "mean abs err", "ratio", "rms err", "ratio",
                             "max abs err", "ratio", "elements worse than single"], rows), ""]
     return "\n".join(lines)
@@ -162,7 +163,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--sp", type=int, default=4)
     ap.add_argument("--block", type=int, default=512)
-    ap.add_argument("--cases", default="causal,docs9")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     ap.add_argument("--seed", type=int, default=0)
     bc.add_output_arguments(ap, "bench_bf16_error")
     args = ap.parse_args()
@@ -172,7 +173,10 @@ def main():
               "settings": {"seq_len": args.seq_len, "batch": args.batch, "sp": args.sp,
                            "block": args.block, "heads": HEADS, "head_dim": HEAD_DIM},
               "cases": {}}
-    for case in [c for c in args.cases.split(",") if c]:
+    cases = [c for c in args.cases.split(",") if c]
+    if not set(cases) <= set(CASES):
+        ap.error(f"--cases: choose from {', '.join(CASES)}")
+    for case in cases:
         x = make_inputs(case, args.batch, args.seq_len, args.seed)
         want = oracle(*x)
         single = abs_errors(single_device(*x, args.block), want)
