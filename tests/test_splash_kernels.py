@@ -50,8 +50,8 @@ def _infos(seq_len=512):
 
 
 def test_float32_results_of_splash_kernels():
-    """Forward (out, lse), dq, the split dkv and the fused dkv (with a compute block smaller than
-    the kv block, where the kernel keeps a dq scratch, and equal to it), GQA, segment ids, soft
+    """Forward (out, lse), dq, the split dkv and the fused dkv (the latter with a compute block
+    smaller than the kv block, where the kernel keeps a dq scratch, and equal to it), GQA, segment ids, soft
     cap, bf16 operands: splash's bf16 result == ours rounded to bf16, every element (a spec that
     fetched a wrong block would change values far beyond a rounding)."""
     dtype = jnp.bfloat16
@@ -84,18 +84,17 @@ def test_float32_results_of_splash_kernels():
         column = mi.MaskInfo(*(None if x is None else x[..., j:j + 1] for x in dkv_info[:3]),
                              partial_mask_blocks=dkv_info.partial_mask_blocks, q_sequence=None)
         seg_j = sk.SegmentIds(q=seg.q, kv=seg.kv[j * BLOCK:(j + 1) * BLOCK])
-        for fused in (False, True):
-            for bkv_compute in (COMPUTE, BLOCK):
-                want = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
-                    q, keys(k), keys(v), seg_j, None, lse, do, di, bq=BLOCK, bkv=BLOCK,
-                    bkv_compute=bkv_compute, mask_info=column, use_fused_bwd_kernel=fused,
-                    **theirs, **layouts)
-                got = kernels.backward_dkv(column, q, keys(k), keys(v), seg_j, lse, do, di, bq=BLOCK,
-                                           bkv=BLOCK, bkv_compute=bkv_compute, fused=fused, **ours)
-                assert (got[0] is None) == (not fused)
-                kind = f"{'fused' if fused else 'dkv'} kernel, kv block {j}, compute {bkv_compute}"
-                checks += [(f"{name} ({kind})", g, w)
-                           for name, g, w in zip(("dq", "dk", "dv"), got, want) if g is not None]
+        for fused, bkv_compute in ((False, BLOCK), (True, COMPUTE), (True, BLOCK)):
+            want = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
+                q, keys(k), keys(v), seg_j, None, lse, do, di, bq=BLOCK, bkv=BLOCK,
+                bkv_compute=bkv_compute, mask_info=column, use_fused_bwd_kernel=fused,
+                **theirs, **layouts)
+            got = kernels.backward_dkv(column, q, keys(k), keys(v), seg_j, lse, do, di, bq=BLOCK,
+                                       bkv=BLOCK, bkv_compute=bkv_compute, fused=fused, **ours)
+            assert (got[0] is None) == (not fused)
+            kind = f"{'fused' if fused else 'dkv'} kernel, kv block {j}, compute {bkv_compute}"
+            checks += [(f"{name} ({kind})", g, w)
+                       for name, g, w in zip(("dq", "dk", "dv"), got, want) if g is not None]
 
     for name, got, want in checks:
         assert got.dtype == jnp.float32, name
