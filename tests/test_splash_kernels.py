@@ -28,35 +28,41 @@ BLOCK, COMPUTE = 256, 128  # kv blocks computed in two halves where a kernel all
 MASK_VALUE = sk.DEFAULT_MASK_VALUE
 
 
-def _operands(dtype, seq_len=512, seed=0):
+def _operands(seq_len=512, seed=0):
+    """bf16 q, k, v, do (heads-major, one row) and segment ids cycling 1, 2, 3 every 32 tokens:
+    any q block and kv block share some documents and not others, and no two blocks have the
+    same ids (a spec that read another block's ids would be seen)."""
     rng = np.random.default_rng(seed)
-    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
     q, do = draw(HEADS, seq_len, HEAD_DIM), draw(HEADS, seq_len, HEAD_DIM)
     k, v = draw(KV_HEADS, seq_len, HEAD_DIM), draw(KV_HEADS, seq_len, HEAD_DIM)
-    lse = jnp.asarray(rng.standard_normal((HEADS, seq_len)) + 5.0, jnp.float32)
-    di = jnp.asarray(rng.standard_normal((HEADS, seq_len)), jnp.float32)
-    ids = jnp.asarray(np.cumsum(rng.random(seq_len) < 1 / 100) + 1, jnp.int32)
-    return q, k, v, sk.SegmentIds(q=ids, kv=ids), lse, do, di
+    ids = jnp.asarray(1 + (np.arange(seq_len) // 32) % 3, jnp.int32)
+    return q, k, v, sk.SegmentIds(q=ids, kv=ids), do
 
 
 def _infos(seq_len=512):
-    """Splash's own MaskInfo for a causal mask given as a dense array (partial blocks, no
-    q_sequence): forward/dq, and dkv unshrunk as its fused backward needs."""
-    dense = np.tril(np.ones((seq_len, seq_len), bool))
+    """Splash's own MaskInfo (as make_splash_mha builds it) for a mask of 2 x 2 blocks in which
+    each q block and each kv block has one live block, off the diagonal: q block 0 sees kv block
+    1 whole, q block 1 sees kv block 0 through a triangle (a partial block). Packed tables
+    (shrunk to one column/row) then fetch blocks away from their grid position. Forward/dq;
+    dkv packed (the split kernel) and unpacked (the fused kernel writes dq by grid position)."""
+    dense = np.zeros((seq_len, seq_len), bool)
+    dense[:BLOCK, BLOCK:] = True
+    dense[BLOCK:, :BLOCK] = np.tril(np.ones((BLOCK, BLOCK), bool))
     mask = sm.MultiHeadMask([sm.NumpyMask(dense)] * HEADS)
     fwd, _ = mi.process_mask(mask, (BLOCK, BLOCK))
-    dkv, _ = mi.process_mask_dkv(mask, (BLOCK, BLOCK), shrink_grid=False)
-    return fwd, dkv
+    packed, _ = mi.process_mask_dkv(mask, (BLOCK, BLOCK), shrink_grid=True)
+    unpacked, _ = mi.process_mask_dkv(mask, (BLOCK, BLOCK), shrink_grid=False)
+    return fwd, {False: packed, True: unpacked}
 
 
 def test_float32_results_of_splash_kernels():
     """Forward (out, lse), dq, the split dkv and the fused dkv (the latter with a compute block
-    smaller than the kv block, where the kernel keeps a dq scratch, and equal to it), GQA, segment ids, soft
-    cap, bf16 operands: splash's bf16 result == ours rounded to bf16, every element (a spec that
-    fetched a wrong block would change values far beyond a rounding)."""
-    dtype = jnp.bfloat16
-    q, k, v, seg, lse, do, di = _operands(dtype)
-    fwd_info, dkv_info = _infos()
+    smaller than the kv block, where the kernel keeps a dq scratch, and equal to it), GQA,
+    segment ids, soft cap, bf16 operands: splash's bf16 result == ours rounded to bf16, every
+    element (a spec that fetched a wrong block would change values far beyond a rounding)."""
+    q, k, v, seg, do = _operands()
+    fwd_info, dkv_infos = _infos()
     cap = 30.0
     theirs = dict(mask_value=MASK_VALUE, attn_logits_soft_cap=cap, mask_function=None,
                   interpret=True, is_mqa=False)
@@ -66,14 +72,17 @@ def test_float32_results_of_splash_kernels():
     checks = []
 
     sizes = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=COMPUTE)
-    out, (lse_out,) = sk._splash_attention_forward(  # pylint: disable=protected-access
+    out, (lse,) = sk._splash_attention_forward(  # pylint: disable=protected-access
         fwd_info, q, k, v, seg, None, block_sizes=sizes, residual_checkpoint_name=None,
         save_residuals=True, **theirs)
     got = kernels.forward(fwd_info, q, k, v, seg, bq=BLOCK, bkv=BLOCK, bkv_compute=COMPUTE, **ours)
-    checks += [("out", got[0], out), ("lse", got[1], lse_out)]
+    checks += [("out", got[0], out), ("lse", got[1], lse)]
+    # the backward's residuals, as splash's own backward makes them from its forward
+    di = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
 
     dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
-        q, k, v, seg, None, lse, do, di, bq=BLOCK, bkv=BLOCK, mask_info=fwd_info, **theirs, **layouts)
+        q, k, v, seg, None, lse, do, di, bq=BLOCK, bkv=BLOCK, mask_info=fwd_info, **theirs,
+        **layouts)
     got = kernels.backward_dq(fwd_info, q, k, v, seg, lse, do, di, bq=BLOCK, bkv=BLOCK, **ours)
     checks.append(("dq kernel", got, dq))
 
@@ -81,10 +90,11 @@ def test_float32_results_of_splash_kernels():
     # fused kernel's dq of a call is then one block's, which splash rounds before summing.
     for j in range(k.shape[1] // BLOCK):
         keys = lambda x: x[:, j * BLOCK:(j + 1) * BLOCK]  # noqa: E731
-        column = mi.MaskInfo(*(None if x is None else x[..., j:j + 1] for x in dkv_info[:3]),
-                             partial_mask_blocks=dkv_info.partial_mask_blocks, q_sequence=None)
         seg_j = sk.SegmentIds(q=seg.q, kv=seg.kv[j * BLOCK:(j + 1) * BLOCK])
         for fused, bkv_compute in ((False, BLOCK), (True, COMPUTE), (True, BLOCK)):
+            info = dkv_infos[fused]
+            column = mi.MaskInfo(*(None if x is None else x[..., j:j + 1] for x in info[:3]),
+                                 partial_mask_blocks=info.partial_mask_blocks, q_sequence=None)
             want = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
                 q, keys(k), keys(v), seg_j, None, lse, do, di, bq=BLOCK, bkv=BLOCK,
                 bkv_compute=bkv_compute, mask_info=column, use_fused_bwd_kernel=fused,
@@ -102,7 +112,7 @@ def test_float32_results_of_splash_kernels():
         np.testing.assert_array_equal(np.asarray(got.astype(want.dtype)), np.asarray(want),
                                       err_msg=name)
     out = checks[0][1]  # and ours keeps what splash's rounding drops
-    assert not np.array_equal(np.asarray(out), np.asarray(out.astype(dtype), np.float32))
+    assert not np.array_equal(np.asarray(out), np.asarray(out.astype(jnp.bfloat16), np.float32))
 
 
 # ----------------------------------------------------------------------------- the bf16 ring
@@ -125,7 +135,7 @@ def _single_device_splash(q, k, v, seg):
                                      heads_major(k), heads_major(v), seg))
 
 
-def _ring(q, k, v, seg, layout):
+def _ring(seg, layout):
     mesh = jax.make_mesh((SP,), ("sp",), devices=jax.devices()[:SP],
                          axis_types=(jax.sharding.AxisType.Auto,))
     perm = layout_lib.permutation(layout, SEQ_LEN, SP)
@@ -169,6 +179,6 @@ def test_bf16_ring_is_as_accurate_as_single_device_splash(layout):
     dq; with each step's partials rounded to bf16 (splash's own wrappers) it was 1.08-1.50x
     (out), 1.00-1.07x (dq), 1.14-1.23x (dk, dv), depending on the layout."""
     x, want, single = _inputs_oracle_and_single_device_errors()
-    ring = _errors(_ring(*x[:3], x[4], layout), x, want)
+    ring = _errors(_ring(x[4], layout), x, want)
     for name, r, s in zip(("out", "dq", "dk", "dv"), ring, single):
         assert r <= 1.01 * s, f"{layout} {name}: ring mean error {r:.4g} vs single-device {s:.4g}"
