@@ -42,16 +42,15 @@ def _mask_info(cfg, blocks, live, index, kernel: str):
     """((data_next, block_mask, mask_next), partial blocks) of this step for `kernel`, built on
     device from its blocks (ops/tables.py). "fwd" (the forward and dq kernels): each q-block
     row's live blocks packed into the grid, the rest computing and fetching nothing. "dkv": the
-    same per kv-block column, not packed for the fused backward (it writes dq by grid position),
-    partial blocks transposed ([kv, q], as the kernel reads them). The arrays are one set per
-    batch row ([b, ...]) when documents make the rows differ, else one for all rows."""
+    same per kv-block column, partial blocks transposed ([kv, q], as the kernel reads them).
+    The arrays are one set per batch row ([b, ...]) when documents make the rows differ, else
+    one for all rows."""
     tb = cfg.tables
     partial = None if tb.partial is None else jnp.asarray(tb.partial)
     if kernel == "fwd":
         arrays = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_width, axis=-1)
     else:
-        arrays = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_height, axis=-2,
-                                        packed=not cfg.fused_bwd)
+        arrays = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_height, axis=-2)
         partial = None if partial is None else partial.swapaxes(1, 2)
     if live.shape[0] == 1:  # one MaskInfo for every row
         arrays = tuple(None if x is None else x[0] for x in arrays)
@@ -133,13 +132,14 @@ def _common(cfg):
 def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
     """bwd_step on splash's fused kernel: one pass over the blocks computes dq, dk and dv.
 
-    The kernel writes dq once per kv block of its call ([kv blocks, heads, L, head_dim], summed
-    after it): called on the whole shard that is kv_blocks times the attention's own memory
-    (64 GiB per step in bf16 at 65,536 tokens per chip for the 8B shape). So it is called one kv
-    block at a time, and each block's dq is added into the ring's float32 `dq` in place. The
-    loop runs outside the kernel's local region so that the accumulator keeps its type and is
-    updated in place (an accumulator inside the region cost a second float32 dq: 64K tokens on
-    v5p:2x2x2, 259 vs 177 MiB of temporaries)."""
+    The kernel writes dq once per kv block of its call ([kv blocks, heads, grid rows * bq,
+    head_dim], added up after it): called on the whole shard that is up to kv_blocks times the
+    attention's own memory (64 GiB per step in bf16 at 65,536 tokens per chip for the 8B
+    shape). So it is called one kv block at a time, only on the kv blocks that some query
+    needs, and each block's dq is added into the ring's float32 `dq` in place. The loop runs
+    outside the kernel's local region so that the accumulator keeps its type and is updated in
+    place (an accumulator inside the region cost a second float32 dq: 64K tokens on v5p:2x2x2,
+    259 vs 177 MiB of temporaries)."""
     arrays, partial = _mask_info(cfg, blocks, live, _partial_index(cfg, blocks), "dkv")
     common = _common(cfg)
 
@@ -163,7 +163,12 @@ def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
         return dq + _heads_major(dq_j), put(dk, dk_j), put(dv, dv_j)
 
     zeros = vary_like(jnp.zeros(k.shape, jnp.float32), q)
-    return lax.fori_loop(0, arrays[0].shape[-1], one_kv_block, (dq, zeros, zeros))
+    # The kv blocks that no query needs leave dq unchanged and their dk, dv zero; a call on one
+    # would still walk its whole grid of dead entries.
+    needed = jnp.any(live, axis=(0, 1))
+    columns = jnp.nonzero(needed, size=needed.shape[0], fill_value=0)[0].astype(jnp.int32)
+    return lax.fori_loop(0, jnp.count_nonzero(needed).astype(jnp.int32),
+                         lambda i, carry: one_kv_block(columns[i], carry), (dq, zeros, zeros))
 
 
 def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):

@@ -142,9 +142,11 @@ def backward_dq(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, mask_value,
 
 def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_compute, mask_value,
                  soft_cap, fused, interpret):
-    """Splash's dkv kernel: (dq, dk, dv), float32. fused: the kernel also computes dq, writing
-    one [heads, L, head_dim] per kv block of the call by grid position (so `info` must not be
-    packed: ops/tables.py), summed here; else dq is None."""
+    """Splash's dkv kernel: (dq, dk, dv), float32. fused: the kernel also computes dq; else dq
+    is None. The kernel writes dq by grid position, one q block per grid row and kv block; we
+    give each grid row its own output block and add it to the q block that the table fetched
+    there (data_next), so that packed tables, whose grid is shorter than the q blocks, work
+    too (an entry that computes nothing writes zeros)."""
     heads, L, head_dim = q.shape
     kv_heads, kv_len, _ = k.shape
     grid_height = info.data_next.shape[-2]
@@ -176,7 +178,7 @@ def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_comput
         dq_specs, dq_shapes = [None, None], [None, None]
     else:
         dq_spec = pl.BlockSpec((None, None, bq, head_dim), lambda j, h, i, *_: (j, h, i, 0))
-        dq_shape = _f32((kv_len // bkv, heads, L, head_dim))
+        dq_shape = _f32((kv_len // bkv, heads, grid_height * bq, head_dim))
         if bkv == bkv_compute:  # the kernel keeps no dq scratch then
             dq_specs, dq_shapes = [None, dq_spec], [None, dq_shape]
         else:
@@ -198,4 +200,16 @@ def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_comput
          _f32(v.shape)],
         ("arbitrary", "arbitrary", "arbitrary"), interpret, info,
         q, k, v, *seg_arrays, None, rows(lse), do, rows(di), info.partial_mask_blocks, None)
-    return None if dq is None else dq.sum(axis=0), dk, dv
+    return None if dq is None else _dq_by_q_block(dq, info.data_next, L, bq), dk, dv
+
+
+def _dq_by_q_block(dq, data_next, L, bq):
+    """[heads, L, head_dim]: the fused kernel's dq [kv blocks, heads, grid rows * bq, head_dim],
+    each grid row's block added to the q block that data_next [1 or heads, grid rows, kv blocks]
+    fetched for it."""
+    kv_blocks, heads, rows_len, head_dim = dq.shape
+    by_row = dq.reshape(kv_blocks, heads, rows_len // bq, bq, head_dim).swapaxes(0, 1)
+    q_block = jnp.broadcast_to(data_next, (heads,) + data_next.shape[1:]).swapaxes(1, 2)
+    total = jnp.zeros((heads, L // bq, bq, head_dim), dq.dtype)
+    total = total.at[jnp.arange(heads)[:, None, None], q_block].add(by_row)
+    return total.reshape(heads, L, head_dim)

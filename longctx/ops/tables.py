@@ -270,20 +270,17 @@ def partial_index(tables: RingTables, spec: MaskSpec, layout: str, seq_len: int,
     return jnp.argmax(same, axis=-1).astype(jnp.int32)
 
 
-def grid_tables(classes, partial_index, live, size: int, axis: int, packed: bool = True):
+def grid_tables(classes, partial_index, live, size: int, axis: int):
     """Splash MaskInfo arrays (data_next, block_mask, mask_next) of one step, each
     [rows, 1, q_blocks, size] packed along the kv axis (axis=-1: the forward and dq kernels) or
     [rows, 1, size, kv_blocks] along the q axis (axis=-2: the dkv kernel): the live blocks of
     each row/column in order, then entries that compute and fetch nothing (skip_dead_entries).
-    packed=False keeps every block at its own grid position (size = the blocks along `axis`):
-    splash's fused backward writes dq by grid position. live: bool [rows, q_blocks, kv_blocks];
+    So the first n entries of every row/column are a table of grid size n wherever no
+    row/column has more than n live blocks. live: bool [rows, q_blocks, kv_blocks];
     partial_index may be None."""
     move = lambda x: jnp.moveaxis(jnp.broadcast_to(x, live.shape), axis, -1)  # noqa: E731
-    live_m = move(live)
-    if packed:  # stable sort: the live entries first, in block order
-        order = jnp.argsort(jnp.logical_not(live_m), axis=-1, stable=True)[..., :size]
-    else:
-        order = jnp.broadcast_to(jnp.arange(live_m.shape[-1]), live_m.shape)
+    # stable sort: the live entries first, in block order
+    order = jnp.argsort(jnp.logical_not(move(live)), axis=-1, stable=True)[..., :size]
     order = order.astype(jnp.int32)
     take = lambda x: None if x is None else jnp.take_along_axis(move(x), order, axis=-1)  # noqa: E731
     data, block, nxt = skip_dead_entries(order, take(classes), take(partial_index),
