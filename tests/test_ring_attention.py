@@ -221,6 +221,69 @@ def test_document_edge_cases(impl, case):
            segments=_edge_documents(case))
 
 
+def _steps_visited_on_device(layout, seg, sp=4):
+    """What ring._steps_to_visit answers on every device of a (fsdp=2, sp) mesh, one row of the
+    natural-order ids `seg` [2, S] per ring."""
+    from longctx.ops import ring as ring_lib
+    from longctx.ops import tables
+
+    perm = layout_lib.permutation(layout, seg.shape[1], sp)
+    q = jnp.zeros((seg.shape[0], seg.shape[1], 1, 128), jnp.float32)
+
+    def per_shard(q, seg):
+        cfg, q_ids, kv_ids, _ = ring_lib._prepare(q, q, q, seg, None, None, causal=True,
+                                                  layout=layout, impl="xla", block_sizes=BLOCK)
+        stop = ring_lib._stop(cfg, jax.lax.axis_index("sp"),
+                              tables.document_ranges(q_ids, cfg.bq), kv_ids)
+        return stop[None, None]
+
+    data = P(("dp", "fsdp"), "sp")
+    f = jax.shard_map(per_shard, mesh=_mesh(sp, 2), in_specs=(data, data), out_specs=data)
+    return np.asarray(jax.jit(f)(q[:, perm], jnp.asarray(seg)[:, perm]))
+
+
+@pytest.mark.parametrize("layout,case", [
+    ("contiguous", "documents_inside_shards"), ("contiguous", "random"),
+    ("contiguous", "one_document_everywhere"), ("contiguous", "padding_rows"),
+    ("contiguous", "all_padding"), ("contiguous", "rings_that_differ"), ("zigzag", "random"),
+    ("striped", "documents_inside_shards"),
+])
+def test_ring_stops_after_the_last_step_with_a_live_block(layout, case):
+    """With documents the ring visits its steps only up to the last one at which some device
+    has a live block: the host schedule's (tables.document_schedule, the report's) last step
+    that runs, over every row of the batch. Every device of the mesh agrees, also across rings
+    (here one row per ring): a ring that stopped earlier than another would leave the other's
+    collectives waiting."""
+    from longctx import masks
+    from longctx.ops import tables
+
+    sp, seq_len = 4, SHARD * 4
+    if case == "random":
+        seg = _segments(np.random.default_rng(5), 2, seq_len)
+    elif case == "all_padding":
+        seg = np.zeros((2, seq_len), np.int32)
+    elif case == "rings_that_differ":  # one ring needs one step, the other more
+        seg = np.stack([_edge_documents("documents_inside_shards", batch=1)[0],
+                        _segments(np.random.default_rng(5), 1, seq_len)[0]])
+    else:
+        seg = _edge_documents(case, batch=2)
+    visited = _steps_visited_on_device(layout, seg, sp)
+    spec = masks.make_mask_spec(True, None, None)
+    static_runs = tables.ring_tables(spec, layout, seq_len, sp, BLOCK, BLOCK).run_steps
+
+    def want(rows):
+        runs = tables.document_schedule(spec, layout, seq_len, sp, BLOCK, rows).run_steps
+        return static_runs.index(max(runs)) + 1 if runs else 1
+
+    assert (visited == want(seg)).all(), (visited, want(seg))
+    if case in ("documents_inside_shards", "all_padding") and layout == "contiguous":
+        assert want(seg) == 1  # no K/V ever leaves its device
+    if case == "one_document_everywhere":
+        assert want(seg) == sp
+    if case == "rings_that_differ":
+        assert want(seg[:1]) == 1 < want(seg[1:])
+
+
 def test_auto_layout_is_what_the_data_pipeline_is_told():
     assert resolve_layout("auto", SHARD * 4, 4, causal=True) == "zigzag"
     _check(impl="xla", layout="auto", mask="causal", with_seg=True, kv_heads=2, with_aux=True,

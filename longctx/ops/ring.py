@@ -12,8 +12,12 @@ Only `run_steps` (steps with work on some device) execute; consecutive run steps
 of the gap's length, so K/V never travel further than the last run step and the traced program
 does not grow with sp. At every step each device works out its blocks in closed form and its
 live blocks (tables.py: the static mask's blocks, less those whose queries and keys share no
-document, per batch row) and skips its kernel when there are none (`lax.cond`). The per-step
-math lives in a backend (splash.py or xla.py) that returns the step's normalised output and
+document, per batch row) and skips its kernel when there are none (`lax.cond`). With documents
+the ring also ends early: when the run steps are one run, it stops after the last step at which
+some device has a live block (`_steps_to_visit`), so K/V travel no further than the documents
+reach either (dK/dV then go home by a hop known only at run time: a lax.switch over the sp
+distances, the one place where the program holds a ppermute per device). The per-step math
+lives in a backend (splash.py or xla.py) that returns the step's normalised output and
 logsumexp in the forward and adds the step's dQ into the float32 accumulator in the backward,
 computing only live blocks; merging, sinks and the sink gradient live here, once.
 """
@@ -29,7 +33,7 @@ from jax import lax
 from longctx import layout as layout_lib
 from longctx import masks
 from longctx.ops import tables as tables_lib
-from longctx.ops.shmap import pick, sum_over_devices, vary_like
+from longctx.ops.shmap import max_over_devices, pick, sum_over_devices, vary_like
 
 # The per-step backends: the Pallas TPU splash kernel, and the same math in plain XLA.
 IMPLS = ("splash", "xla")
@@ -69,7 +73,12 @@ def _backend(cfg):
 
 
 def _shift(tree, hops, cfg):
-    """Sends every leaf `hops` devices forward around the ring: device d receives d - hops."""
+    """Sends every leaf `hops` devices forward around the ring: device d receives d - hops.
+    `hops` may be traced if every device has the same value: one ppermute per possible
+    distance, lax.switch picking the one."""
+    if isinstance(hops, jax.Array):
+        return lax.switch(hops % cfg.sp, [functools.partial(_shift, hops=h, cfg=cfg)
+                                          for h in range(cfg.sp)], tree)
     hops %= cfg.sp
     if hops == 0:
         return tree
@@ -88,15 +97,20 @@ def _runs(steps):
     return runs
 
 
-def _ring_loop(cfg, travel, acc, state, body):
+def _ring_loop(cfg, travel, acc, state, body, stop=None):
     """Visits the run steps. body(t, travel, acc, state) -> (acc, state).
 
     `travel` (K, V, kv segment ids) is sent on before the step's compute so the transfer can
     overlap it; `acc` (dK, dV in the backward) is sent after, because the step updates it.
     Returns (acc, state, hops) where hops is how far the travellers are from their owner.
+    `stop` (traced, the same on every device; `_steps_to_visit`): visit only the first `stop`
+    run steps, when they are one run.
     """
+    runs = _runs(cfg.tables.run_steps)
+    if stop is not None and len(runs) == 1:
+        return _ring_loop_until(cfg, travel, acc, state, body, stop, runs[0][1])
     pos = 0
-    for t0, s0, n in _runs(cfg.tables.run_steps):
+    for t0, s0, n in runs:
         travel, acc = _shift((travel, acc), s0 - pos, cfg)
         pos = s0
 
@@ -111,6 +125,43 @@ def _ring_loop(cfg, travel, acc, state, body):
             pos += n - 1
         acc, state = body(t0 + n - 1, travel, acc, state)
     return acc, state, pos
+
+
+def _ring_loop_until(cfg, travel, acc, state, body, stop, first_step):
+    """_ring_loop over one run of steps from `first_step`, ending after `stop` of them: a loop
+    of data-dependent length, the K/V travelling no further than the last step visited."""
+    travel, acc = _shift((travel, acc), first_step, cfg)
+
+    def it(i, carry):
+        travel, acc, state = carry
+        nxt = _shift(travel, 1, cfg)
+        acc, state = body(i, travel, acc, state)
+        return nxt, _shift(acc, 1, cfg), state
+
+    travel, acc, state = lax.fori_loop(0, stop - 1, it, (travel, acc, state))
+    acc, state = body(stop - 1, travel, acc, state)
+    return acc, state, first_step + stop - 1
+
+
+def _steps_to_visit(cfg, d, q_ranges, ks):
+    """How many run steps the ring visits with documents (traced, the same on every device of
+    the mesh, not only of this ring): up to the last one at which some device has a live block,
+    and at least one. Rows whose documents end inside their shard need no K/V from afar, and
+    the K/V stop travelling there.
+    Each device reads every shard's K/V document ranges (a few ints per block, all-gathered)
+    and works out its live blocks at every run step, as the steps themselves will."""
+    kv_first, kv_last = (lax.all_gather(x, cfg.axis_name)
+                         for x in tables_lib.document_ranges(ks, cfg.bkv))
+
+    def any_live(t):
+        source = pick(cfg.tables.kv_source, d, t)
+        blocks = _step_blocks(cfg, d, t)
+        return jnp.any(tables_lib.live_blocks(blocks.classes, q_ranges,
+                                              (kv_first[source], kv_last[source])))
+
+    steps = jnp.arange(len(cfg.tables.run_steps), dtype=jnp.int32)
+    last = jnp.max(jnp.where(jax.vmap(any_live)(steps), steps + 1, 0))
+    return jnp.maximum(max_over_devices(last), 1)
 
 
 def _merge(o, lse, o_s, lse_s):
@@ -146,6 +197,13 @@ def _any_live(cfg, d, t, live, qs):
     return jnp.any(live)
 
 
+def _stop(cfg, d, q_ranges, ks):
+    """_ring_loop's `stop`: with documents, `_steps_to_visit`; else None (every run step)."""
+    if q_ranges is None or not cfg.skip_documents:
+        return None
+    return _steps_to_visit(cfg, d, q_ranges, ks)
+
+
 def _forward(cfg, q, k, v, qs, ks, aux):
     backend = _backend(cfg)
     d = lax.axis_index(cfg.axis_name)
@@ -168,7 +226,7 @@ def _forward(cfg, q, k, v, qs, ks, aux):
     empty = vary_like((jnp.zeros((b, L, n, h), jnp.float32),
                        jnp.full((b, L, n), -jnp.inf, jnp.float32)), q)
     state = empty
-    _, (o, lse), _ = _ring_loop(cfg, (k, v, ks), (), state, body)
+    _, (o, lse), _ = _ring_loop(cfg, (k, v, ks), (), state, body, _stop(cfg, d, q_ranges, ks))
     if aux is not None:
         # The sink is one more logit in the denominator, with no value: it only rescales.
         lse_all = jnp.logaddexp(lse, aux.astype(jnp.float32)[None, None, :])
@@ -203,7 +261,8 @@ def _backward(cfg, res, do):
         return (dk + dk_s, dv + dv_s), dq
 
     zq, zk = vary_like((jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32)), q)
-    (dk, dv), dq, hops = _ring_loop(cfg, (k, v, ks), (zk, zk), zq, body)
+    (dk, dv), dq, hops = _ring_loop(cfg, (k, v, ks), (zk, zk), zq, body,
+                                    _stop(cfg, d, q_ranges, ks))
     dk, dv = _shift((dk, dv), -hops, cfg)  # home: the owner of this K/V shard
     dq = (dq * cfg.scale).astype(q.dtype)
     daux = None

@@ -37,3 +37,15 @@ def sum_over_devices(x):
     each device's share (what the transpose of `vary_like` does inside a custom VJP's caller)."""
     axes = tuple(sorted(_varying_axes(x)))
     return lax.psum(x, axes) if axes else x
+
+
+def max_over_devices(x):
+    """The maximum of `x` over every device of the enclosing shard_map (all its manual axes),
+    the same on all of them: e.g. the trip count of a loop of collectives, which every device of
+    the program must run equally often (two sp rings that ran different counts would leave
+    each other's collectives waiting)."""
+    axes = tuple(sorted(jax.sharding.get_abstract_mesh().manual_axes))
+    missing = tuple(a for a in axes if a not in _varying_axes(x))
+    if missing:
+        x = lax.pcast(x, missing, to="varying")
+    return lax.pmax(x, axes)

@@ -368,8 +368,9 @@ def document_schedule(spec: MaskSpec, layout: str, seq_len: int, num_shards: int
                       segment_ids: np.ndarray) -> DocumentSchedule:
     """The ring's schedule for natural-order rows of packed documents `segment_ids` [rows, S]
     (0 = padding), computed on the host with the same functions the ring runs on device. A step
-    runs when some device has a live block in it (the ring skips a device's kernel, not the
-    step: K/V still travel)."""
+    runs when some device has a live block in it. The ring skips a device's kernel, not the
+    step (K/V still travel), except after the last step that runs, where it stops (when the
+    static run steps are one run: ring._steps_to_visit)."""
     ids = np.asarray(segment_ids, np.int32)
     sp, shard = num_shards, seq_len // num_shards
     tb = ring_tables(spec, layout, seq_len, sp, block, block)
