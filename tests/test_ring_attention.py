@@ -284,6 +284,17 @@ def test_ring_stops_after_the_last_step_with_a_live_block(layout, case):
         assert want(seg[:1]) == 1 < want(seg[1:])
 
 
+@pytest.mark.parametrize("case", ["documents_inside_shards", "one_document_everywhere"])
+def test_two_device_ring_stopping_early_or_not(case):
+    """sp=2, where the early stop is a cond, not a loop: exact when the ring stops after its
+    first step (no document crosses a shard) and when it takes both."""
+    segments = _edge_documents(case, batch=4, seq_len=SHARD * 2)
+    assert _steps_visited_on_device("contiguous", segments[:2], sp=2).max() == (
+        1 if case == "documents_inside_shards" else 2)
+    _check(impl="xla", layout="contiguous", mask="causal", with_seg=True, kv_heads=2,
+           with_aux=False, soft_cap=None, sp=2, segments=segments)
+
+
 def test_auto_layout_is_what_the_data_pipeline_is_told():
     assert resolve_layout("auto", SHARD * 4, 4, causal=True) == "zigzag"
     _check(impl="xla", layout="auto", mask="causal", with_seg=True, kv_heads=2, with_aux=True,

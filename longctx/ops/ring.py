@@ -15,8 +15,8 @@ live blocks (tables.py: the static mask's blocks, less those whose queries and k
 document, per batch row) and skips its kernel when there are none (`lax.cond`). With documents
 the ring also ends early: when the run steps are one run, it stops after the last step at which
 some device has a live block (`_steps_to_visit`), so K/V travel no further than the documents
-reach either (dK/dV then go home by a hop known only at run time: a lax.switch over the sp
-distances, the one place where the program holds a ppermute per device). The per-step math
+reach either (dK/dV then go home by a distance known only at run time, one hop per loop
+iteration). The per-step math
 lives in a backend (splash.py or xla.py) that returns the step's normalised output and
 logsumexp in the forward and adds the step's dQ into the float32 accumulator in the backward,
 computing only live blocks; merging, sinks and the sink gradient live here, once.
@@ -74,11 +74,10 @@ def _backend(cfg):
 
 def _shift(tree, hops, cfg):
     """Sends every leaf `hops` devices forward around the ring: device d receives d - hops.
-    `hops` may be traced if every device has the same value: one ppermute per possible
-    distance, lax.switch picking the one."""
+    `hops` may be traced if every device has the same value: then a loop of one-hop sends (as
+    many links crossed as one send of that distance, and no copy of the tree per distance)."""
     if isinstance(hops, jax.Array):
-        return lax.switch(hops % cfg.sp, [functools.partial(_shift, hops=h, cfg=cfg)
-                                          for h in range(cfg.sp)], tree)
+        return lax.fori_loop(0, hops % cfg.sp, lambda _, tree: _shift(tree, 1, cfg), tree)
     hops %= cfg.sp
     if hops == 0:
         return tree
@@ -138,7 +137,14 @@ def _ring_loop_until(cfg, travel, acc, state, body, stop, first_step):
         acc, state = body(i, travel, acc, state)
         return nxt, _shift(acc, 1, cfg), state
 
-    travel, acc, state = lax.fori_loop(0, stop - 1, it, (travel, acc, state))
+    carry = (travel, acc, state)
+    if len(cfg.tables.run_steps) == 2:
+        # At most one hop: a cond, not a loop of data-dependent length, whose carry XLA keeps
+        # twice (the bench_memory train step at sp=2: 116 vs 124 MB per device).
+        carry = lax.cond(stop > 1, lambda c: it(0, c), lambda c: c, carry)
+    else:
+        carry = lax.fori_loop(0, stop - 1, it, carry)
+    travel, acc, state = carry
     acc, state = body(stop - 1, travel, acc, state)
     return acc, state, first_step + stop - 1
 
