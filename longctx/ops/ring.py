@@ -16,10 +16,10 @@ document, per batch row) and skips its kernel when there are none (`lax.cond`). 
 the ring also ends early: when the run steps are one run, it stops after the last step at which
 some device has a live block (`_steps_to_visit`), so K/V travel no further than the documents
 reach either (dK/dV then go home by a distance known only at run time, one hop per loop
-iteration). The per-step math
-lives in a backend (splash.py or xla.py) that returns the step's normalised output and
-logsumexp in the forward and adds the step's dQ into the float32 accumulator in the backward,
-computing only live blocks; merging, sinks and the sink gradient live here, once.
+iteration). The per-step math lives in a backend (splash.py or xla.py) that returns the step's
+normalised output and logsumexp in the forward and adds the step's dQ into the float32
+accumulator in the backward, computing only live blocks; merging, sinks and the sink gradient
+live here, once.
 """
 from __future__ import annotations
 
