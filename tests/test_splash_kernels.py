@@ -45,7 +45,8 @@ def _infos(seq_len=512):
     each q block and each kv block has one live block, off the diagonal: q block 0 sees kv block
     1 whole, q block 1 sees kv block 0 through a triangle (a partial block). Packed tables
     (shrunk to one column/row) then fetch blocks away from their grid position. Forward/dq;
-    dkv packed (the split kernel) and unpacked (the fused kernel writes dq by grid position)."""
+    dkv packed (the split kernel) and unpacked (the fused kernel: splash's wrapper sums its dq
+    by grid position; ours, packed too, runs in every ring test)."""
     dense = np.zeros((seq_len, seq_len), bool)
     dense[:BLOCK, BLOCK:] = True
     dense[BLOCK:, :BLOCK] = np.tril(np.ones((BLOCK, BLOCK), bool))

@@ -102,12 +102,11 @@ def _ring_loop(cfg, travel, acc, state, body, stop=None):
     `travel` (K, V, kv segment ids) is sent on before the step's compute so the transfer can
     overlap it; `acc` (dK, dV in the backward) is sent after, because the step updates it.
     Returns (acc, state, hops) where hops is how far the travellers are from their owner.
-    `stop` (traced, the same on every device; `_steps_to_visit`): visit only the first `stop`
-    run steps, when they are one run.
+    `stop` (traced, the same on every device; `_stop`): visit only the first `stop` run steps,
+    which must be one run; hops is then traced too.
     """
     runs = _runs(cfg.tables.run_steps)
-    if stop is not None and len(runs) == 1:
-        return _ring_loop_until(cfg, travel, acc, state, body, stop, runs[0][1])
+    assert stop is None or len(runs) == 1, runs
     pos = 0
     for t0, s0, n in runs:
         travel, acc = _shift((travel, acc), s0 - pos, cfg)
@@ -119,34 +118,23 @@ def _ring_loop(cfg, travel, acc, state, body, stop=None):
             acc, state = body(t0 + i, travel, acc, state)
             return nxt, _shift(acc, 1, cfg), state
 
-        if n > 1:
-            travel, acc, state = lax.fori_loop(0, n - 1, it, (travel, acc, state))
-            pos += n - 1
-        acc, state = body(t0 + n - 1, travel, acc, state)
+        hops = n - 1 if stop is None else stop - 1
+        travel, acc, state = _repeat(it, hops, n - 1, (travel, acc, state))
+        pos += hops
+        acc, state = body(t0 + hops, travel, acc, state)
     return acc, state, pos
 
 
-def _ring_loop_until(cfg, travel, acc, state, body, stop, first_step):
-    """_ring_loop over one run of steps from `first_step`, ending after `stop` of them: a loop
-    of data-dependent length, the K/V travelling no further than the last step visited."""
-    travel, acc = _shift((travel, acc), first_step, cfg)
-
-    def it(i, carry):
-        travel, acc, state = carry
-        nxt = _shift(travel, 1, cfg)
-        acc, state = body(i, travel, acc, state)
-        return nxt, _shift(acc, 1, cfg), state
-
-    carry = (travel, acc, state)
-    if len(cfg.tables.run_steps) == 2:
-        # At most one hop: a cond, not a loop of data-dependent length, whose carry XLA keeps
-        # twice (the bench_memory train step at sp=2: 116 vs 124 MB per device).
-        carry = lax.cond(stop > 1, lambda c: it(0, c), lambda c: c, carry)
-    else:
-        carry = lax.fori_loop(0, stop - 1, it, carry)
-    travel, acc, state = carry
-    acc, state = body(stop - 1, travel, acc, state)
-    return acc, state, first_step + stop - 1
+def _repeat(it, count, most: int, carry):
+    """it(i, carry) for i in range(count): a fori_loop, or nothing when count is 0. A count known
+    only at run time (at most `most`) that can be 1 at most is a cond: a loop of data-dependent
+    length keeps its carry twice in XLA (the bench_memory train step at sp=2: 124 vs 116 MB per
+    device)."""
+    if most == 0:
+        return carry
+    if most == 1 and not isinstance(count, int):
+        return lax.cond(count > 0, lambda c: it(0, c), lambda c: c, carry)
+    return lax.fori_loop(0, count, it, carry)
 
 
 def _steps_to_visit(cfg, d, q_ranges, ks):
@@ -204,8 +192,10 @@ def _any_live(cfg, d, t, live, qs):
 
 
 def _stop(cfg, d, q_ranges, ks):
-    """_ring_loop's `stop`: with documents, `_steps_to_visit`; else None (every run step)."""
-    if q_ranges is None or not cfg.skip_documents:
+    """_ring_loop's `stop`: `_steps_to_visit` with documents when the run steps are one run of
+    several (the ring can end early), else None (every run step)."""
+    runs = _runs(cfg.tables.run_steps)
+    if q_ranges is None or not cfg.skip_documents or len(runs) != 1 or runs[0][2] == 1:
         return None
     return _steps_to_visit(cfg, d, q_ranges, ks)
 
