@@ -301,6 +301,20 @@ def test_document_schedule_by_hand():
     # a padding row adds nothing
     padded = np.concatenate([aligned, np.zeros((1, 64), np.int32)])
     assert tables.document_schedule(spec, "contiguous", 64, 2, 8, padded).kept_blocks == 8
+    # the ring visits the steps up to the last that runs: K/V go nowhere for `aligned`
+    assert sched.visited_steps == (0,) and one.visited_steps == (0, 1)
+
+
+def test_document_schedule_visits_steps_that_compute_nothing():
+    """Zigzag, S = 64 on 4 devices (chunks of 8: device d holds chunks d and 7 - d), documents
+    of 16 tokens, each two chunks: 0-1 and 2-3 join neighbouring devices (step 1), 4-5 and 6-7
+    join device d + 1's keys to device d's queries (step 3). Step 2 computes nothing, but K/V
+    pass through it on their way to step 3."""
+    spec = masks.make_mask_spec(causal=True)
+    docs = np.repeat(np.arange(1, 5, dtype=np.int32), 16)[None]
+    sched = tables.document_schedule(spec, "zigzag", 64, 4, 8, docs)
+    assert sched.run_steps == (0, 1, 3)
+    assert sched.visited_steps == (0, 1, 2, 3)
 
 
 def test_ring_report_with_documents():

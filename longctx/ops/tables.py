@@ -346,10 +346,15 @@ class DocumentSchedule:
 
     kept_blocks: blocks holding a (query, key) pair that the mask and the documents allow, i.e.
     the blocks any exact kernel must compute; computed_blocks [device, ring step]: the blocks
-    the ring computes (live blocks), summed over the rows; both over every row given."""
+    the ring computes (live blocks), summed over the rows; both over every row given.
+    run_steps: the ring steps with a live block on some device; visited_steps: the ring steps
+    the ring goes through, K/V travelling one hop each (its kernels skipped where nothing is
+    live): the static mask's run steps, cut after the last one that runs where they are one run
+    of several (ring._steps_to_visit)."""
     kept_blocks: int
     computed_blocks: np.ndarray
     run_steps: tuple[int, ...]
+    visited_steps: tuple[int, ...]
 
     @property
     def critical_path(self) -> int:
@@ -370,7 +375,7 @@ def document_schedule(spec: MaskSpec, layout: str, seq_len: int, num_shards: int
     (0 = padding), computed on the host with the same functions the ring runs on device. A step
     runs when some device has a live block in it. The ring skips a device's kernel, not the
     step (K/V still travel), except after the last step that runs, where it stops (when the
-    static run steps are one run: ring._steps_to_visit)."""
+    static run steps are one run: ring._steps_to_visit; `visited_steps`)."""
     ids = np.asarray(segment_ids, np.int32)
     sp, shard = num_shards, seq_len // num_shards
     tb = ring_tables(spec, layout, seq_len, sp, block, block)
@@ -392,4 +397,9 @@ def document_schedule(spec: MaskSpec, layout: str, seq_len: int, num_shards: int
                 kept += bool((same & spec.allowed(pos[d, rows][:, None].astype(np.int64),
                                                   pos[src, cols][None, :].astype(np.int64))).any())
     run = tuple(int(s) for s in np.nonzero(computed.any(axis=0))[0])
-    return DocumentSchedule(kept_blocks=kept, computed_blocks=computed, run_steps=run)
+    static = tb.run_steps
+    visited = static
+    if len(static) > 1 and static == tuple(range(static[0], static[0] + len(static))):
+        visited = static[:static.index(max(run)) + 1] if run else static[:1]
+    return DocumentSchedule(kept_blocks=kept, computed_blocks=computed, run_steps=run,
+                            visited_steps=visited)
