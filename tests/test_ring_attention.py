@@ -251,9 +251,9 @@ def _steps_visited_on_device(layout, seg, sp=4):
 def test_ring_stops_after_the_last_step_with_a_live_block(layout, case):
     """With documents the ring visits its steps only up to the last one at which some device
     has a live block, over every row of the batch: what the host schedule (the report's,
-    tables.document_schedule) calls its visited steps. Every device of the mesh agrees, also across rings
-    (here one row per ring): a ring that stopped earlier than another would leave the other's
-    collectives waiting."""
+    tables.document_schedule) calls its visited steps. Every device of the mesh agrees, also
+    across rings (here one row per ring): a ring that stopped earlier than another would leave
+    the other's collectives waiting."""
     from longctx import masks
     from longctx.ops import tables
 

@@ -307,9 +307,9 @@ def test_document_schedule_by_hand():
 
 def test_document_schedule_visits_steps_that_compute_nothing():
     """Zigzag, S = 64 on 4 devices (chunks of 8: device d holds chunks d and 7 - d), documents
-    of 16 tokens, each two chunks: 0-1 and 2-3 join neighbouring devices (step 1), 4-5 and 6-7
-    join device d + 1's keys to device d's queries (step 3). Step 2 computes nothing, but K/V
-    pass through it on their way to step 3."""
+    of 16 tokens, each two chunks. Chunks 0-1 and 2-3 give device d + 1's queries device d's
+    keys (step 1); chunks 4-5 and 6-7 give device d's queries device d + 1's keys (step 3).
+    Step 2 computes nothing, but K/V pass through it on their way to step 3."""
     spec = masks.make_mask_spec(causal=True)
     docs = np.repeat(np.arange(1, 5, dtype=np.int32), 16)[None]
     sched = tables.document_schedule(spec, "zigzag", 64, 4, 8, docs)
