@@ -305,6 +305,14 @@ def test_document_schedule_by_hand():
     assert sched.visited_steps == (0,) and one.visited_steps == (0, 1)
 
 
+def test_runs_of_ring_steps_and_when_a_ring_can_stop_early():
+    assert tables.step_runs((0, 1, 2, 5, 6)) == [[0, 0, 3], [3, 5, 2]]
+    assert tables.can_stop_early((0, 1, 2, 3))
+    assert tables.can_stop_early((2, 3))  # one run that starts later
+    assert not tables.can_stop_early((0,))  # one step: nothing to cut
+    assert not tables.can_stop_early((0, 1, 3))  # two runs: a gap is one send, not a loop
+
+
 def test_document_schedule_visits_steps_that_compute_nothing():
     """Zigzag, S = 64 on 4 devices (chunks of 8: device d holds chunks d and 7 - d), documents
     of 16 tokens, each two chunks. Chunks 0-1 and 2-3 give device d + 1's queries device d's

@@ -85,17 +85,6 @@ def _shift(tree, hops, cfg):
     return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
 
 
-def _runs(steps):
-    """(first run-step index, first ring step, length) of each run of consecutive steps."""
-    runs = []
-    for t, s in enumerate(steps):
-        if runs and runs[-1][1] + runs[-1][2] == s:
-            runs[-1][2] += 1
-        else:
-            runs.append([t, s, 1])
-    return runs
-
-
 def _ring_loop(cfg, travel, acc, state, body, stop=None):
     """Visits the run steps. body(t, travel, acc, state) -> (acc, state).
 
@@ -105,7 +94,7 @@ def _ring_loop(cfg, travel, acc, state, body, stop=None):
     `stop` (traced, the same on every device; `_stop`): visit only the first `stop` run steps,
     which must be one run; hops is then traced too.
     """
-    runs = _runs(cfg.tables.run_steps)
+    runs = tables_lib.step_runs(cfg.tables.run_steps)
     assert stop is None or len(runs) == 1, runs
     pos = 0
     for t0, s0, n in runs:
@@ -194,8 +183,8 @@ def _any_live(cfg, d, t, live, qs):
 def _stop(cfg, d, q_ranges, ks):
     """_ring_loop's `stop`: `_steps_to_visit` with documents when the run steps are one run of
     several (the ring can end early), else None (every run step)."""
-    runs = _runs(cfg.tables.run_steps)
-    if q_ranges is None or not cfg.skip_documents or len(runs) != 1 or runs[0][2] == 1:
+    documents = q_ranges is not None and cfg.skip_documents
+    if not documents or not tables_lib.can_stop_early(cfg.tables.run_steps):
         return None
     return _steps_to_visit(cfg, d, q_ranges, ks)
 

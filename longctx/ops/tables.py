@@ -173,6 +173,25 @@ class RingTables:
     partial_signatures: np.ndarray | None
 
 
+def step_runs(steps):
+    """(first run-step index, first ring step, length) of each run of consecutive ring steps."""
+    runs = []
+    for t, s in enumerate(steps):
+        if runs and runs[-1][1] + runs[-1][2] == s:
+            runs[-1][2] += 1
+        else:
+            runs.append([t, s, 1])
+    return runs
+
+
+def can_stop_early(run_steps) -> bool:
+    """Whether a ring with documents may end after its last step with a live block (the ring's
+    _steps_to_visit, the host's DocumentSchedule.visited_steps): its run steps are one run of
+    several, so that the steps it visits are a prefix of them."""
+    runs = step_runs(run_steps)
+    return len(runs) == 1 and runs[0][2] > 1
+
+
 @functools.lru_cache(maxsize=32)
 def ring_tables(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
                 bq: int, bkv: int) -> RingTables:
@@ -350,7 +369,7 @@ class DocumentSchedule:
     run_steps: the ring steps with a live block on some device; visited_steps: the ring steps
     the ring goes through, K/V travelling one hop each (its kernels skipped where nothing is
     live): the static mask's run steps, cut after the last one that runs where they are one run
-    of several (ring._steps_to_visit)."""
+    of several (`can_stop_early`, as ring._steps_to_visit does on device)."""
     kept_blocks: int
     computed_blocks: np.ndarray
     run_steps: tuple[int, ...]
@@ -399,7 +418,7 @@ def document_schedule(spec: MaskSpec, layout: str, seq_len: int, num_shards: int
     run = tuple(int(s) for s in np.nonzero(computed.any(axis=0))[0])
     static = tb.run_steps
     visited = static
-    if len(static) > 1 and static == tuple(range(static[0], static[0] + len(static))):
+    if can_stop_early(static):
         visited = static[:static.index(max(run)) + 1] if run else static[:1]
     return DocumentSchedule(kept_blocks=kept, computed_blocks=computed, run_steps=run,
                             visited_steps=visited)
