@@ -5,6 +5,8 @@
    not).
 2. What that is for (issue 12): the bf16 ring is no less accurate than plain single-device
    splash on the same inputs, against the dense float32 oracle.
+3. The grid's table axis ends at the last live entry of the busiest row or column (sized at run
+   time); in 1., splash's unshrunk dkv tables have a column that ends early.
 """
 from __future__ import annotations
 
@@ -55,6 +57,25 @@ def _infos(seq_len=512):
     packed, _ = mi.process_mask_dkv(mask, (BLOCK, BLOCK), shrink_grid=True)
     unpacked, _ = mi.process_mask_dkv(mask, (BLOCK, BLOCK), shrink_grid=False)
     return fwd, {False: packed, True: unpacked}
+
+
+def test_grid_walks_the_tables_up_to_the_last_live_entry():
+    """table_grid_size: how many entries of each row (axis -1) or column (axis -2) of the
+    block_mask the kernel's grid visits; every later entry is dead (0) in every row."""
+    def size(block_mask, axis):
+        info = mi.MaskInfo(data_next=None, mask_next=None, block_mask=jnp.asarray(block_mask),
+                           partial_mask_blocks=None, q_sequence=None)
+        return int(kernels.table_grid_size(info, axis=axis))
+
+    packed = [[[2, 1, 0, 0],   # the ring's tables: each row's live entries first
+               [1, 0, 0, 0],
+               [0, 0, 0, 0]]]  # a q block with nothing to compute
+    assert size(packed, -1) == 2 and size(packed, -2) == 2
+    assert size([[[0, 0, 1], [0, 2, 0]]], -1) == 3  # unpacked: up to the last live entry
+    assert size([[[1], [0], [0], [2]]], -2) == 4
+    assert size([[[0, 0], [0, 0]]], -1) == 1  # never an empty grid
+    per_row = [[[[1, 0, 0]]], [[[2, 2, 1]]]]  # [rows, 1, q blocks, width]: the busiest row
+    assert size(per_row, -1) == 3
 
 
 def test_float32_results_of_splash_kernels():

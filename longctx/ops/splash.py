@@ -64,11 +64,14 @@ def _info(arrays, partial):
 
 
 def _over_rows(one_row, live):
-    """vmap of `one_row(mask info arrays, *per-row arrays)` over the batch. The MaskInfo arrays
-    are batched only when they differ per row (segment ids); shared ones keep a single kernel
-    call for the whole batch (per-row scalar tables make Pallas loop over the rows)."""
-    return lambda info, *rows: jax.vmap(
-        one_row, in_axes=(0 if live.shape[0] > 1 else None,) + (0,) * len(rows))(info, *rows)
+    """`one_row(mask info arrays, *per-row arrays)` over the batch. Shared MaskInfo arrays keep
+    a single kernel call for the whole batch (vmap). Arrays that differ per row (segment ids)
+    are looped over with lax.map, each row's kernel grid sized by that row's own tables
+    (splash_kernels.table_grid_size); vmap would loop too (Pallas cannot batch scalar tables),
+    but in jax 0.10.2 that loop drops a grid size known only at run time."""
+    if live.shape[0] == 1:
+        return lambda info, *rows: jax.vmap(one_row, in_axes=(None,) + (0,) * len(rows))(info, *rows)
+    return lambda info, *rows: lax.map(lambda args: one_row(*args), (info, *rows))
 
 
 def _local(fn, ref, *args):
@@ -164,7 +167,7 @@ def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
 
     zeros = vary_like(jnp.zeros(k.shape, jnp.float32), q)
     # The kv blocks that no query needs leave dq unchanged and their dk, dv zero; a call on one
-    # would still walk its whole grid of dead entries.
+    # would still take a grid step per head.
     needed = jnp.any(live, axis=(0, 1))
     columns = jnp.nonzero(needed, size=needed.shape[0], fill_value=0)[0].astype(jnp.int32)
     return lax.fori_loop(0, jnp.count_nonzero(needed).astype(jnp.int32),

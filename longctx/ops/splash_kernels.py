@@ -14,7 +14,9 @@ one configuration the ring uses:
   - a MaskInfo from ops/tables.py: data_next, block_mask and mask_next always present, partial
     blocks optional, no q_sequence; no mask_function; no sinks (the ring merges them once).
 As in splash, each K/V block (forward, dq) or Q block (dkv) is fetched at `data_next`, the block
-the table says comes next, so a block that is skipped is never fetched either.
+the table says comes next, so a block that is skipped is never fetched either. Unlike splash's,
+the grid's table axis is sized at run time: it ends at the last live entry of the busiest row
+(column) of the step's tables (`table_grid_size`), since with documents most entries are dead.
 """
 from __future__ import annotations
 
@@ -47,8 +49,11 @@ def _kv_head(h, heads, kv_heads):
 
 
 def _next(h, i, j, tables, next_i=False):
-    """(block to fetch, partial-block index) at grid point (h, i, j): splash's _next_nonzero."""
-    block, mask, *_ = sk._next_nonzero(h, i, j, *tables, next_i=next_i)  # pylint: disable=protected-access
+    """(block to fetch, partial-block index) at grid point (h, i, j): splash's _next_nonzero.
+    tables: the scalar-prefetch refs (data_next, block_mask, mask_next, grid size)."""
+    data_next, block_mask, mask_next, _ = tables
+    block, mask, *_ = sk._next_nonzero(  # pylint: disable=protected-access
+        h, i, j, data_next, block_mask, mask_next, next_i=next_i)
     return block, mask
 
 
@@ -56,14 +61,45 @@ def _tables(info):
     return info.data_next, info.block_mask, info.mask_next
 
 
+def table_grid_size(info, axis: int):
+    """How far the grid need walk the tables: past the last live entry of every row (axis=-1,
+    the forward and dq kernels) or column (axis=-2, dkv), at least 1; an int32 known at run
+    time. ops/tables.grid_tables packs each row's live entries first, so with documents a ring
+    step's rows are mostly dead entries, and each one walked would still cost a grid step (on
+    CPU, the interpreter's block copies: about a quarter of a live block's time)."""
+    live = info.block_mask != 0
+    position = lax.broadcasted_iota(jnp.int32, live.shape, live.ndim + axis) + 1
+    return jnp.maximum(jnp.max(jnp.where(live, position, 0)), 1)
+
+
+class _LastTableStep:
+    """Splash's kernels take the grid's size along the table axis as `grid_width` and use it
+    only to find that axis's last step (`index == grid_width - 1`, where they store their
+    results). For a grid sized at run time this stands in for it: `- 1` reads the size from
+    its scalar-prefetch ref. (pl.num_programs would read it from the grid, but under vmap
+    jax 0.10.2's interpreter answers with the wrong axis's size.)"""
+
+    def __init__(self, size_ref):
+        self.size_ref = size_ref
+
+    def __sub__(self, other):
+        return self.size_ref[0] - other
+
+
 def _call(kernel, name, grid, in_specs, out_specs, out_shapes, semantics, interpret, info, *args):
+    """pallas_call of a splash kernel over `grid`, whose last (table) axis has a size known at
+    run time (table_grid_size); the kernel gets it as a fourth scalar-prefetch operand."""
+    def sized_kernel(data_next, block_mask, mask_next, grid_size, *refs):
+        return kernel(data_next, block_mask, mask_next, *refs,
+                      grid_width=_LastTableStep(grid_size))
+
     with jax.named_scope(name):
         return pl.pallas_call(
-            kernel, out_shape=out_shapes, name=name, interpret=interpret,
-            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, in_specs=in_specs,
+            sized_kernel, out_shape=out_shapes, name=name, interpret=interpret,
+            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4, in_specs=in_specs,
                                                    out_specs=out_specs, grid=grid),
             compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-        )(*_tables(info), *args)
+        )(*_tables(info), jnp.reshape(grid[-1], (1,)), *args)
 
 
 # ----------------------------------------------------------------------------- forward and dq
@@ -95,11 +131,11 @@ def _row_major_specs(info, q, k, segment_ids, bq, bkv):
 def forward(info, q, k, v, segment_ids, *, bq, bkv, bkv_compute, mask_value, soft_cap, interpret):
     """Splash's forward kernel: (out [heads, L, head_dim], logsumexp [heads, L]), both float32."""
     heads, L, head_dim = q.shape
-    grid_width = info.data_next.shape[-1]
+    grid_width = table_grid_size(info, axis=-1)
     q_spec, kv_spec, seg_specs, seg_arrays, mask_spec = _row_major_specs(
         info, q, k, segment_ids, bq, bkv)
     kernel = functools.partial(
-        sk.flash_attention_kernel, mask_value=mask_value, grid_width=grid_width, bq=bq, bkv=bkv,
+        sk.flash_attention_kernel, mask_value=mask_value, bq=bq, bkv=bkv,
         bkv_compute=bkv_compute, head_dim_v=head_dim, attn_logits_soft_cap=soft_cap,
         mask_function=None, **_LAYOUTS)
     *_, out, lse = _call(
@@ -119,13 +155,13 @@ def backward_dq(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, mask_value,
                 interpret):
     """Splash's dq kernel (the unfused backward): dq [heads, L, head_dim] float32."""
     heads, L, head_dim = q.shape
-    grid_width = info.data_next.shape[-1]
+    grid_width = table_grid_size(info, axis=-1)
     q_spec, kv_spec, seg_specs, seg_arrays, mask_spec = _row_major_specs(
         info, q, k, segment_ids, bq, bkv)
     row_spec = pl.BlockSpec((None, 1, bq), lambda h, i, *_: (h, 0, i))  # lse, di: [heads, 1, L]
     kernel = functools.partial(
         sk._flash_attention_dq_kernel,  # pylint: disable=protected-access
-        mask_value=mask_value, grid_width=grid_width, bq=bq, bkv=bkv,
+        mask_value=mask_value, bq=bq, bkv=bkv,
         attn_logits_soft_cap=soft_cap, mask_function=None, **_LAYOUTS)
     _, dq = _call(
         kernel, "longctx_splash_dq", (heads, L // bq, grid_width),
@@ -149,7 +185,8 @@ def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_comput
     too (an entry that computes nothing writes zeros)."""
     heads, L, head_dim = q.shape
     kv_heads, kv_len, _ = k.shape
-    grid_height = info.data_next.shape[-2]
+    table_height = info.data_next.shape[-2]
+    grid_height = table_grid_size(info, axis=-2)
 
     def q_map(j, h, i, *tables):
         return h, _next(h, i, j, tables, next_i=True)[0], 0
@@ -178,7 +215,7 @@ def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_comput
         dq_specs, dq_shapes = [None, None], [None, None]
     else:
         dq_spec = pl.BlockSpec((None, None, bq, head_dim), lambda j, h, i, *_: (j, h, i, 0))
-        dq_shape = _f32((kv_len // bkv, heads, grid_height * bq, head_dim))
+        dq_shape = _f32((kv_len // bkv, heads, table_height * bq, head_dim))
         if bkv == bkv_compute:  # the kernel keeps no dq scratch then
             dq_specs, dq_shapes = [None, dq_spec], [None, dq_shape]
         else:
@@ -187,7 +224,7 @@ def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_comput
     kernel = functools.partial(
         sk._flash_attention_dkv_kernel,  # pylint: disable=protected-access
         mask_value=mask_value, num_q_heads=heads, num_kv_heads=kv_heads, is_mqa=False,
-        grid_width=grid_height, bq=bq, bkv=bkv, bkv_compute=bkv_compute,
+        bq=bq, bkv=bkv, bkv_compute=bkv_compute,
         attn_logits_soft_cap=soft_cap, mask_function=None, **_LAYOUTS)
     # Every grid axis "arbitrary", as splash has it: dk/dv reduce over heads and q blocks, and
     # its prefetch schedule assumes no megacore split of the kv axis.
@@ -200,7 +237,10 @@ def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_comput
          _f32(v.shape)],
         ("arbitrary", "arbitrary", "arbitrary"), interpret, info,
         q, k, v, *seg_arrays, None, rows(lse), do, rows(di), info.partial_mask_blocks, None)
-    return None if dq is None else _dq_by_q_block(dq, info.data_next, L, bq), dk, dv
+    if dq is None:
+        return None, dk, dv
+    walked = jnp.arange(table_height * bq) < grid_height * bq  # the rest was never written
+    return _dq_by_q_block(jnp.where(walked[:, None], dq, 0.0), info.data_next, L, bq), dk, dv
 
 
 def _dq_by_q_block(dq, data_next, L, bq):
