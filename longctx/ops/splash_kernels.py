@@ -62,7 +62,7 @@ def _tables(info):
 
 
 def table_grid_size(info, axis: int):
-    """How far the grid need walk the tables: past the last live entry of every row (axis=-1,
+    """How many table entries the grid walks: up to the last live entry of any row (axis=-1,
     the forward and dq kernels) or column (axis=-2, dkv), at least 1; an int32 known at run
     time. ops/tables.grid_tables packs each row's live entries first, so with documents a ring
     step's rows are mostly dead entries, and each one walked would still cost a grid step (on
