@@ -266,6 +266,31 @@ def test_an_all_padding_block_is_never_live():
     np.testing.assert_array_equal(live[0], [[False, False], [False, True]])
 
 
+def test_xla_visits_compute_each_rows_own_live_blocks_once():
+    """The XLA path's visits of a step: with documents, each row's live blocks once, for that
+    row only (a block live in one row is not computed for the others); without, every kept
+    block once, for all rows together."""
+    from longctx.ops import xla
+    kept = tables.block_classes(masks.make_mask_spec(causal=True), "contiguous", 128, 2, 16,
+                                16)[1, 0] > 0  # [4, 4]: every block of the step
+    live = kept[None] & (np.random.default_rng(0).random((3, 4, 4)) < 0.5)
+    assert (live.any(axis=0) & ~live.all(axis=0)).any()  # rows that differ
+
+    def computed(visits):
+        """bool [3, 4, 4]: each (row, q block, kv block) the visits compute, asserting once."""
+        seen = np.zeros((3, 4, 4), int)
+        for r, i, j in np.asarray(visits.index)[:int(visits.count)]:
+            seen[r:r + visits.rows, i, j] += 1
+        assert seen.max() <= 1, "a block computed twice"
+        return seen > 0
+
+    max_pairs = int(kept.sum())
+    np.testing.assert_array_equal(computed(xla.step_visits(jnp.asarray(live), 3, max_pairs)),
+                                  live)
+    np.testing.assert_array_equal(computed(xla.step_visits(jnp.asarray(kept[None]), 3, max_pairs)),
+                                  np.broadcast_to(kept, (3, 4, 4)))
+
+
 def test_dead_entries_are_off_and_fetch_nothing():
     """Grid entries that are not live: block_mask 0, and data_next / mask_next repeating the
     previous live entry (the first live one before any), so the DMA index does not change."""

@@ -309,11 +309,12 @@ def grid_tables(classes, partial_index, live, size: int, axis: int):
 
 
 def step_pairs(blocks, max_pairs: int):
-    """The nonzero entries of `blocks` [q_blocks, kv_blocks] (classes, or live flags) as
-    (q block, kv block) pairs in row-major order: int32 [max_pairs, 2], and how many of them are
-    real (the rest repeat (0, 0))."""
-    i, j = jnp.nonzero(blocks, size=max_pairs, fill_value=0)
-    return jnp.stack([i, j], axis=-1).astype(jnp.int32), jnp.count_nonzero(blocks)
+    """The nonzero entries of `blocks` ([q_blocks, kv_blocks] classes or live flags, or live
+    flags [rows, q_blocks, kv_blocks]) as index tuples, (q block, kv block) or (row, q block,
+    kv block), in row-major order: int32 [max_pairs, blocks.ndim], and how many of them are real
+    (the rest repeat (0, 0[, 0]))."""
+    index = jnp.nonzero(blocks, size=max_pairs, fill_value=0)
+    return jnp.stack(index, axis=-1).astype(jnp.int32), jnp.count_nonzero(blocks)
 
 
 # ----------------------------------------------------------------------------- dynamic (documents)

@@ -2,14 +2,17 @@
 
 Same contract as splash.py (see ring.py for shapes): the step's normalised output and
 logsumexp in the forward; in the backward, the step's dQ added into the ring's float32
-accumulator, and its float32 dK/dV. The step visits, one at a time, exactly the (q block,
-kv block) pairs that are live in some batch row (the static mask keeps them and the segment ids
-give their queries and keys a common document; tables.step_pairs, row-major, built on device):
-a loop of data-dependent length, so it computes what splash does and a balanced layout costs no
-more work than a contiguous one. Inside a pair the mask is applied element by element from
-global positions and segment ids, except on a block the static mask keeps whole when there are
-no documents. Memory per device is O(b * n * L) for the running statistics plus a few block
-pairs of logits (the backward carries one pair's dS into the next iteration).
+accumulator, and its float32 dK/dV. The step visits, one at a time, exactly the live blocks
+(the static mask keeps them and the segment ids give their queries and keys a common document;
+tables.step_pairs, built on device): a loop of data-dependent length, so it computes what splash
+does and a balanced layout costs no more work than a contiguous one. Without documents every
+batch row has the same blocks, and a visit computes one (q block, kv block) pair for all rows;
+with documents the rows differ, and a visit computes one block of one row, so that a pair live
+in one row is not computed for the others (step_visits). Inside a block the mask is applied
+element by element from global positions and segment ids, except on a block the static mask
+keeps whole when there are no documents. Memory per device is O(b * n * L) for the running
+statistics plus a few blocks of logits (the backward carries one visit's dS into the next
+iteration).
 
 Inside the step the operands are head-major ([b, k, g, L, h], K/V [b, k, L, h]), transposed
 once per step, so that every block product is a plain batched matmul with no transposes of its
@@ -20,6 +23,9 @@ g query heads per kv head, h head_dim.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -41,89 +47,136 @@ def _heads_minor(x):
     return jnp.moveaxis(x, 3, 1).reshape(b, L, kvh * g, *x.shape[4:])
 
 
+class Visit(NamedTuple):
+    """One block of the step: batch rows r .. r + rows - 1 (rows static), q block i, kv block j."""
+    rows: int
+    r: jax.Array
+    i: jax.Array
+    j: jax.Array
+
+
+class Visits(NamedTuple):
+    """The step's blocks: index int32 [most, 3] (row, q block, kv block), `count` of them real,
+    each computed for `rows` batch rows from its row on."""
+    rows: int
+    index: jax.Array
+    count: jax.Array
+
+    def __getitem__(self, p):
+        return Visit(self.rows, self.index[p, 0], self.index[p, 1], self.index[p, 2])
+
+
+def step_visits(live, batch: int, max_pairs: int) -> Visits:
+    """The live blocks of a step (live bool [1 or b, q_blocks, kv_blocks]) as visits. Without
+    documents the rows share one set of blocks: each visit computes all rows. With documents
+    each visit computes one row's block, for that row only. That is faster even where every row
+    needs the block: bench_ring's docs9 (batch 2), fwd+bwd on CPU, 192 -> 148 ms at S = 2048
+    (every live block live in both rows) and 1,275 -> 924 ms at 8,192 (99 blocks of one row
+    instead of 126), against computing each block live in some row for both."""
+    rows = batch if live.shape[0] == 1 else 1
+    return Visits(rows, *tables.step_pairs(live, live.shape[0] * max_pairs))
+
+
 class _Step:
-    """One ring step's operands, head-major, its live pairs, and how to cut a block out."""
+    """One ring step's operands, head-major, its visits, and how to cut a visit's block out."""
 
     def __init__(self, cfg, q, k, v, qs, ks, blocks, live):
         self.cfg, self.qs, self.ks, self.blocks = cfg, qs, ks, blocks
         self.kvh = k.shape[2]
         self.q = _heads_major(q, self.kvh)
         self.k, self.v = jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)
-        self.pairs, self.count = tables.step_pairs(jnp.any(live, axis=0), cfg.tables.max_pairs)
+        self.visits = step_visits(live, q.shape[0], cfg.tables.max_pairs)
 
-    def q_block(self, x, i):
-        """Query block i of a head-major [b, k, g, L, ...] array."""
-        return lax.dynamic_slice_in_dim(x, i * self.cfg.bq, self.cfg.bq, 3)
+    @staticmethod
+    def _cut(x, at: Visit, axis, start, size):
+        x = lax.dynamic_slice_in_dim(x, at.r, at.rows, 0)
+        return lax.dynamic_slice_in_dim(x, start, size, axis)
 
-    def kv_block(self, x, j):
-        """Key block j of a [b, k, L, h] array."""
-        return lax.dynamic_slice_in_dim(x, j * self.cfg.bkv, self.cfg.bkv, 2)
+    @staticmethod
+    def _put(total, part, at: Visit, axis, start):
+        starts = [0] * total.ndim
+        starts[0], starts[axis] = at.r, start
+        return lax.dynamic_update_slice(total, part, starts)
 
-    def logits(self, i, j):
-        """Raw logits [b, k, g, t, s] (float32) of pair (i, j)."""
-        return jnp.einsum("bkgth,bksh->bkgts", self.q_block(self.q, i), self.kv_block(self.k, j),
+    def q_block(self, x, at: Visit):
+        """The visit's query block of a head-major [b, k, g, L, ...] array."""
+        return self._cut(x, at, 3, at.i * self.cfg.bq, self.cfg.bq)
+
+    def kv_block(self, x, at: Visit):
+        """The visit's key block of a [b, k, L, h] array."""
+        return self._cut(x, at, 2, at.j * self.cfg.bkv, self.cfg.bkv)
+
+    def set_q_block(self, total, part, at: Visit):
+        """`total` (head-major) with the visit's query block replaced by `part`."""
+        return self._put(total, part, at, 3, at.i * self.cfg.bq)
+
+    def add_q_block(self, total, part, at: Visit):
+        return self.set_q_block(total, self.q_block(total, at) + part, at)
+
+    def add_kv_block(self, total, part, at: Visit):
+        """`total` [b, k, L, h] with `part` added to the visit's key block."""
+        return self._put(total, self.kv_block(total, at) + part, at, 2, at.j * self.cfg.bkv)
+
+    def logits(self, at: Visit):
+        """Raw logits [rows, k, g, t, s] (float32) of the visit."""
+        return jnp.einsum("bkgth,bksh->bkgts", self.q_block(self.q, at), self.kv_block(self.k, at),
                           preferred_element_type=f32)
 
-    def logits_t(self, i, j):
-        """The same transposed, [b, k, s, g, t]: the backward's layout, in which three of its
+    def logits_t(self, at: Visit):
+        """The same transposed, [rows, k, s, g, t]: the backward's layout, in which three of its
         four block products read their operands as stored (in the ring on CPU at 8K, causal and
         with documents: fwd+bwd 3-7% faster than with [.., t, s])."""
-        return jnp.einsum("bksh,bkgth->bksgt", self.kv_block(self.k, j), self.q_block(self.q, i),
+        return jnp.einsum("bksh,bkgth->bksgt", self.kv_block(self.k, at), self.q_block(self.q, at),
                           preferred_element_type=f32)
 
-    def masked(self, i, j, x, fill, transposed=False):
-        """x [b, k, g, t, s] (transposed: [b, k, s, g, t]) with `fill` where pair (i, j)'s mask
-        is False."""
+    def masked(self, at: Visit, x, fill, transposed=False):
+        """x [rows, k, g, t, s] (transposed: [rows, k, s, g, t]) with `fill` where the visit's
+        mask is False."""
         cfg, bq, bkv = self.cfg, self.cfg.bq, self.cfg.bkv
 
         def apply():
-            qp = lax.dynamic_slice_in_dim(self.blocks.q_positions, i * bq, bq, 0)
-            kp = lax.dynamic_slice_in_dim(self.blocks.kv_positions, j * bkv, bkv, 0)
+            qp = lax.dynamic_slice_in_dim(self.blocks.q_positions, at.i * bq, bq, 0)
+            kp = lax.dynamic_slice_in_dim(self.blocks.kv_positions, at.j * bkv, bkv, 0)
             mask = cfg.spec.allowed(qp[:, None], kp[None, :])[None]  # [1, t, s]
             if self.qs is not None:
-                qsi = lax.dynamic_slice_in_dim(self.qs, i * bq, bq, 1)
-                ksj = lax.dynamic_slice_in_dim(self.ks, j * bkv, bkv, 1)
-                mask = mask & (qsi[:, :, None] == ksj[:, None, :])  # [b, t, s]
+                qsi = self._cut(self.qs, at, 1, at.i * bq, bq)
+                ksj = self._cut(self.ks, at, 1, at.j * bkv, bkv)
+                mask = mask & (qsi[:, :, None] == ksj[:, None, :])  # [rows, t, s]
             mask = jnp.swapaxes(mask, 1, 2)[:, None, :, None] if transposed else mask[:, None, None]
             return jnp.where(mask, x, fill)
 
         if self.qs is not None:
             return apply()
-        return lax.cond(self.blocks.classes[i, j] == 2, lambda: x, apply)  # full: nothing masked
+        # full: nothing masked
+        return lax.cond(self.blocks.classes[at.i, at.j] == 2, lambda: x, apply)
 
 
 def _cap(cfg, raw):
     return raw if cfg.soft_cap is None else cfg.soft_cap * jnp.tanh(raw / cfg.soft_cap)
 
 
-def _add_block(total, part, start, axis):
-    return lax.dynamic_update_slice_in_dim(
-        total, lax.dynamic_slice_in_dim(total, start, part.shape[axis], axis) + part, start, axis)
-
-
 def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
     step = _Step(cfg, q, k, v, qs, ks, blocks, live)
-    bq = cfg.bq
 
-    def visit(p, carry):
+    def visit(at: Visit, carry):
         m_all, l_all, o_all = carry
-        i, j = step.pairs[p, 0], step.pairs[p, 1]
-        s = step.masked(i, j, _cap(cfg, step.logits(i, j)), -jnp.inf)
-        m, l, o = step.q_block(m_all, i), step.q_block(l_all, i), step.q_block(o_all, i)
+        s = step.masked(at, _cap(cfg, step.logits(at)), -jnp.inf)
+        m, l, o = (step.q_block(x, at) for x in (m_all, l_all, o_all))
         m_new = jnp.maximum(m, s.max(-1))
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # row still empty: keep exp() finite
         prob = jnp.exp(s - safe[..., None])
         alpha = jnp.exp(m - safe)
-        pv = jnp.einsum("bkgts,bksh->bkgth", prob.astype(v.dtype), step.kv_block(step.v, j),
+        pv = jnp.einsum("bkgts,bksh->bkgth", prob.astype(v.dtype), step.kv_block(step.v, at),
                         preferred_element_type=f32)
-        update = lambda total, block: lax.dynamic_update_slice_in_dim(total, block, i * bq, 3)  # noqa: E731
+        update = lambda total, block: step.set_q_block(total, block, at)  # noqa: E731
         return (update(m_all, m_new), update(l_all, alpha * l + prob.sum(-1)),
                 update(o_all, o * alpha[..., None] + pv))
 
     stats = step.q.shape[:4]  # [b, k, g, L]
-    init = vary_like((jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32),
-                      jnp.zeros(step.q.shape, f32)), q)
-    m, l, o = lax.fori_loop(0, step.count, visit, init)
+    carry = vary_like((jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32),
+                       jnp.zeros(step.q.shape, f32)), q)
+    visits = step.visits
+    m, l, o = lax.fori_loop(0, visits.count, lambda p, carry: visit(visits[p], carry), carry)
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     o = o / jnp.where(l > 0, l, 1.0)[..., None]
     return _heads_minor(o), _heads_minor(lse)
@@ -134,42 +187,45 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
     kvh, bq, bkv = step.kvh, cfg.bq, cfg.bkv
     do, lse, di = _heads_major(do, kvh), _heads_major(lse, kvh), _heads_major(di, kvh)
 
-    # dK and dV read a pair's dS as it is computed ([.., s, t]); dQ needs it transposed. Made in
+    # dK and dV read a visit's dS as it is computed ([.., s, t]); dQ needs it transposed. Made in
     # the same iteration, XLA fuses that transpose with the arithmetic producing dS and computes
     # it element by element with strided reads (on CPU ~3x the time of a block product). So dQ
-    # of each pair is computed one iteration later, from the dS the loop carried: a plain
+    # of each visit is computed one iteration later, from the dS the loop carried: a plain
     # transpose of a stored array (fwd+bwd 22-32% faster at 8K on CPU, causal and GQA).
-    def add_dq(dq_all, pending):
-        ds, i, j = pending
-        dq = jnp.einsum("bksgt,bksh->bkgth", ds, step.kv_block(step.k, j), preferred_element_type=f32)
-        return _add_block(dq_all, dq, i * bq, 3)
+    def add_dq(dq_all, pending, rows):
+        ds, index = pending
+        at = Visit(rows, *index)
+        dq = jnp.einsum("bksgt,bksh->bkgth", ds, step.kv_block(step.k, at),
+                        preferred_element_type=f32)
+        return step.add_q_block(dq_all, dq, at)
 
-    def visit(p, carry):
+    def visit(at: Visit, carry):
         dq_all, dk_all, dv_all, pending = carry
-        dq_all = add_dq(dq_all, pending)
-        i, j = step.pairs[p, 0], step.pairs[p, 1]
-        # Everything [b, k, s, g, t]: see _Step.logits_t.
-        raw = step.logits_t(i, j)
-        row = lambda x: step.q_block(x, i)[:, :, None]  # noqa: E731  [b, k, 1, g, t]
+        dq_all = add_dq(dq_all, pending, at.rows)
+        # Everything [rows, k, s, g, t]: see _Step.logits_t.
+        raw = step.logits_t(at)
+        row = lambda x: step.q_block(x, at)[:, :, None]  # noqa: E731  [rows, k, 1, g, t]
         # Recompute the probabilities from the stored global logsumexp.
-        prob = step.masked(i, j, jnp.exp(_cap(cfg, raw) - row(lse)), 0.0, transposed=True)
-        do_i, q_i = step.q_block(do, i), step.q_block(step.q, i)
+        prob = step.masked(at, jnp.exp(_cap(cfg, raw) - row(lse)), 0.0, transposed=True)
+        do_i, q_i = step.q_block(do, at), step.q_block(step.q, at)
         dv = jnp.einsum("bksgt,bkgth->bksh", prob.astype(do.dtype), do_i, preferred_element_type=f32)
-        dp = jnp.einsum("bksh,bkgth->bksgt", step.kv_block(step.v, j), do_i,
+        dp = jnp.einsum("bksh,bkgth->bksgt", step.kv_block(step.v, at), do_i,
                         preferred_element_type=f32)
         ds = prob * (dp - row(di))
         if cfg.soft_cap is not None:  # d cap(x)/dx = 1 - tanh(x / cap)^2
             ds = ds * (1.0 - jnp.square(jnp.tanh(raw / cfg.soft_cap)))
         ds = ds.astype(q.dtype)
         dk = jnp.einsum("bksgt,bkgth->bksh", ds, q_i, preferred_element_type=f32)
-        return (dq_all, _add_block(dk_all, dk, j * bkv, 2), _add_block(dv_all, dv, j * bkv, 2),
-                (ds, i, j))
+        return (dq_all, step.add_kv_block(dk_all, dk, at), step.add_kv_block(dv_all, dv, at),
+                (ds, (at.r, at.i, at.j)))
 
-    b, n = q.shape[0], q.shape[2]
-    nothing_pending = (vary_like(jnp.zeros((b, kvh, bkv, n // kvh, bq), q.dtype), q),
-                       *vary_like((jnp.int32(0), jnp.int32(0)), step.pairs))  # (dS 0, pair (0, 0))
+    n = q.shape[2]
+    visits = step.visits
+    nothing_pending = (vary_like(jnp.zeros((visits.rows, kvh, bkv, n // kvh, bq), q.dtype), q),
+                       vary_like((jnp.int32(0),) * 3, visits.index))  # dS 0 for block (0, 0)
     init = (_heads_major(dq, kvh),) + vary_like((jnp.zeros(step.k.shape, f32),
                                                  jnp.zeros(step.k.shape, f32)), q) + (nothing_pending,)
-    dq, dk, dv, pending = lax.fori_loop(0, step.count, visit, init)
-    dq = add_dq(dq, pending)  # the last pair's
+    dq, dk, dv, pending = lax.fori_loop(0, visits.count,
+                                        lambda p, carry: visit(visits[p], carry), init)
+    dq = add_dq(dq, pending, visits.rows)  # the last visit's
     return _heads_minor(dq), jnp.moveaxis(dk, 2, 1), jnp.moveaxis(dv, 2, 1)
