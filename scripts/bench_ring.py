@@ -2,7 +2,7 @@
 with and without document skipping, optionally beside other JAX rings, every result checked.
 
   python scripts/bench_ring.py --peers /tmp/peers      # the table: S = 2048, 8192, with peers
-                                                       # (41-50 min on 2 busy shared cores)
+                                                       # (13 min on 2 shared cores)
   python scripts/bench_ring.py                         # the same without peers
   python scripts/bench_ring.py --quick                 # S = 2048, one run, no peers
   python scripts/bench_ring.py --render-only           # rewrite the markdown from the JSON
@@ -419,7 +419,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="S=2048 only, one run, no peers")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     ap.add_argument("--seq-lens", default="2048,8192")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median)")
+    # 5, not 3: this machine's noise comes in bursts that slow a whole round by 20-30%; with 3
+    # rounds two slow ones set the median, as they did for several variants of one run here.
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median)")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--sp", type=int, default=4)
