@@ -62,7 +62,8 @@ class Visits(NamedTuple):
     index: jax.Array
     count: jax.Array
 
-    def __getitem__(self, p):
+    def at(self, p) -> Visit:
+        """Visit p."""
         return Visit(self.rows, self.index[p, 0], self.index[p, 1], self.index[p, 2])
 
 
@@ -176,7 +177,7 @@ def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
     carry = vary_like((jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32),
                        jnp.zeros(step.q.shape, f32)), q)
     visits = step.visits
-    m, l, o = lax.fori_loop(0, visits.count, lambda p, carry: visit(visits[p], carry), carry)
+    m, l, o = lax.fori_loop(0, visits.count, lambda p, carry: visit(visits.at(p), carry), carry)
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     o = o / jnp.where(l > 0, l, 1.0)[..., None]
     return _heads_minor(o), _heads_minor(lse)
@@ -226,6 +227,6 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
     init = (_heads_major(dq, kvh),) + vary_like((jnp.zeros(step.k.shape, f32),
                                                  jnp.zeros(step.k.shape, f32)), q) + (nothing_pending,)
     dq, dk, dv, pending = lax.fori_loop(0, visits.count,
-                                        lambda p, carry: visit(visits[p], carry), init)
+                                        lambda p, carry: visit(visits.at(p), carry), init)
     dq = add_dq(dq, pending, visits.rows)  # the last visit's
     return _heads_minor(dq), jnp.moveaxis(dk, 2, 1), jnp.moveaxis(dv, 2, 1)
