@@ -89,18 +89,18 @@ def make_mask_spec(causal=False, sliding_window=None, chunk_size=None) -> MaskSp
 
 
 def default_block_size(shard_len: int, layout: str = "contiguous") -> int:
-    """The block used when none is given (and by layout='auto'): 512, 256 or 128 dividing L;
-    for zigzag, dividing L / 2 where one does. A zigzag shard is two halves from opposite ends
-    of the sequence, and a block across both is computed whole: at L = 512 a 512 block makes
-    every causal block partial and none skippable (bench_ring on CPU, S=2048, sp=4: zigzag took
-    1.4-2.3x contiguous's time at block 512, 0.6-1.15x at 256)."""
-    if layout == "zigzag" and shard_len % 2 == 0:
+    """The block used when none is given (and by layout='auto'): 512, 256 or 128 dividing L; for
+    zigzag, dividing L / 2, and for striped, dividing the stripe, where one does. A block across
+    two pieces of a shard (zigzag's halves from opposite ends of the sequence, two stripes) is
+    computed whole: at L = 512 a 512 block makes every zigzag causal block partial and none
+    skippable (bench_ring on CPU, S=2048, sp=4: zigzag took 1.4-2.3x contiguous's time at block
+    512, 0.6-1.15x at 256)."""
+    pieces = {"zigzag": shard_len // 2 if shard_len % 2 == 0 else shard_len,
+              "striped": layout_lib.stripe_width(shard_len)}
+    for length in (pieces.get(layout, shard_len), shard_len):
         for b in (512, 256, 128):
-            if (shard_len // 2) % b == 0:
+            if length % b == 0:
                 return b
-    for b in (512, 256, 128):
-        if shard_len % b == 0:
-            return b
     return shard_len
 
 
@@ -109,11 +109,15 @@ def resolve_layout(layout: str, seq_len: int, num_shards: int, *, causal=False,
     """Concrete layout name; "auto" picks the layout whose ring finishes first for the mask.
 
     "Finishes first" = the smallest critical path, sum over run steps of max over devices of
-    computed blocks (the denominator of the efficiency), counted in (query, key) pairs. For a
-    fixed mask the useful work is the same in every layout up to block rounding, so this is the
-    highest efficiency measured in useful work; it also stops a perfectly balanced but wasteful
-    layout from winning (striped with a sliding window computes on all sp steps, contiguous on
-    2). Ties: higher efficiency, fewer steps, then the order of `layout.LAYOUTS`.
+    computed blocks (the denominator of the efficiency), plus one block per run step, counted in
+    (query, key) pairs. For a fixed mask the useful work is the same in every layout up to block
+    rounding, so this is the highest efficiency measured in useful work; it also stops a
+    perfectly balanced but wasteful layout from winning. The block per step is what a step costs
+    beyond its blocks (its K/V's first block arrives before any compute hides the transfer, and
+    its output is merged): it decides between layouts whose paths are level, such as striped and
+    contiguous under a 4,096-token window at 128K tokens on 8 devices (287 and 288 blocks, on 8
+    ring steps against 2). Ties: higher efficiency, fewer steps, then the order of
+    `layout.LAYOUTS`.
 
     Each layout is scored with `block_size`, the block the ring will run, when the caller knows
     it (train.resolve_layout: attention.block_size; the pipeline and the model are both given the
@@ -135,7 +139,8 @@ def resolve_layout(layout: str, seq_len: int, num_shards: int, *, causal=False,
         sched = tables.ring_schedule(seq_len, num_shards, block, name, causal, sliding_window,
                                      chunk_size)
         # In (query, key) pairs: the layouts' default blocks can differ (zigzag's is smaller).
-        key = (sched.critical_path * block * block, -round(sched.efficiency, 9), sched.steps, rank)
+        key = ((sched.critical_path + sched.steps) * block * block, -round(sched.efficiency, 9),
+               sched.steps, rank)
         if best_key is None or key < best_key:
             best, best_key = name, key
     if best is None:

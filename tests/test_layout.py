@@ -29,11 +29,27 @@ def test_zigzag_shard_d_holds_chunks_d_and_2sp_minus_1_minus_d():
         np.testing.assert_array_equal(pos[d], np.r_[8 * d:8 * d + 8, 8 * (7 - d):8 * (7 - d) + 8])
 
 
-def test_striped_token_t_on_shard_t_mod_sp():
-    np.testing.assert_array_equal(layout.permutation("striped", 8, 2), [0, 2, 4, 6, 1, 3, 5, 7])
-    pos = layout.shard_positions("striped", 24, 3)
+def test_striped_deals_stripes_round_robin():
+    # sp=2, shards of 8 -> stripes of 4: shard 0 = stripes 0, 2; shard 1 = stripes 1, 3
+    np.testing.assert_array_equal(layout.permutation("striped", 16, 2),
+                                  [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+    pos = layout.shard_positions("striped", 4096, 4)  # shards of 1024: stripes of 512
+    for d in range(4):
+        np.testing.assert_array_equal(pos[d], np.r_[512 * d:512 * (d + 1),
+                                                    512 * (d + 4):512 * (d + 5)])
+
+
+def test_odd_shards_get_token_stripes():
+    np.testing.assert_array_equal(layout.permutation("striped", 6, 2), [0, 2, 4, 1, 3, 5])
+    pos = layout.shard_positions("striped", 45, 3)
     for d in range(3):
         assert (pos[d] % 3 == d).all() and (np.diff(pos[d]) == 3).all()
+
+
+@pytest.mark.parametrize("shard_len,width", [(1, 1), (15, 1), (2, 1), (4, 2), (12, 4), (96, 32),
+                                             (512, 256), (1024, 512), (1536, 512), (2 ** 20, 512)])
+def test_stripe_width_is_the_largest_power_of_two_up_to_512_leaving_two_stripes(shard_len, width):
+    assert layout.stripe_width(shard_len) == width
 
 
 def test_bad_input():

@@ -71,9 +71,8 @@ def _inputs(seed, batch, seq_len, kv_heads, dtype=np.float32):
 
 @functools.lru_cache(maxsize=None)
 def _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_seg, with_aux,
-                  kv_segments_differ=False, split_backward=False):
+                  kv_segments_differ=False, split_backward=False, block=BLOCK):
     mesh = _mesh(sp, fsdp)
-    block = BLOCK
     if split_backward:  # splash's dq and dkv kernels instead of its fused backward
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
         block = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK,
@@ -117,7 +116,7 @@ def _ref_program(mask_items, soft_cap):
 
 
 def _check(*, impl, layout, mask, with_seg, kv_heads, with_aux, soft_cap, sp=4, fsdp=2,
-           seed=0, segments=None, shard=SHARD, split_backward=False):
+           seed=0, segments=None, shard=SHARD, split_backward=False, block=BLOCK):
     """`segments`, if given, replaces the random documents: natural-order ids [batch, S]."""
     seq_len, batch = shard * sp, 2 * fsdp
     q, k, v, seg, aux, dout = _inputs(seed, batch, seq_len, kv_heads)
@@ -126,7 +125,7 @@ def _check(*, impl, layout, mask, with_seg, kv_heads, with_aux, soft_cap, sp=4, 
     aux = aux if with_aux else None
     mask_items = tuple(sorted(MASKS[mask].items()))
     ring = _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_seg, with_aux,
-                         split_backward=split_backward)
+                         split_backward=split_backward, block=block)
     out, grads = ring(q, k, v, qs, None, aux, dout)
     ref_out, ref_grads = _ref_program(mask_items, soft_cap)(q, k, v, qs, None, aux, dout)
     np.testing.assert_allclose(out, ref_out, **FWD_TOL, err_msg="output")
@@ -177,6 +176,17 @@ def test_splash_backward_fused_per_kv_block_and_split(split_backward):
     _check(impl="splash", layout="zigzag", mask="causal_window", with_seg=True, kv_heads=2,
            with_aux=True, soft_cap=None, sp=2, fsdp=1, shard=4 * BLOCK,
            split_backward=split_backward)
+
+
+@pytest.mark.parametrize("impl,shard,block,mask", [
+    ("splash", 128, 128, "causal"), ("xla", 96, 48, "causal"), ("xla", 96, 48, "chunked"),
+    ("xla", 45, 15, "symmetric_window")])
+def test_striped_blocks_across_stripes_and_token_stripes(impl, shard, block, mask):
+    """Blocks that hold more than one run of positions: shards of 128 are two stripes of 64
+    (blocks of 128: two stripes each), shards of 96 three stripes of 32 (blocks of 48: a stripe
+    and a half). A shard of 45 (odd) gets token stripes."""
+    _check(impl=impl, layout="striped", mask=mask, with_seg=False, kv_heads=2, with_aux=False,
+           soft_cap=None, shard=shard, block=block)
 
 
 @pytest.mark.parametrize("impl,sp,fsdp,layout,mask", [

@@ -93,10 +93,13 @@ def _dense_blocks(spec, layout, seq_len, sp, bq, bkv):
 # end of one half and the start of the other (two runs of positions).
 SHAPES = [(layout, 256, bq, bkv) for layout in layout_lib.LAYOUTS
           for bq, bkv in [(16, 16), (32, 16)]] + [("zigzag", 384, 32, 32)]
+# Blocks across stripes (stripes of 32 at L = 64; a q block of two stripes, a kv block of two
+# and of one) and token stripes (L = 15 is odd).
+STRIPED_SHAPES = [("striped", 256, 64, 32), ("striped", 256, 16, 64), ("striped", 60, 5, 3)]
 
 
 @pytest.mark.parametrize("name", list(MASKS))
-@pytest.mark.parametrize("layout,seq_len,bq,bkv", SHAPES)
+@pytest.mark.parametrize("layout,seq_len,bq,bkv", SHAPES + STRIPED_SHAPES)
 def test_host_tables_are_the_dense_mask(name, layout, seq_len, bq, bkv):
     """The host's block classes, pruning and grid sizes, for every (device, step)."""
     sp = 4
@@ -117,7 +120,8 @@ def test_host_tables_are_the_dense_mask(name, layout, seq_len, bq, bkv):
 
 @pytest.mark.parametrize("name", list(MASKS))
 @pytest.mark.parametrize("layout,seq_len,bq,bkv", [("contiguous", 256, 32, 16),
-                                                   ("striped", 256, 32, 16), SHAPES[-1]])
+                                                   ("striped", 256, 32, 16), SHAPES[-1],
+                                                   *STRIPED_SHAPES])
 def test_device_tables_reproduce_the_dense_mask(name, layout, seq_len, bq, bkv):
     """Every table the ring builds on device, against the dense mask of global positions, for
     every (device, step): its block classes, the forward/dq and dkv MaskInfo rebuilt into a dense
@@ -141,7 +145,7 @@ def test_device_tables_reproduce_the_dense_mask(name, layout, seq_len, bq, bkv):
 def test_partial_blocks_are_deduplicated():
     tb = tables.ring_tables(masks.make_mask_spec(causal=True), "contiguous", 1024, 4, 64, 64)
     assert tb.partial.shape[0] == 1  # only diagonal blocks are partial, all with one pattern
-    assert tb.partial_signatures.shape == (1, 6)
+    assert tb.partial_signatures.shape == (1, 4)  # q run length, kv run length, offset, phase
 
 
 def test_schedule_targets_at_131072_tokens_on_8_devices():

@@ -1,7 +1,7 @@
 """The ring's block tables: which (q block, kv block) pairs each (device, ring step) computes.
 
 Every static mask here gives each query an interval of allowed key positions [lo, hi], and every
-layout cuts a shard into blocks of evenly spaced positions (`block_runs`), so whether a block
+layout cuts a block into a few runs of evenly spaced positions (`block_runs`), so whether a block
 (q block, kv block) is 0 empty / 1 partial / 2 full is counted per query row in closed form;
 no O(L^2) dense mask is ever built.
 
@@ -49,18 +49,22 @@ from longctx.masks import MaskSpec, default_block_size, make_mask_spec
 def block_runs(layout: str, seq_len: int, num_shards: int, block: int):
     """Each block of `block` local indices as runs of evenly spaced global positions, the same
     on every shard: (first local index int [blocks, runs], length int [blocks, runs], stride).
-    One run per block, except when a zigzag block straddles the middle of its shard: then two
-    for every block (a block that does not straddle has an empty second run)."""
+
+    Positions run consecutively (stride 1) within a piece of the shard: the whole shard
+    (contiguous), each half (zigzag), each stripe (striped); a block that crosses pieces is one
+    run per piece. Every block gets as many runs as the most divided one, padded with empty runs
+    (length 0). Token stripes (stripe width 1) are the one case of stride sp: one run a block."""
     L = seq_len // num_shards
-    start = np.arange(0, L, block)
-    middle = L // 2 if layout == "zigzag" else L
-    straddles = (start < middle) & (middle < start + block)
-    stride = num_shards if layout == "striped" else 1
-    if not straddles.any():
-        return start[:, None], np.full((len(start), 1), block), stride
-    first_len = np.where(straddles, middle - start, block)
-    first = np.stack([start, np.where(straddles, middle, start)], axis=1)
-    return first, np.stack([first_len, block - first_len], axis=1), stride
+    if layout == "striped" and layout_lib.stripe_width(L) == 1:
+        return np.arange(0, L, block)[:, None], np.full((L // block, 1), block), num_shards
+    piece = {"zigzag": L // 2, "striped": layout_lib.stripe_width(L)}.get(layout, L)
+    edges = [[start, *range((start // piece + 1) * piece, start + block, piece), start + block]
+             for start in range(0, L, block)]
+    runs = max(len(e) - 1 for e in edges)
+    pad = lambda e, fill: list(e) + [fill] * (runs - len(e))  # noqa: E731
+    first = np.array([pad(e[:-1], e[0]) for e in edges])
+    length = np.array([pad(np.diff(e), 0) for e in edges])
+    return first, length, 1
 
 
 def _keys_in_bounds(xp, lo, hi, first_position, length, stride: int):
@@ -159,7 +163,7 @@ class RingTables:
     blocks in one q-block row / kv-block column of a step (the forward and dq kernels' grid
     width, the dkv kernel's grid height); max_pairs: the most blocks in one step.
     partial: bool [P, bq, bkv], every distinct pattern of a partial block (None when there is
-    none), and partial_signatures: int32 [P, 6], what decides each one (`block_signatures`):
+    none), and partial_signatures: int32 [P, n], what decides each one (`block_signatures`):
     small, shared by every device and step.
     """
     run_steps: tuple[int, ...]
@@ -215,26 +219,30 @@ def ring_tables(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
 
 def block_signatures(xp, spec: MaskSpec, layout: str, seq_len: int, num_shards: int, bq: int,
                      bkv: int, q_positions, kv_positions):
-    """int [q_blocks, kv_blocks, 6]: what decides the pattern of block (i, j) of one step, given
+    """int [q_blocks, kv_blocks, n]: what decides the pattern of block (i, j) of one step, given
     the global positions of the queries and of the visiting keys; numpy or jax (xp).
 
-    A block's queries are q0 + f(a) and its keys q0 + delta + g(b), where f and g depend only on
-    the run structure (the first run's length, the gap to the second run's start, the stride),
-    so masks of position differences (causal, windows) depend on (structures, delta), and
-    chunks also on the phase q0 mod chunk. Blocks with equal signatures have equal patterns."""
+    A block's queries are q0 + f(a) and its keys k0 + g(b), where f and g depend only on the run
+    structure (`block_runs`: each run's length and the offset of its start from the block's
+    first position), so masks of position differences (causal, windows) depend on
+    (structures, k0 - q0), and chunks also on the phase q0 mod chunk. Blocks with equal
+    signatures have equal patterns."""
     (qf, ql, _), (kf, kl, _) = (block_runs(layout, seq_len, num_shards, b) for b in (bq, bkv))
     q0, k0 = q_positions[qf[:, 0]], kv_positions[kf[:, 0]]
-    # The last run's start: the second run's, or the first's again (gap 0) for one run.
-    q_gap, k_gap = q_positions[qf[:, -1]] - q0, kv_positions[kf[:, -1]] - k0
+    q_offsets = q_positions[qf[:, 1:]] - q0[:, None]
+    k_offsets = kv_positions[kf[:, 1:]] - k0[:, None]
     phase = q0 % spec.chunk if spec.chunk is not None else 0 * q0
-    parts = (ql[:, :1], q_gap[:, None], kl[None, :, 0], k_gap[None, :], k0[None, :] - q0[:, None],
-             phase[:, None])
     shape = (len(qf), len(kf))
+    parts = ([ql[:, r, None] for r in range(ql.shape[1])]
+             + [q_offsets[:, r, None] for r in range(q_offsets.shape[1])]
+             + [kl[None, :, r] for r in range(kl.shape[1])]
+             + [k_offsets[None, :, r] for r in range(k_offsets.shape[1])]
+             + [k0[None, :] - q0[:, None], phase[:, None]])
     return xp.stack([xp.broadcast_to(xp.asarray(p, q0.dtype), shape) for p in parts], axis=-1)
 
 
 def _distinct_partial_blocks(spec, layout, seq_len, sp, bq, bkv, run_steps, classes):
-    """(bool [P, bq, bkv], int32 [P, 6]): one pattern per distinct signature among the partial
+    """(bool [P, bq, bkv], int32 [P, n]): one pattern per distinct signature among the partial
     blocks of every (device, run step), computed once from the first block that has it."""
     pos = layout_lib.shard_positions(layout, seq_len, sp).astype(np.int64)
     found: dict[tuple, np.ndarray] = {}
