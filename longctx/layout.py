@@ -14,7 +14,8 @@ move together); the attention masks are always evaluated on the *global* positio
   shard owns one early and one late chunk and causal work is balanced.
 - "striped": the sequence is cut into stripes of `stripe_width(L)` tokens, dealt round-robin:
   stripe c lives on shard c mod sp. Every shard holds an even spread of early and late stripes,
-  so causal work is balanced at every ring step, not only in total.
+  so each ring step gives every shard a similar share of the causal work, not only the ring as a
+  whole.
 
 Why stripes of many tokens, not the token stripes of Striped Attention (Brandon et al., 2023):
 the ring's kernels skip work per block, never per element. With token stripes every block on
@@ -37,7 +38,7 @@ def stripe_width(shard_len: int) -> int:
     """Tokens per stripe of the striped layout: the largest power of two up to MAX_STRIPE that
     divides the shard length and leaves at least two stripes on each shard; 1 (token stripes)
     when the shard length is odd. A function of the shard length only, so that the data pipeline
-    and the ring agree without being told; the default block of a striped ring divides it."""
+    and the ring agree without being told; masks.default_block_size picks a block dividing it."""
     width = MAX_STRIPE
     while width > 1 and (shard_len % width or shard_len // width < 2):
         width //= 2
