@@ -37,8 +37,9 @@ MAX_STRIPE = 512  # the ring's largest default block (masks.default_block_size)
 def stripe_width(shard_len: int) -> int:
     """Tokens per stripe of the striped layout: the largest power of two up to MAX_STRIPE that
     divides the shard length and leaves at least two stripes on each shard; 1 (token stripes)
-    when none does (an odd shard length, or 2). A function of the shard length only, so that the data pipeline
-    and the ring agree without being told; masks.default_block_size picks a block dividing it."""
+    when none does (an odd shard length, or 2). A function of the shard length only, so that
+    the data pipeline and the ring agree without being told; masks.default_block_size picks a
+    block dividing it."""
     width = MAX_STRIPE
     while width > 1 and (shard_len % width or shard_len // width < 2):
         width //= 2
