@@ -46,6 +46,18 @@ def stripe_width(shard_len: int) -> int:
     return width
 
 
+def piece_length(layout: str, shard_len: int) -> int:
+    """How many tokens of a shard hold consecutive global positions, piece after piece: the
+    whole shard (contiguous), each half (zigzag; the whole shard if its length is odd, which
+    zigzag never allows), each stripe (striped; 1 for token stripes). A ring block inside one
+    piece is one run of positions (ops/tables.block_runs), so the default blocks divide it."""
+    if layout == "zigzag" and shard_len % 2 == 0:
+        return shard_len // 2
+    if layout == "striped":
+        return stripe_width(shard_len)
+    return shard_len
+
+
 def _check(layout: str, seq_len: int, num_shards: int) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")

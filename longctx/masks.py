@@ -95,9 +95,7 @@ def default_block_size(shard_len: int, layout: str = "contiguous") -> int:
     computed whole: at L = 512 a 512 block makes every zigzag causal block partial and none
     skippable (bench_ring on CPU, S=2048, sp=4: zigzag took 1.4-2.3x contiguous's time at block
     512, 0.6-1.15x at 256)."""
-    pieces = {"zigzag": shard_len // 2 if shard_len % 2 == 0 else shard_len,
-              "striped": layout_lib.stripe_width(shard_len)}
-    for length in (pieces.get(layout, shard_len), shard_len):
+    for length in (layout_lib.piece_length(layout, shard_len), shard_len):
         for b in (512, 256, 128):
             if length % b == 0:
                 return b

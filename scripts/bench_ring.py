@@ -329,7 +329,7 @@ def layout_block(block, shard, layout):
     """The block of a longctx variant: `block`, halved until it divides the pieces of the shard
     that hold consecutive positions, L/2 for zigzag and a stripe for striped (the rule of
     masks.default_block_size)."""
-    piece = {"zigzag": shard // 2, "striped": layout_lib.stripe_width(shard)}.get(layout, shard)
+    piece = layout_lib.piece_length(layout, shard)
     while piece % block and block % 2 == 0:
         block //= 2
     return block

@@ -52,6 +52,20 @@ def test_stripe_width_is_the_largest_power_of_two_up_to_512_leaving_two_stripes(
     assert layout.stripe_width(shard_len) == width
 
 
+@pytest.mark.parametrize("name,shard_len,length", [
+    ("contiguous", 1024, 1024), ("zigzag", 1024, 512), ("striped", 1024, 512), ("striped", 96, 32),
+    ("striped", 15, 1)])
+def test_piece_length_spans_consecutive_positions(name, shard_len, length):
+    assert layout.piece_length(name, shard_len) == length
+    pieces = layout.shard_positions(name, 2 * shard_len, 2)[0].reshape(-1, length)
+    assert (np.diff(pieces, axis=1) == 1).all()  # consecutive within a piece
+    assert (np.diff(pieces[:, 0]) > length).all()  # and a jump to the next
+
+
+def test_piece_length_of_an_odd_zigzag_shard_is_the_shard():
+    assert layout.piece_length("zigzag", 15) == 15  # (zigzag rejects it; default blocks don't)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match=r"layout='diagonal'"):
         layout.permutation("diagonal", 8, 2)

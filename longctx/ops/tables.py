@@ -55,9 +55,9 @@ def block_runs(layout: str, seq_len: int, num_shards: int, block: int):
     run per piece. Every block gets as many runs as the most divided one, padded with empty runs
     (length 0). Token stripes (stripe width 1) are the one case of stride sp: one run a block."""
     L = seq_len // num_shards
-    if layout == "striped" and layout_lib.stripe_width(L) == 1:
+    piece = layout_lib.piece_length(layout, L)
+    if layout == "striped" and piece == 1:
         return np.arange(0, L, block)[:, None], np.full((L // block, 1), block), num_shards
-    piece = {"zigzag": L // 2, "striped": layout_lib.stripe_width(L)}.get(layout, L)
     edges = [[start, *range((start // piece + 1) * piece, start + block, piece), start + block]
              for start in range(0, L, block)]
     runs = max(len(e) - 1 for e in edges)
