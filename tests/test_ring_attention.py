@@ -231,6 +231,30 @@ def test_document_edge_cases(impl, case):
            segments=_edge_documents(case))
 
 
+def test_q_blocks_the_splash_forward_never_walks_are_masked(monkeypatch):
+    """The splash forward's grid ends after the q blocks with a live block
+    (splash_kernels.forward's q_blocks); the others are never written: NaN in interpret mode,
+    whatever the memory held on TPU. Made finite garbage here, as it can be on TPU, they must
+    still count for nothing: the ring stays exact."""
+    from longctx.ops import splash_kernels
+    forward = splash_kernels.forward
+    unwritten = []
+
+    def forward_leaving_garbage(*args, **kwargs):
+        out, lse = forward(*args, **kwargs)
+        jax.debug.callback(lambda n: unwritten.append(int(n)), jnp.isnan(lse).sum())
+        return jnp.where(jnp.isnan(out), 7.0, out), jnp.where(jnp.isnan(lse), 3.0, lse)
+
+    monkeypatch.setattr(splash_kernels, "forward", forward_leaving_garbage)
+    _ring_program.cache_clear()  # trace anew, with the patch
+    try:
+        _check(impl="splash", layout="zigzag", mask="causal", with_seg=True, kv_heads=2,
+               with_aux=False, soft_cap=None)
+    finally:
+        _ring_program.cache_clear()
+    assert sum(unwritten) > 0, "no q block was left unwalked: the test tests nothing"
+
+
 def _steps_visited_on_device(layout, seg, sp=4):
     """What ring._steps_to_visit answers on every device of a (fsdp=2, sp) mesh, one row of the
     natural-order ids `seg` [2, S] per ring."""

@@ -6,7 +6,8 @@
 2. What that is for (issue 12): the bf16 ring is no less accurate than plain single-device
    splash on the same inputs, against the dense float32 oracle.
 3. The grid's table axis ends at the last live entry of the busiest row or column (sized at run
-   time); in 1., splash's unshrunk dkv tables have a column that ends early.
+   time); in 1., splash's unshrunk dkv tables have a column that ends early. The forward's
+   grid also ends after the last q block with a live block.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from longctx import layout as layout_lib
 from longctx.ops import reference_attention, ring_attention
 from longctx.ops import splash_kernels as kernels
+from longctx.ops import tables
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 BLOCK, COMPUTE = 256, 128  # kv blocks computed in two halves where a kernel allows it
@@ -135,6 +137,31 @@ def test_float32_results_of_splash_kernels():
                                       err_msg=name)
     out = checks[0][1]  # and ours keeps what splash's rounding drops
     assert not np.array_equal(np.asarray(out), np.asarray(out.astype(jnp.bfloat16), np.float32))
+
+
+def test_forward_walks_only_the_q_blocks_with_a_live_block():
+    """kernels.forward given q_blocks, as the ring's forward calls it: the tables' rows that
+    hold a live entry first (tables.live_rows_first) and the grid ends after them. The q block
+    with a live block gets exactly what the walk of every row gives; the one without is never
+    written (NaN: Pallas's uninitialized output in interpret mode), which the ring masks."""
+    q, k, v, seg, _ = _operands()
+    fwd_info, _ = _infos()
+    # q block 0 without a live block
+    info = fwd_info._replace(block_mask=jnp.asarray(fwd_info.block_mask).at[:, 0].set(0))
+    ours = dict(bq=BLOCK, bkv=BLOCK, bkv_compute=COMPUTE, mask_value=MASK_VALUE, soft_cap=30.0,
+                interpret=True)
+    want = kernels.forward(info, q, k, v, seg, **ours)
+    (data, block, nxt), q_blocks = tables.live_rows_first(info.data_next, info.block_mask,
+                                                          info.mask_next)
+    np.testing.assert_array_equal(q_blocks, [[1, 0]])
+    np.testing.assert_array_equal(block[0, :, 0], [1, 0])  # the live row moved to the top
+    packed = info._replace(data_next=data, block_mask=block, mask_next=nxt)
+    got = kernels.forward(packed, q, k, v, seg, q_blocks=q_blocks[0], **ours)
+    for name, g, w in zip(("out", "lse"), got, want):
+        np.testing.assert_array_equal(np.asarray(g[:, BLOCK:]), np.asarray(w[:, BLOCK:]),
+                                      err_msg=name)
+        assert np.isfinite(np.asarray(w[:, BLOCK:])).all(), name
+        assert np.isnan(np.asarray(g[:, :BLOCK])).all(), f"{name}: q block 0 was walked"
 
 
 # ----------------------------------------------------------------------------- the bf16 ring

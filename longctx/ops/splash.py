@@ -40,15 +40,19 @@ def _partial_index(cfg, blocks):
 
 def _mask_info(cfg, blocks, live, index, kernel: str):
     """((data_next, block_mask, mask_next), partial blocks) of this step for `kernel`, built on
-    device from its blocks (ops/tables.py). "fwd" (the forward and dq kernels): each q-block
-    row's live blocks packed into the grid, the rest computing and fetching nothing. "dkv": the
-    same per kv-block column, partial blocks transposed ([kv, q], as the kernel reads them).
-    The arrays are one set per batch row ([b, ...]) when documents make the rows differ, else
-    one for all rows."""
+    device from its blocks (ops/tables.py). "dq": each q-block row's live blocks packed into the
+    grid, the rest computing and fetching nothing. "fwd": the same, with the rows that hold a
+    live block first, and a fourth array, the q block of each row (splash_kernels.forward).
+    "dkv": as "dq" per kv-block column, partial blocks transposed ([kv, q], as the kernel reads
+    them). The arrays are one set per batch row ([b, ...]) when documents make the rows differ,
+    else one for all rows."""
     tb = cfg.tables
     partial = None if tb.partial is None else jnp.asarray(tb.partial)
-    if kernel == "fwd":
+    if kernel in ("fwd", "dq"):
         arrays = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_width, axis=-1)
+        if kernel == "fwd":
+            arrays, q_blocks = tables_lib.live_rows_first(*arrays)
+            arrays += (q_blocks[:, 0],)  # one table for every head
     else:
         arrays = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_height, axis=-2)
         partial = None if partial is None else partial.swapaxes(1, 2)
@@ -58,7 +62,7 @@ def _mask_info(cfg, blocks, live, index, kernel: str):
 
 
 def _info(arrays, partial):
-    data, block, nxt = arrays
+    data, block, nxt = arrays[:3]
     return mi.MaskInfo(data_next=data, block_mask=block, mask_next=nxt,
                        partial_mask_blocks=partial, q_sequence=None)
 
@@ -106,7 +110,7 @@ def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
             return kernels.forward(_info(arrays, partial), q1, k1, v1, seg, bq=cfg.bq,
                                    bkv=cfg.bkv, bkv_compute=cfg.bkv_compute,
                                    mask_value=MASK_VALUE, soft_cap=cfg.soft_cap,
-                                   interpret=cfg.interpret)
+                                   interpret=cfg.interpret, q_blocks=arrays[3])
 
         return _over_rows(one_row, live)(arrays, _heads_major(q), _heads_major(k),
                                          _heads_major(v), _segments(qs, ks))
@@ -115,9 +119,11 @@ def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
     out = _heads_major(out)
     lse = jnp.swapaxes(lse, 1, 2)  # [b, L, n]
     # A row with no allowed key in this step gets lse ~ MASK_VALUE (masked logits inside a
-    # computed block) or -inf with a NaN output (q block with no block at all). Either way it
-    # is empty here: -inf lse and zero output, so the merge gives it exactly zero weight.
-    valid = lse > 0.5 * MASK_VALUE
+    # computed block), or is in a q block with no live block, which the kernel never wrote.
+    # Either way it is empty here: -inf lse and zero output, so the merge gives it exactly zero
+    # weight.
+    computed = jnp.repeat(jnp.any(live, axis=-1), cfg.bq, axis=-1)  # [b or 1, L]
+    valid = (lse > 0.5 * MASK_VALUE) & computed[..., None]
     return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
 
 
@@ -181,7 +187,7 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
 
     def local(q, k, v, qs, ks, lse, do, di, blocks, live):
         index = _partial_index(cfg, blocks)
-        fwd_arrays, fwd_partial = _mask_info(cfg, blocks, live, index, "fwd")
+        fwd_arrays, fwd_partial = _mask_info(cfg, blocks, live, index, "dq")
         dkv_arrays, dkv_partial = _mask_info(cfg, blocks, live, index, "dkv")
 
         def one_row(arrays, q1, k1, v1, seg, lse1, do1, di1):

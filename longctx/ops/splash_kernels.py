@@ -16,7 +16,8 @@ one configuration the ring uses:
 As in splash, each K/V block (forward, dq) or Q block (dkv) is fetched at `data_next`, the block
 the table says comes next, so a block that is skipped is never fetched either. Unlike splash's,
 the grid's table axis is sized at run time: it ends at the last live entry of the busiest row
-(column) of the step's tables (`table_grid_size`), since with documents most entries are dead.
+(column) of the step's tables (`table_grid_size`), since with documents most entries are dead;
+and the forward's grid ends after the last q block with a live block (`forward`'s q_blocks).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def _kv_head(h, heads, kv_heads):
 def _next(h, i, j, tables, next_i=False):
     """(block to fetch, partial-block index) at grid point (h, i, j): splash's _next_nonzero.
     tables: the scalar-prefetch refs (data_next, block_mask, mask_next, grid size)."""
-    data_next, block_mask, mask_next, _ = tables
+    data_next, block_mask, mask_next, *_ = tables
     block, mask, *_ = sk._next_nonzero(  # pylint: disable=protected-access
         h, i, j, data_next, block_mask, mask_next, next_i=next_i)
     return block, mask
@@ -63,8 +64,8 @@ def _tables(info):
 
 def table_grid_size(info, axis: int):
     """How many table entries the grid walks: up to the last live entry of any row (axis=-1,
-    the forward and dq kernels) or column (axis=-2, dkv), at least 1; an int32 known at run
-    time. ops/tables.grid_tables packs each row's live entries first, so with documents a ring
+    the forward and dq kernels) or column (axis=-2: dkv; and the forward's rows, packed by
+    tables.live_rows_first), at least 1; an int32 known at run time. ops/tables.grid_tables packs each row's live entries first, so with documents a ring
     step's rows are mostly dead entries, and each one walked would still cost a grid step (on
     CPU, the interpreter's block copies: about a quarter of a live block's time)."""
     live = info.block_mask != 0
@@ -86,39 +87,59 @@ class _LastTableStep:
         return self.size_ref[0] - other
 
 
-def _call(kernel, name, grid, in_specs, out_specs, out_shapes, semantics, interpret, info, *args):
+def _call(kernel, name, grid, in_specs, out_specs, out_shapes, semantics, interpret, info, *args,
+          q_blocks=None):
     """pallas_call of a splash kernel over `grid`, whose last (table) axis has a size known at
-    run time (table_grid_size); the kernel gets it as a fourth scalar-prefetch operand."""
+    run time (table_grid_size); the kernel gets it as a fourth scalar-prefetch operand.
+    q_blocks (the forward's, optional): a fifth, the q block of each grid row
+    (`_Q_BLOCKS`), which the kernel itself never reads: only the block specs do."""
+    extra = () if q_blocks is None else (q_blocks,)
+
     def sized_kernel(data_next, block_mask, mask_next, grid_size, *refs):
-        return kernel(data_next, block_mask, mask_next, *refs,
+        return kernel(data_next, block_mask, mask_next, *refs[len(extra):],
                       grid_width=_LastTableStep(grid_size))
 
     with jax.named_scope(name):
         return pl.pallas_call(
             sized_kernel, out_shape=out_shapes, name=name, interpret=interpret,
-            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4, in_specs=in_specs,
-                                                   out_specs=out_specs, grid=grid),
+            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4 + len(extra),
+                                                   in_specs=in_specs, out_specs=out_specs,
+                                                   grid=grid),
             compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-        )(*_tables(info), jnp.reshape(grid[-1], (1,)), *args)
+        )(*_tables(info), jnp.reshape(grid[-1], (1,)), *extra, *args)
+
+
+_Q_BLOCKS = 4  # where q_blocks is among the scalar-prefetch refs that index maps receive
 
 
 # ----------------------------------------------------------------------------- forward and dq
-# Grid (query head h, q block i, table column j): each q block visits its live K/V blocks.
+# Grid (query head h, table row i, table column j): each q block visits its live K/V blocks.
+# Table row i is q block i, or q_blocks[i] where the forward is given them (the rows with a live
+# block first, and the grid ends after them).
 
-def _row_major_specs(info, q, k, segment_ids, bq, bkv):
-    """q, k, v, segment-id and partial-block specs and arrays shared by the forward and dq."""
+def _identity_rows(i, *tables):
+    return i
+
+
+def _listed_rows(i, *tables):
+    return tables[_Q_BLOCKS][i]
+
+
+def _row_major_specs(info, q, k, segment_ids, bq, bkv, q_block=_identity_rows):
+    """q, k, v, segment-id and partial-block specs and arrays shared by the forward and dq.
+    q_block(i, *prefetch refs): the q block of table row i."""
     heads, L, head_dim = q.shape
     kv_heads, kv_len, _ = k.shape
 
     def kv_map(h, i, j, *tables):
         return _kv_head(h, heads, kv_heads), _next(h, i, j, tables)[0], 0
 
-    q_spec = pl.BlockSpec((None, bq, head_dim), lambda h, i, j, *_: (h, i, 0))
+    q_spec = pl.BlockSpec((None, bq, head_dim), lambda h, i, j, *t: (h, q_block(i, *t), 0))
     kv_spec = pl.BlockSpec((None, bkv, head_dim), kv_map)
     if segment_ids is None:
         seg_specs, seg_arrays = [None, None], [None, None]
     else:
-        seg_specs = [pl.BlockSpec((bq, LANES), lambda h, i, j, *_: (i, 0)),
+        seg_specs = [pl.BlockSpec((bq, LANES), lambda h, i, j, *t: (q_block(i, *t), 0)),
                      pl.BlockSpec((SUBLANES, bkv),
                                   lambda h, i, j, *tables: (0, _next(h, i, j, tables)[0]))]
         seg_arrays = [lax.broadcast_in_dim(segment_ids.q, (L, LANES), (0,)),
@@ -128,26 +149,39 @@ def _row_major_specs(info, q, k, segment_ids, bq, bkv):
     return q_spec, kv_spec, seg_specs, seg_arrays, mask_spec
 
 
-def forward(info, q, k, v, segment_ids, *, bq, bkv, bkv_compute, mask_value, soft_cap, interpret):
-    """Splash's forward kernel: (out [heads, L, head_dim], logsumexp [heads, L]), both float32."""
+def forward(info, q, k, v, segment_ids, *, bq, bkv, bkv_compute, mask_value, soft_cap, interpret,
+            q_blocks=None):
+    """Splash's forward kernel: (out [heads, L, head_dim], logsumexp [heads, L]), both float32.
+
+    q_blocks (int32 [q blocks], optional): the q block of each table row, the rows with a live
+    block first (ops/tables.live_rows_first), for tables shared by every head. The grid then
+    ends after the last of them: a q block with nothing to compute costs no grid step, and its
+    out and logsumexp are never written (undefined: the caller masks them). Without it table row
+    i is q block i and every q block is walked."""
     heads, L, head_dim = q.shape
     grid_width = table_grid_size(info, axis=-1)
+    if q_blocks is None:
+        grid_height, q_block = L // bq, _identity_rows
+    else:
+        assert info.block_mask.shape[0] == 1, "q_blocks is one list for every head"
+        grid_height, q_block = table_grid_size(info, axis=-2), _listed_rows
     q_spec, kv_spec, seg_specs, seg_arrays, mask_spec = _row_major_specs(
-        info, q, k, segment_ids, bq, bkv)
+        info, q, k, segment_ids, bq, bkv, q_block)
+    out_map = lambda h, i, j, *t: (h, q_block(i, *t), 0)  # noqa: E731
     kernel = functools.partial(
         sk.flash_attention_kernel, mask_value=mask_value, bq=bq, bkv=bkv,
         bkv_compute=bkv_compute, head_dim_v=head_dim, attn_logits_soft_cap=soft_cap,
         mask_function=None, **_LAYOUTS)
     *_, out, lse = _call(
-        kernel, "longctx_splash_fwd", (heads, L // bq, grid_width),
+        kernel, "longctx_splash_fwd", (heads, grid_height, grid_width),
         [q_spec, kv_spec, kv_spec, *seg_specs, None, mask_spec, None],
         [_scratch((bq, LANES)), _scratch((bq, LANES)), _scratch((bq, head_dim)),
-         pl.BlockSpec((None, bq, head_dim), lambda h, i, j, *_: (h, i, 0)),
-         pl.BlockSpec((None, bq, LANES), lambda h, i, j, *_: (h, i, 0))],
+         pl.BlockSpec((None, bq, head_dim), out_map),
+         pl.BlockSpec((None, bq, LANES), out_map)],
         [_f32((bq, LANES)), _f32((bq, LANES)), _f32((bq, head_dim)), _f32((heads, L, head_dim)),
          _f32((heads, L, LANES))],
         ("parallel", "arbitrary", "arbitrary"), interpret, info,
-        q, k, v, *seg_arrays, None, info.partial_mask_blocks, None)
+        q, k, v, *seg_arrays, None, info.partial_mask_blocks, None, q_blocks=q_blocks)
     return out, lse[..., 0]
 
 

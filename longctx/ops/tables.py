@@ -316,6 +316,19 @@ def grid_tables(classes, partial_index, live, size: int, axis: int):
     return back(data), back(block), back(nxt)
 
 
+def live_rows_first(data_next, block_mask, mask_next):
+    """The forward kernel's tables (grid_tables(axis=-1): [..., q_blocks, width]) with their
+    q-block rows reordered: the rows that hold a live entry first, in block order, then the
+    rest. Returns ((data_next, block_mask, mask_next), q_blocks int32 [..., q_blocks]: the q
+    block of each table row). With documents most q blocks have nothing to compute at most ring
+    steps; a kernel whose grid ends after the live rows walks none of them."""
+    dead = jnp.logical_not(jnp.any(block_mask != 0, axis=-1))
+    order = jnp.argsort(dead, axis=-1, stable=True).astype(jnp.int32)
+    take = lambda x: None if x is None else jnp.take_along_axis(  # noqa: E731
+        x, order[..., None], axis=-2)
+    return (take(data_next), take(block_mask), take(mask_next)), order
+
+
 def step_pairs(blocks, max_pairs: int):
     """The nonzero entries of `blocks` ([q_blocks, kv_blocks] classes or live flags, or live
     flags [rows, q_blocks, kv_blocks]) as index tuples, (q block, kv block) or (row, q block,
