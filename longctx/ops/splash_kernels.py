@@ -213,13 +213,17 @@ def backward_dq(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, mask_value,
 def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_compute, mask_value,
                  soft_cap, fused, interpret):
     """Splash's dkv kernel: (dq, dk, dv), float32. fused: the kernel also computes dq; else dq
-    is None. The kernel writes dq by grid position, one q block per grid row and kv block; we
-    give each grid row its own output block and add it to the q block that the table fetched
-    there (data_next), so that packed tables, whose grid is shorter than the q blocks, work
-    too (an entry that computes nothing writes zeros)."""
+    is None.
+
+    The fused kernel is called on one kv block (as the ring calls it: ops/splash.py) and writes
+    each grid row's dq straight into the q block that the table fetched there, [heads, L,
+    head_dim] with no per-row copy to add up after (at 32,768 tokens per chip for the 8B shape,
+    those copies cost 1 GiB of the train step). That asks what packed tables give: within the
+    rows walked no q block is fetched twice, except by entries that compute nothing (which
+    write zeros) fetching their own block, as in splash's unpacked tables. The q blocks that no
+    row fetched are never written and come back as zeros."""
     heads, L, head_dim = q.shape
     kv_heads, kv_len, _ = k.shape
-    table_height = info.data_next.shape[-2]
     grid_height = table_grid_size(info, axis=-2)
 
     def q_map(j, h, i, *tables):
@@ -248,8 +252,8 @@ def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_comput
     if not fused:
         dq_specs, dq_shapes = [None, None], [None, None]
     else:
-        dq_spec = pl.BlockSpec((None, None, bq, head_dim), lambda j, h, i, *_: (j, h, i, 0))
-        dq_shape = _f32((kv_len // bkv, heads, table_height * bq, head_dim))
+        assert kv_len == bkv, "the fused kernel's dq is written per q block: one kv block a call"
+        dq_spec, dq_shape = q_spec, _f32(q.shape)
         if bkv == bkv_compute:  # the kernel keeps no dq scratch then
             dq_specs, dq_shapes = [None, dq_spec], [None, dq_shape]
         else:
@@ -273,17 +277,13 @@ def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_comput
         q, k, v, *seg_arrays, None, rows(lse), do, rows(di), info.partial_mask_blocks, None)
     if dq is None:
         return None, dk, dv
-    walked = jnp.arange(table_height * bq) < grid_height * bq  # the rest was never written
-    return _dq_by_q_block(jnp.where(walked[:, None], dq, 0.0), info.data_next, L, bq), dk, dv
+    return jnp.where(_fetched_q_blocks(info.data_next, grid_height, L, bq), dq, 0.0), dk, dv
 
 
-def _dq_by_q_block(dq, data_next, L, bq):
-    """[heads, L, head_dim]: the fused kernel's dq [kv blocks, heads, grid rows * bq, head_dim],
-    each grid row's block added to the q block that data_next [1 or heads, grid rows, kv blocks]
-    fetched for it."""
-    kv_blocks, heads, rows_len, head_dim = dq.shape
-    by_row = dq.reshape(kv_blocks, heads, rows_len // bq, bq, head_dim).swapaxes(0, 1)
-    q_block = jnp.broadcast_to(data_next, (heads,) + data_next.shape[1:]).swapaxes(1, 2)
-    total = jnp.zeros((heads, L // bq, bq, head_dim), dq.dtype)
-    total = total.at[jnp.arange(heads)[:, None, None], q_block].add(by_row)
-    return total.reshape(heads, L, head_dim)
+def _fetched_q_blocks(data_next, grid_height, L: int, bq: int):
+    """bool [1 or heads, L, 1]: the query positions whose q block some walked grid row of the
+    dkv tables (data_next [1 or heads, table rows, 1]) fetches; the rest are never written."""
+    rows = lax.broadcasted_iota(jnp.int32, data_next.shape, 1)
+    fetched = jnp.where(rows < grid_height, data_next, -1)[..., 0]  # [1 or heads, table rows]
+    blocks = jnp.any(fetched[:, :, None] == jnp.arange(L // bq), axis=1)
+    return jnp.repeat(blocks, bq, axis=1)[..., None]
