@@ -5,8 +5,8 @@ and handed to splash's own forward (save_residuals: out + logsumexp) and backwar
 which skip empty blocks and apply partial blocks, segment ids and the soft cap. The backward
 is splash's fused kernel (dq, dk and dv from one pass over the blocks; on CPU, causal 8K,
 sp=4: 25-32% faster than its separate dq and dkv kernels, which each recompute the
-probabilities), called one kv block at a time so that its per-kv-block dq stays one block's
-worth; a splash BlockSizes with use_fused_bwd_kernel=False selects the two kernels.
+probabilities), called one kv block at a time, each call's dq added into the ring's (see
+_fused_bwd_step); a splash BlockSizes with use_fused_bwd_kernel=False selects the two kernels.
 Splash's public `make_splash_mha` builds its MaskInfo from one static mask for the whole
 sequence; a ring needs a different one per (device, step), so we call splash's kernels below
 that layer with our own tables, through ops/splash_kernels.py, whose pallas_calls return the
@@ -141,14 +141,14 @@ def _common(cfg):
 def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
     """bwd_step on splash's fused kernel: one pass over the blocks computes dq, dk and dv.
 
-    The kernel writes dq once per kv block of its call ([kv blocks, heads, grid rows * bq,
-    head_dim], added up after it): called on the whole shard that is up to kv_blocks times the
-    attention's own memory (64 GiB per step in bf16 at 65,536 tokens per chip for the 8B
-    shape). So it is called one kv block at a time, only on the kv blocks that some query
-    needs, and each block's dq is added into the ring's float32 `dq` in place. The loop runs
-    outside the kernel's local region so that the accumulator keeps its type and is updated in
-    place (an accumulator inside the region cost a second float32 dq: 64K tokens on v5p:2x2x2,
-    259 vs 177 MiB of temporaries)."""
+    The kernel writes its dq by q block without adding to it: a q block that several kv blocks
+    of one call reach would keep only one kv block's share (splash's wrapper gives it a dq per
+    kv block of the call instead, kv_blocks times the attention's own memory: 64 GiB per step
+    in bf16 at 65,536 tokens per chip for the 8B shape). So it is called one kv block at a
+    time, only on the kv blocks that some query needs, and each block's dq is added into the
+    ring's float32 `dq` in place. The loop runs outside the kernel's local region so that the
+    accumulator keeps its type and is updated in place (an accumulator inside the region cost a
+    second float32 dq: 64K tokens on v5p:2x2x2, 259 vs 177 MiB of temporaries)."""
     arrays, partial = _mask_info(cfg, blocks, live, _partial_index(cfg, blocks), "dkv")
     common = _common(cfg)
 
