@@ -65,9 +65,10 @@ def _tables(info):
 def table_grid_size(info, axis: int):
     """How many table entries the grid walks: up to the last live entry of any row (axis=-1,
     the forward and dq kernels) or column (axis=-2: dkv; and the forward's rows, packed by
-    tables.live_rows_first), at least 1; an int32 known at run time. ops/tables.grid_tables packs each row's live entries first, so with documents a ring
-    step's rows are mostly dead entries, and each one walked would still cost a grid step (on
-    CPU, the interpreter's block copies: about a quarter of a live block's time)."""
+    tables.live_rows_first), at least 1; an int32 known at run time. ops/tables.grid_tables
+    packs each row's live entries first, so with documents a ring step's rows are mostly dead
+    entries, and each one walked would still cost a grid step (on CPU, the interpreter's block
+    copies: about a quarter of a live block's time)."""
     live = info.block_mask != 0
     position = lax.broadcasted_iota(jnp.int32, live.shape, live.ndim + axis) + 1
     return jnp.maximum(jnp.max(jnp.where(live, position, 0)), 1)
