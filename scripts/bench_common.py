@@ -114,11 +114,25 @@ def max_dim_product(hlo_text: str) -> int:
     return best
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows: timings on CPU differ
+    from one model to the next, and the machines these scripts run on do."""
+    import platform as py_platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return py_platform.processor() or py_platform.machine()
+
+
 def machine() -> dict:
     import platform as py_platform
 
     import jax
     return {"jax": jax.__version__, "python": py_platform.python_version(),
-            "cpu_count": os.cpu_count(), "devices": jax.device_count(),
+            "cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "devices": jax.device_count(),
             "platform": jax.devices()[0].platform,
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}

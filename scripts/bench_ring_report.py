@@ -218,7 +218,8 @@ def markdown(result):
         "## Ring attention on issue 12's work: longctx impl x layout, document skipping, peers "
         "(`bench_ring.py`)\n",
         f"Command: `{result['command']}`  ",
-        f"Machine: {m['cpu_count']} CPU cores (shared), {m['devices']} virtual devices, jax "
+        f"Machine: {m['cpu_count']} CPU cores ({m['cpu_model'] + ', ' if 'cpu_model' in m else ''}"
+        f"shared), {m['devices']} virtual devices, jax "
         f"{m['jax']}, {m['date_utc']} UTC"
         + (f", load average {load['start']:.1f} at the start, {load['end']:.1f} at the end"
            if load and "end" in load else "")
