@@ -3,7 +3,7 @@ scale with blocks, so that the speedup of document skipping can be read against 
 alone allow (issue 12's target: at least 4x on documents of mean length S/32 at S = 8192).
 
   python scripts/bench_ring_overhead.py               # splash and xla, contiguous, S = 8192,
-                                                      # sp = 4 and sp = 1 (about 3 min)
+                                                      # sp = 4 and sp = 1 (about a minute)
   python scripts/bench_ring_overhead.py --one-core    # pinned to one core: CPU time = wall
 
 Inputs: bench_ring.py's docs_s32 case (causal; documents of mean length S/32). Per impl and sp,
@@ -17,7 +17,9 @@ timed round-robin, median of N. With time = F + c x blocks (blocks from ops/tabl
       kernel calls), and F_noskip = noskip - c x B_all the same for the ring that skips nothing.
 Skipping speeds the ring up by noskip / docs, B_all / B_docs if F were 0; a speedup r needs
 F <= (c x B_all + F_noskip) / r - c x B_docs ("F for r" in the table). sp = 1 is the same
-computation on one device: what the ring's own steps add to F is the difference.
+computation on one device: what the ring's own steps add to F is the difference. A block is not
+quite the same work on every input (with skipping off, the documents' blocks, mostly masked,
+ran up to 4% faster than one document's here), so c and F are estimates, good to some ms.
 Writes docs/bench_ring_overhead.json and its section of docs/benchmarks.md.
 """
 import os
@@ -38,9 +40,6 @@ import numpy as np  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 import bench_ring as br  # noqa: E402
-
-VARIANTS = ("docs", "one_doc", "noskip")
-
 
 def one_document(x):
     """The inputs with every row one document (positions from 0 to S - 1)."""
