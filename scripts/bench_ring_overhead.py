@@ -138,7 +138,7 @@ def main():
     sps = [int(s) for s in args.sps.split(",") if s]
     if not set(impls) <= set(br.IMPLS) or not set(layouts) <= set(br.LAYOUTS):
         ap.error(f"--impls from {br.IMPLS}, --layouts from {br.LAYOUTS}")
-    if max(sps) > jax.device_count() or args.seq_len % max(sps):
+    if not sps or any(sp < 1 or sp > jax.device_count() or args.seq_len % sp for sp in sps):
         ap.error(f"--sps {args.sps}: each must divide --seq-len and be at most "
                  f"{jax.device_count()} (the devices)")
     result = {"command": bc.command_line(), "machine": bc.machine(),
