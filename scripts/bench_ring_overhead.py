@@ -147,9 +147,10 @@ def main():
                            "one_core": args.one_core},
               "rows": [measure(args, impl, layout, sp, args.seq_len)
                        for sp in sps for impl in impls for layout in layouts]}
+    report = markdown(result)
     bc.write_json(args.json, result)
-    bc.write_section("bench_ring_overhead", markdown(result), args.md)
-    print(markdown(result))
+    bc.write_section("bench_ring_overhead", report, args.md)
+    print(report)
     return 0
 
 
