@@ -16,10 +16,23 @@ document, per batch row) and skips its kernel when there are none (`lax.cond`). 
 the ring also ends early: when the run steps are one run, it stops after the last step at which
 some device has a live block (`_steps_to_visit`), so K/V travel no further than the documents
 reach either (dK/dV then go home by a distance known only at run time, one hop per loop
-iteration). The per-step math lives in a backend (splash.py or xla.py) that returns the step's
-normalised output and logsumexp in the forward and adds the step's dQ into the float32
-accumulator in the backward, computing only live blocks; merging, sinks and the sink gradient
-live here, once.
+iteration). The per-step math lives in a backend (splash.py or xla.py), which computes only
+live blocks and owns the accumulators the steps add into, in its own layout:
+
+  to_kv_layout(x), from_kv_layout(x)       K, V (and dK, dV) into the layout they travel the
+                                           ring in, and back: once per call
+  fwd_start(cfg, q, qs, kv_heads)          -> (context, acc): what every step reads, and the
+                                              forward's accumulator
+  fwd_step(cfg, context, acc, k, v, ks, blocks, live, run) -> acc
+  fwd_end(cfg, context, acc)               -> (out float32 [b, L, n, h], lse [b, L, n])
+  bwd_start(cfg, q, qs, lse, do, di, kv_heads) -> (context, dq)
+  bwd_step(cfg, context, (dq, dk, dv), k, v, ks, blocks, live, run) -> (dq, dk, dv), float32
+  bwd_end(cfg, context, dq)                -> dq float32 [b, L, n, h]
+
+splash merges each step's normalised output into the running one (its kernels return that);
+xla carries an unnormalised online softmax from step to step, head-major, and normalises once,
+so that a step costs no pass over the shard beyond its blocks. Sinks and the sink gradient live
+here, once.
 """
 from __future__ import annotations
 
@@ -147,14 +160,6 @@ def _steps_to_visit(cfg, d, q_ranges, ks):
     return jnp.maximum(max_over_devices(last), 1)
 
 
-def _merge(o, lse, o_s, lse_s):
-    """Float32 online-softmax merge of two normalised partials; -inf lse means empty."""
-    new = jnp.logaddexp(lse, lse_s)
-    safe = jnp.where(jnp.isfinite(new), new, 0.0)
-    w, w_s = jnp.exp(lse - safe), jnp.exp(lse_s - safe)  # exactly 0 for empty partials
-    return o * w[..., None] + o_s * w_s[..., None], new
-
-
 def _step_blocks(cfg, d, t):
     """This device's blocks at run step t, built on device (ops/tables.py)."""
     return tables_lib.step_blocks(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq, cfg.bkv,
@@ -193,25 +198,19 @@ def _forward(cfg, q, k, v, qs, ks, aux):
     backend = _backend(cfg)
     d = lax.axis_index(cfg.axis_name)
     qx = (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
-    b, L, n, h = q.shape
     q_ranges = None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
+    ctx, state = backend.fwd_start(cfg, qx, qs, k.shape[2])
 
-    def body(t, travel, acc, state):
+    def body(t, travel, _, state):
         k_t, v_t, ks_t = travel
-        o, lse = state
         blocks = _step_blocks(cfg, d, t)
         live = _live(cfg, blocks, q_ranges, ks_t)
-        # A step with no live block in any row skips its kernel (the K/V travel on regardless).
-        o_s, lse_s = lax.cond(
-            _any_live(cfg, d, t, live, qs),
-            lambda: backend.fwd_step(cfg, qx, k_t, v_t, qs, ks_t, blocks, live),
-            lambda: empty)
-        return acc, _merge(o, lse, o_s, lse_s)
+        run = _any_live(cfg, d, t, live, qs)
+        return (), backend.fwd_step(cfg, ctx, state, k_t, v_t, ks_t, blocks, live, run)
 
-    empty = vary_like((jnp.zeros((b, L, n, h), jnp.float32),
-                       jnp.full((b, L, n), -jnp.inf, jnp.float32)), q)
-    state = empty
-    _, (o, lse), _ = _ring_loop(cfg, (k, v, ks), (), state, body, _stop(cfg, d, q_ranges, ks))
+    travel = (backend.to_kv_layout(k), backend.to_kv_layout(v), ks)
+    _, state, _ = _ring_loop(cfg, travel, (), state, body, _stop(cfg, d, q_ranges, ks))
+    o, lse = backend.fwd_end(cfg, ctx, state)
     if aux is not None:
         # The sink is one more logit in the denominator, with no value: it only rescales.
         lse_all = jnp.logaddexp(lse, aux.astype(jnp.float32)[None, None, :])
@@ -232,23 +231,23 @@ def _backward(cfg, res, do):
     # kernels' p = exp(masked - lse) exactly 0 there, so their gradients are 0, not NaN.
     lse_k = jnp.where(jnp.isfinite(lse), lse, 0.0)
     q_ranges = None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
+    ctx, dq = backend.bwd_start(cfg, qx, qs, lse_k, do, di, k.shape[2])
 
     def body(t, travel, acc, dq):
         k_t, v_t, ks_t = travel
-        dk, dv = acc
         blocks = _step_blocks(cfg, d, t)
         live = _live(cfg, blocks, q_ranges, ks_t)
-        # The backend adds this step's dQ into the float32 accumulator itself (one copy of it).
-        dq, dk_s, dv_s = lax.cond(
-            _any_live(cfg, d, t, live, qs),
-            lambda: backend.bwd_step(cfg, qx, k_t, v_t, qs, ks_t, lse_k, do, di, blocks, live, dq),
-            lambda: (dq, zk, zk))
-        return (dk + dk_s, dv + dv_s), dq
+        run = _any_live(cfg, d, t, live, qs)
+        # dQ stays with its queries; dK and dV (float32) travel with K and V, and go home below.
+        dq, dk, dv = backend.bwd_step(cfg, ctx, (dq, *acc), k_t, v_t, ks_t, blocks, live, run)
+        return (dk, dv), dq
 
-    zq, zk = vary_like((jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32)), q)
-    (dk, dv), dq, hops = _ring_loop(cfg, (k, v, ks), (zk, zk), zq, body,
-                                    _stop(cfg, d, q_ranges, ks))
+    travel = (backend.to_kv_layout(k), backend.to_kv_layout(v), ks)
+    zk = vary_like(jnp.zeros(travel[0].shape, jnp.float32), q)
+    (dk, dv), dq, hops = _ring_loop(cfg, travel, (zk, zk), dq, body, _stop(cfg, d, q_ranges, ks))
     dk, dv = _shift((dk, dv), -hops, cfg)  # home: the owner of this K/V shard
+    dk, dv = backend.from_kv_layout(dk), backend.from_kv_layout(dv)
+    dq = backend.bwd_end(cfg, ctx, dq)
     dq = (dq * cfg.scale).astype(q.dtype)
     daux = None
     if aux is not None:

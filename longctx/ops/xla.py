@@ -1,22 +1,24 @@
 """The ring step in plain XLA: block-sparse online softmax, recomputation in the backward.
 
-Same contract as splash.py (see ring.py for shapes): the step's normalised output and
-logsumexp in the forward; in the backward, the step's dQ added into the ring's float32
-accumulator, and its float32 dK/dV. The step visits, one at a time, exactly the live blocks
-(the static mask keeps them and the segment ids give their queries and keys a common document;
-tables.step_pairs, built on device): a loop of data-dependent length, so it computes what splash
-does and a balanced layout costs no more work than a contiguous one. Without documents every
-batch row has the same blocks, and a visit computes one (q block, kv block) pair for all rows;
-with documents the rows differ, and a visit computes one block of one row, so that a pair live
-in one row is not computed for the others (step_visits). Inside a block the mask is applied
-element by element from global positions and segment ids, except on a block the static mask
-keeps whole when there are no documents. Memory per device is O(b * n * L) for the running
+The backend interface of ring.py (shapes there). The forward's accumulator is the online
+softmax itself (running max, sum and unnormalised output), carried from step to step and
+normalised once at the end; the backward's are dQ and the float32 dK/dV travelling with K/V.
+A step visits, one at a time, exactly the live blocks (the static mask keeps them and the
+segment ids give their queries and keys a common document; tables.step_pairs, built on
+device): a loop of data-dependent length, so it computes what splash does and a balanced
+layout costs no more work than a contiguous one. Without documents every batch row has the
+same blocks, and a visit computes one (q block, kv block) pair for all rows; with documents
+the rows differ, and a visit computes one block of one row, so that a pair live in one row is
+not computed for the others (step_visits). Inside a block the mask is applied element by
+element from global positions and segment ids, except on a block the static mask keeps whole
+when there are no documents. Memory per device is O(b * n * L) for the running
 statistics plus a few blocks of logits (the backward carries one visit's dS into the next
 iteration).
 
-Inside the step the operands are head-major ([b, k, g, L, h], K/V [b, k, L, h]), transposed
-once per step, so that every block product is a plain batched matmul with no transposes of its
-own (on CPU, causal 8K, sp=4: forward 646 -> 331 ms with the pair list and this layout).
+The operands are head-major ([b, k, g, L, h]; K/V, which travel so, [b, k, L, h]), transposed
+once per call, so that every block product is a plain batched matmul with no transposes of its
+own (on CPU, causal 8K, sp=4: forward 646 -> 331 ms with the pair list and this layout), and a
+step makes no pass over the shard beyond its blocks.
 
 Letters: b batch, t query positions (one q block), s key positions (one kv block), k kv heads,
 g query heads per kv head, h head_dim.
@@ -79,13 +81,12 @@ def step_visits(live, batch: int, max_pairs: int) -> Visits:
 
 
 class _Step:
-    """One ring step's operands, head-major, its visits, and how to cut a visit's block out."""
+    """One ring step's operands (q [b, k, g, L, h], K/V [b, k, L, h]), its visits, and how to
+    cut a visit's block out."""
 
     def __init__(self, cfg, q, k, v, qs, ks, blocks, live):
-        self.cfg, self.qs, self.ks, self.blocks = cfg, qs, ks, blocks
-        self.kvh = k.shape[2]
-        self.q = _heads_major(q, self.kvh)
-        self.k, self.v = jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)
+        self.cfg, self.q, self.k, self.v, self.qs, self.ks, self.blocks = cfg, q, k, v, qs, ks, blocks
+        self.kvh = k.shape[1]
         self.visits = step_visits(live, q.shape[0], cfg.tables.max_pairs)
 
     @staticmethod
@@ -156,8 +157,37 @@ def _cap(cfg, raw):
     return raw if cfg.soft_cap is None else cfg.soft_cap * jnp.tanh(raw / cfg.soft_cap)
 
 
-def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
-    step = _Step(cfg, q, k, v, qs, ks, blocks, live)
+def to_kv_layout(x):
+    """K, V (and dK, dV) from the ring's [b, L, k, h] to the [b, k, L, h] they travel the ring
+    in: transposed once per call, not once per step."""
+    return jnp.moveaxis(x, 1, 2)
+
+
+def from_kv_layout(x):
+    return jnp.moveaxis(x, 2, 1)
+
+
+class FwdContext(NamedTuple):
+    """What every forward step reads: q head-major and the query segment ids."""
+    q: jax.Array
+    qs: jax.Array | None
+
+
+def fwd_start(cfg, q, qs, kv_heads):
+    """(context, accumulator) of the forward: the online softmax's running max, sum and
+    unnormalised output ([b, k, g, L(, h)] float32), carried from step to step and normalised
+    once, in fwd_end."""
+    q = _heads_major(q, kv_heads)
+    stats = q.shape[:4]  # [b, k, g, L]
+    acc = vary_like((jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32),
+                     jnp.zeros(q.shape, f32)), q)
+    return FwdContext(q, qs), acc
+
+
+def fwd_step(cfg, ctx: FwdContext, acc, k, v, ks, blocks, live, run):
+    """The accumulator after this step's live blocks (K/V in the travelling layout). `run` needs
+    no cond here: where it is False there are no live blocks, and the loop over them is empty."""
+    step = _Step(cfg, ctx.q, k, v, ctx.qs, ks, blocks, live)
 
     def visit(at: Visit, carry):
         m_all, l_all, o_all = carry
@@ -173,20 +203,42 @@ def fwd_step(cfg, q, k, v, qs, ks, blocks, live):
         return (update(m_all, m_new), update(l_all, alpha * l + prob.sum(-1)),
                 update(o_all, o * alpha[..., None] + pv))
 
-    stats = step.q.shape[:4]  # [b, k, g, L]
-    carry = vary_like((jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32),
-                       jnp.zeros(step.q.shape, f32)), q)
     visits = step.visits
-    m, l, o = lax.fori_loop(0, visits.count, lambda p, carry: visit(visits.at(p), carry), carry)
+    return lax.fori_loop(0, visits.count, lambda p, carry: visit(visits.at(p), carry), acc)
+
+
+def fwd_end(cfg, ctx: FwdContext, acc):
+    """(out float32 [b, L, n, h], lse [b, L, n]) from the accumulator; -inf lse and zero output
+    for rows that attended to nothing."""
+    m, l, o = acc
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     o = o / jnp.where(l > 0, l, 1.0)[..., None]
     return _heads_minor(o), _heads_minor(lse)
 
 
-def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
-    step = _Step(cfg, q, k, v, qs, ks, blocks, live)
+class BwdContext(NamedTuple):
+    """What every backward step reads, head-major: q, its segment ids, the forward's
+    logsumexp, dO and di = rowsum(dO x O)."""
+    q: jax.Array
+    qs: jax.Array | None
+    lse: jax.Array
+    do: jax.Array
+    di: jax.Array
+
+
+def bwd_start(cfg, q, qs, lse, do, di, kv_heads):
+    """(context, dQ accumulator [b, k, g, L, h] float32) of the backward."""
+    major = lambda x: _heads_major(x, kv_heads)  # noqa: E731
+    ctx = BwdContext(major(q), qs, major(lse), major(do), major(di))
+    return ctx, vary_like(jnp.zeros(ctx.q.shape, f32), q)
+
+
+def bwd_step(cfg, ctx: BwdContext, acc, k, v, ks, blocks, live, run):
+    """(dQ, dK, dV) accumulators after this step's live blocks: dQ in bwd_start's layout, dK and
+    dV (float32) in the travelling layout of K and V. `run`: as in fwd_step."""
+    step = _Step(cfg, ctx.q, k, v, ctx.qs, ks, blocks, live)
     kvh, bq, bkv = step.kvh, cfg.bq, cfg.bkv
-    do, lse, di = _heads_major(do, kvh), _heads_major(lse, kvh), _heads_major(di, kvh)
+    do, lse, di = ctx.do, ctx.lse, ctx.di
 
     # dK and dV read a visit's dS as it is computed ([.., s, t]); dQ needs it transposed. Made in
     # the same iteration, XLA fuses that transpose with the arithmetic producing dS and computes
@@ -215,18 +267,21 @@ def bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
         ds = prob * (dp - row(di))
         if cfg.soft_cap is not None:  # d cap(x)/dx = 1 - tanh(x / cap)^2
             ds = ds * (1.0 - jnp.square(jnp.tanh(raw / cfg.soft_cap)))
-        ds = ds.astype(q.dtype)
+        ds = ds.astype(step.q.dtype)
         dk = jnp.einsum("bksgt,bkgth->bksh", ds, q_i, preferred_element_type=f32)
         return (dq_all, step.add_kv_block(dk_all, dk, at), step.add_kv_block(dv_all, dv, at),
                 (ds, (at.r, at.i, at.j)))
 
-    n = q.shape[2]
+    g = step.q.shape[2]
     visits = step.visits
-    nothing_pending = (vary_like(jnp.zeros((visits.rows, kvh, bkv, n // kvh, bq), q.dtype), q),
+    nothing_pending = (vary_like(jnp.zeros((visits.rows, kvh, bkv, g, bq), step.q.dtype), step.q),
                        vary_like((jnp.int32(0),) * 3, visits.index))  # dS 0 for block (0, 0)
-    init = (_heads_major(dq, kvh),) + vary_like((jnp.zeros(step.k.shape, f32),
-                                                 jnp.zeros(step.k.shape, f32)), q) + (nothing_pending,)
     dq, dk, dv, pending = lax.fori_loop(0, visits.count,
-                                        lambda p, carry: visit(visits.at(p), carry), init)
-    dq = add_dq(dq, pending, visits.rows)  # the last visit's
-    return _heads_minor(dq), jnp.moveaxis(dk, 2, 1), jnp.moveaxis(dv, 2, 1)
+                                        lambda p, carry: visit(visits.at(p), carry),
+                                        acc + (nothing_pending,))
+    return add_dq(dq, pending, visits.rows), dk, dv  # the last visit's dQ
+
+
+def bwd_end(cfg, ctx: BwdContext, dq):
+    """dQ [b, L, n, h] float32 from the accumulator."""
+    return _heads_minor(dq)
