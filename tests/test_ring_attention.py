@@ -215,18 +215,25 @@ def _edge_documents(case, batch=4, seq_len=SHARD * 4):
     if case == "documents_inside_shards":  # contiguous shards; no document crosses an edge
         seg = _segments(rng, batch, seq_len)
         return seg + 1000 * (np.arange(seq_len) // SHARD)[None, :].astype(np.int32)
+    if case == "documents_across_one_edge":  # contiguous shards; none reaches two shards back
+        seg = _segments(rng, batch, seq_len)
+        return seg + 1000 * ((np.arange(seq_len) + SHARD // 2) // SHARD)[None, :].astype(np.int32)
     raise ValueError(case)
 
 
 @pytest.mark.parametrize("impl,case", [
     ("xla", "one_token_documents"), ("xla", "one_document_everywhere"), ("xla", "padding_rows"),
-    ("xla", "documents_inside_shards"), ("splash", "padding_rows"),
-    ("splash", "documents_inside_shards"),
+    ("xla", "documents_inside_shards"), ("xla", "documents_across_one_edge"),
+    ("splash", "padding_rows"), ("splash", "documents_inside_shards"),
+    ("splash", "documents_across_one_edge"),
 ])
 def test_document_edge_cases(impl, case):
     """Exact forward and gradients where document skipping has the most to get wrong; padding
-    (id 0) attends to nothing and is attended by nothing, so its rows are 0."""
-    _check(impl=impl, layout="contiguous" if case == "documents_inside_shards" else "zigzag",
+    (id 0) attends to nothing and is attended by nothing, so its rows are 0. On the contiguous
+    layout the ring stops early: after its first step (documents inside shards) or its second,
+    dK/dV then going home one hop back."""
+    contiguous = case in ("documents_inside_shards", "documents_across_one_edge")
+    _check(impl=impl, layout="contiguous" if contiguous else "zigzag",
            mask="causal", with_seg=True, kv_heads=2, with_aux=False, soft_cap=None,
            segments=_edge_documents(case))
 
@@ -279,7 +286,8 @@ def _steps_visited_on_device(layout, seg, sp=4):
 @pytest.mark.parametrize("layout,case", [
     ("contiguous", "documents_inside_shards"), ("contiguous", "random"),
     ("contiguous", "one_document_everywhere"), ("contiguous", "padding_rows"),
-    ("contiguous", "all_padding"), ("contiguous", "rings_that_differ"), ("zigzag", "random"),
+    ("contiguous", "all_padding"), ("contiguous", "rings_that_differ"),
+    ("contiguous", "documents_across_one_edge"), ("zigzag", "random"),
     ("striped", "documents_inside_shards"),
 ])
 def test_ring_stops_after_the_last_step_with_a_live_block(layout, case):
@@ -310,6 +318,8 @@ def test_ring_stops_after_the_last_step_with_a_live_block(layout, case):
     assert (visited == want(seg)).all(), (visited, want(seg))
     if case in ("documents_inside_shards", "all_padding") and layout == "contiguous":
         assert want(seg) == 1  # no K/V ever leaves its device
+    if case == "documents_across_one_edge" and layout == "contiguous":
+        assert want(seg) == 2
     if case == "one_document_everywhere":
         assert want(seg) == sp
     if case == "rings_that_differ":

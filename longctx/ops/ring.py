@@ -88,9 +88,15 @@ def _backend(cfg):
 def _shift(tree, hops, cfg):
     """Sends every leaf `hops` devices forward around the ring: device d receives d - hops.
     `hops` may be traced if every device has the same value: then a loop of one-hop sends (as
-    many links crossed as one send of that distance, and no copy of the tree per distance)."""
+    many links crossed as one send of that distance, and no copy of the tree per distance), the
+    shorter way round (links carry both ways): dK/dV going home after a ring that stopped at its
+    second step make one hop back, not sp - 1 forward."""
     if isinstance(hops, jax.Array):
-        return lax.fori_loop(0, hops % cfg.sp, lambda _, tree: _shift(tree, 1, cfg), tree)
+        ahead = hops % cfg.sp
+        forward = 2 * ahead <= cfg.sp
+        one_hop = lambda step: lambda _, tree: _shift(tree, step, cfg)  # noqa: E731
+        tree = lax.fori_loop(0, jnp.where(forward, ahead, 0), one_hop(1), tree)
+        return lax.fori_loop(0, jnp.where(forward, 0, cfg.sp - ahead), one_hop(-1), tree)
     hops %= cfg.sp
     if hops == 0:
         return tree
