@@ -2,19 +2,26 @@
 `workdir/metrics.jsonl` (one JSON object per logged step) plus TensorBoard.
 
 Only process 0 writes; other processes get a writer that does nothing, so the training loop never
-branches on the process index.
+branches on the process index. A write that fails (a full disk) is a RunError naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import tempfile
+import time
 from typing import Mapping
 
 import jax
 import numpy as np
+from tensorboardX import summary
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.record_writer import RecordWriter
 
+from longctx import errors
 from longctx import workdir as workdir_lib
 
 
@@ -26,49 +33,100 @@ class MetricsWriter:
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._jsonl = None
         self._tb = None
+        self._failed = False  # a write failed and was raised
         if self.enabled:
             directory = workdir_lib.resolve(workdir)
-            directory.mkdir(parents=True, exist_ok=True)
             self._jsonl_path = directory / "metrics.jsonl"
-            # Append: a resumed run continues the same file. Buckets cannot append, so for a
-            # remote workdir the file is kept in memory and rewritten whole (it is small).
-            kept = _rows_up_to(self._jsonl_path.read_text(), resume_step) if self._jsonl_path.exists() else ""
-            self._remote_lines = None
-            if workdir_lib.is_remote(workdir):
-                self._remote_lines = kept
-                self._jsonl_path.write_text(kept)
-            else:
-                rewritten = self._jsonl_path.with_name(self._jsonl_path.name + ".tmp")
-                rewritten.write_text(kept)
-                rewritten.replace(self._jsonl_path)  # atomic: a crash here leaves the old file whole
-                self._jsonl = open(self._jsonl_path, "a", buffering=1)
-            from tensorboardX import SummaryWriter
-
+            with self._reporting_failed_write(self._jsonl_path):
+                self._open_jsonl(workdir, directory, resume_step)
             # TensorBoard event files need appends too: for a bucket they stay on this host.
-            # purge_step hides events a previous run wrote at the steps about to be trained again.
-            tb_dir = (os.path.join(tempfile.gettempdir(), "longctx_tensorboard", directory.name)
-                      if workdir_lib.is_remote(workdir) else str(directory / "tensorboard"))
-            self._tb = SummaryWriter(tb_dir, purge_step=resume_step + 1)
+            self._tb_dir = (os.path.join(tempfile.gettempdir(), "longctx_tensorboard", directory.name)
+                            if workdir_lib.is_remote(workdir) else str(directory / "tensorboard"))
+            with self._reporting_failed_write(self._tb_dir):
+                self._tb = EventFile(self._tb_dir, first_step=resume_step + 1)
+
+    def _open_jsonl(self, workdir: str, directory, resume_step: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        # Append: a resumed run continues the same file. Buckets cannot append, so for a
+        # remote workdir the file is kept in memory and rewritten whole (it is small).
+        kept = _rows_up_to(self._jsonl_path.read_text(), resume_step) if self._jsonl_path.exists() else ""
+        self._remote_lines = None
+        if workdir_lib.is_remote(workdir):
+            self._remote_lines = kept
+            self._jsonl_path.write_text(kept)
+        else:
+            rewritten = self._jsonl_path.with_name(self._jsonl_path.name + ".tmp")
+            rewritten.write_text(kept)
+            rewritten.replace(self._jsonl_path)  # atomic: a crash here leaves the old file whole
+            self._jsonl = open(self._jsonl_path, "a", buffering=1)
 
     def write(self, step: int, metrics: Mapping[str, object], *, prefix: str = "") -> None:
         if not self.enabled:
             return
         record = {"step": int(step), **{f"{prefix}{k}": v for k, v in metrics.items()}}
         line = json.dumps(record) + "\n"
-        if self._jsonl is not None:
-            self._jsonl.write(line)
-        else:
-            self._remote_lines += line
-            self._jsonl_path.write_text(self._remote_lines)
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._tb.add_scalar(key, value, step)
+        with self._reporting_failed_write(self._jsonl_path):
+            if self._jsonl is not None:
+                self._jsonl.write(line)
+            else:
+                self._remote_lines += line
+                self._jsonl_path.write_text(self._remote_lines)
+        with self._reporting_failed_write(self._tb_dir):
+            self._tb.add_scalars(step, {key: value for key, value in record.items() if key != "step" and
+                                        isinstance(value, (int, float)) and not isinstance(value, bool)})
 
     def close(self) -> None:
+        """Closes both files, the second also when the first fails. A failed close is raised
+        unless a write already failed (the first error is the one the user sees)."""
         if self.enabled:
-            if self._jsonl is not None:
-                self._jsonl.close()
-            self._tb.close()
+            try:
+                if self._jsonl is not None:
+                    with self._reporting_failed_write(self._jsonl_path):
+                        self._jsonl.close()
+            finally:
+                with self._reporting_failed_write(self._tb_dir):
+                    self._tb.close()
+
+    @contextlib.contextmanager
+    def _reporting_failed_write(self, path):
+        try:
+            yield
+        except OSError as e:
+            if self._failed:
+                return  # a write failed and was raised: closing what it left behind fails the same way
+            self._failed = True
+            reason = f"{e.strerror} (errno {e.errno})" if e.errno else str(e)
+            raise errors.RunError(
+                f"could not write metrics to {path} ({reason}). Free space there (or point the run at "
+                "another workdir) and start it again: it resumes from its newest complete checkpoint.") from e
+
+
+class EventFile:
+    """One TensorBoard event file of scalars, written on the caller's thread and flushed at each
+    logged step. (tensorboardX's SummaryWriter writes from a thread of its own and retries a failed
+    flush in an exit hook, so a full disk reached the user as tracebacks from both; here a failed
+    write is an OSError where it happens, and a failed close still closes the file.)"""
+
+    def __init__(self, directory: str, *, first_step: int):
+        os.makedirs(directory, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self._records = RecordWriter(os.path.join(directory, name))
+        # The version record first, as TensorBoard expects; a session START at `first_step` hides
+        # the events a previous run wrote from that step on (what SummaryWriter's purge_step does).
+        now = time.time()
+        self._records.write(Event(wall_time=now, step=first_step, file_version="brain.Event:2").SerializeToString())
+        self._records.write(Event(wall_time=now, step=first_step,
+                                  session_log=SessionLog(status=SessionLog.START)).SerializeToString())
+        self._records.flush()
+
+    def add_scalars(self, step: int, values: Mapping[str, float]) -> None:
+        now = time.time()
+        for tag, value in values.items():
+            self._records.write(Event(wall_time=now, step=int(step), summary=summary.scalar(tag, value)).SerializeToString())
+        self._records.flush()
+
+    def close(self) -> None:
+        self._records.close()  # a buffered file closes even when its last flush fails
 
 
 def _rows_up_to(text: str, step: int) -> str:

@@ -307,10 +307,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                        needle_eval)
             result = _loop(run, state, train_iter)
     finally:
-        # Also on an error: the save in flight completes (or is reported) and files are closed.
-        if writer is not None:
-            writer.close()
-        checkpointer.close()
+        # Also on an error: files are closed and the save in flight completes. A save that failed
+        # is raised last, so it is the error the user sees: it names the checkpoint the next start
+        # resumes from (a full disk usually fails the metrics files too).
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            checkpointer.close()
     if jax.process_index() == 0 and result:
         val = f", val loss {result['val_loss']:.4f}" if "val_loss" in result else ""
         speed = f", {result['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in result else ""
