@@ -19,8 +19,9 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
 
-# Two pytest workers, one per core here: compiling is mostly single-threaded, so a fresh
-# clone's `make test` takes about 13 minutes where one worker took 14-15 (with fewer tests).
+# Two pytest workers, one per core here: compiling is mostly single-threaded. A fresh clone's
+# `make test` has taken 9:29, 17:22 and 28:08 on three 2-core machines (about 50 CPU-minutes on
+# the slowest); one worker took 14-15 minutes on the first, with fewer tests.
 # --dist loadfile keeps each file on one worker, so that a module's fixtures
 # (test_checkpoint.py's training runs, for one) run once.
 test: $(STAMP)
