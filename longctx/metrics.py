@@ -8,6 +8,7 @@ branches on the process index. A write that fails (a full disk) is a RunError na
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -101,6 +102,9 @@ class MetricsWriter:
                 "another workdir) and start it again: it resumes from its newest complete checkpoint.") from e
 
 
+_EVENT_FILES = itertools.count()
+
+
 class EventFile:
     """One TensorBoard event file of scalars, written on the caller's thread and flushed at each
     logged step. (tensorboardX's SummaryWriter writes from a thread of its own and retries a failed
@@ -109,21 +113,25 @@ class EventFile:
 
     def __init__(self, directory: str, *, first_step: int):
         os.makedirs(directory, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        # Unique per writer: two writers in one process within a second (a run resumed in the
+        # same process) would otherwise share a name, and the second would truncate the first.
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{next(_EVENT_FILES)}"
         self._records = RecordWriter(os.path.join(directory, name))
         # The version record first, as TensorBoard expects; a session START at `first_step` hides
         # the events a previous run wrote from that step on (what SummaryWriter's purge_step does).
         now = time.time()
-        self._records.write(Event(wall_time=now, step=first_step, file_version="brain.Event:2").SerializeToString())
-        self._records.write(Event(wall_time=now, step=first_step,
-                                  session_log=SessionLog(status=SessionLog.START)).SerializeToString())
+        self._write(Event(wall_time=now, step=first_step, file_version="brain.Event:2"))
+        self._write(Event(wall_time=now, step=first_step, session_log=SessionLog(status=SessionLog.START)))
         self._records.flush()
 
     def add_scalars(self, step: int, values: Mapping[str, float]) -> None:
         now = time.time()
         for tag, value in values.items():
-            self._records.write(Event(wall_time=now, step=int(step), summary=summary.scalar(tag, value)).SerializeToString())
+            self._write(Event(wall_time=now, step=int(step), summary=summary.scalar(tag, value)))
         self._records.flush()
+
+    def _write(self, event: Event) -> None:
+        self._records.write(event.SerializeToString())
 
     def close(self) -> None:
         self._records.close()  # a buffered file closes even when its last flush fails
