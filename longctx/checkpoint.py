@@ -31,7 +31,6 @@ import contextlib
 import io
 import logging
 import os
-import re
 import time
 from typing import Any
 
@@ -67,28 +66,6 @@ def _all_processes_agree(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.array([ok], np.int32))))
-
-
-def _first_line(error: BaseException) -> str:
-    """One line about an error: its root cause's first line (Orbax wraps TensorStore's errors, whose
-    own message names the file and what is wrong with it, in a long dump of the array spec)."""
-    seen = []
-    while error is not None and error not in seen and len(seen) < 10:
-        seen.append(error)
-        error = error.__cause__ or error.__context__
-    root = seen[-1]
-    lines = str(root).strip().splitlines()
-    return f"{type(root).__name__}: {lines[0][:400] if lines else ''}"
-
-
-def _os_reason(error: BaseException) -> str:
-    """The operating system's reason when a failed write has one ("No space left on device"), from
-    an OSError or from TensorStore's `[os_error_code='28']`; else the root cause's first line."""
-    for e in (error, error.__cause__, error.__context__):
-        if isinstance(e, OSError) and e.errno:
-            return f"{os.strerror(e.errno)} (errno {e.errno})"
-    code = re.search(r"os_error_code='?(\d+)", str(error))
-    return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})" if code else _first_line(error)
 
 
 def _say(message: str) -> None:
@@ -245,7 +222,7 @@ class Checkpointer:
             data_iterator.close()
             return state, make_data_iterator(seed_offset=step), (
                 f"; the data iterator state could not be restored with this data config "
-                f"({'; '.join(other)}: {_first_line(e)}), so data restarts from a fresh shuffle "
+                f"({'; '.join(other)}: {errors.first_line(e)}), so data restarts from a fresh shuffle "
                 f"seeded with step {step}")
         return state, data_iterator, ", data iterator included"
 
@@ -253,7 +230,7 @@ class Checkpointer:
         """Moves an unreadable step out of Orbax's sight (never deletes it) and says so."""
         source = self.directory / str(step)
         aside = self.workdir / "checkpoints_unreadable" / f"{step}-{int(time.time())}"
-        why = _first_line(error) if error is not None else "another process could not read it"
+        why = errors.first_line(error) if error is not None else "another process could not read it"
         if jax.process_index() == 0:
             print(f"longctx: WARNING: checkpoint {source} could not be restored ({why}); moving it to "
                   f"{aside} and trying the previous one.", flush=True)
@@ -367,7 +344,7 @@ class Checkpointer:
                       f"the newest complete checkpoint is step {newest}, where the next start resumes")
             what = "a checkpoint" if step is None else f"checkpoint step {step}"
             self._failed = errors.RunError(
-                f"could not save {what} to {self.directory} ({_os_reason(e)}); {resume}. "
+                f"could not save {what} to {self.directory} ({errors.os_reason(e)}); {resume}. "
                 "Free space there (or point the run at another workdir) and start it again.")
             raise self._failed from e
 
@@ -384,7 +361,7 @@ def _read_or_explain(where: str, read, *args):
     except config_lib.ConfigError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise config_lib.ConfigError(f"{where} could not be read ({_first_line(e)}).") from e
+        raise config_lib.ConfigError(f"{where} could not be read ({errors.first_line(e)}).") from e
 
 
 def _resolve_init_from(path: str) -> tuple[str, int]:

@@ -3,8 +3,12 @@
 Every error a user can cause or fix (a bad config, data file, checkpoint directory or workdir; a
 run stopped for a non-finite loss; a save that could not be written) is a `LongctxError` whose
 message names the file, key or step and what to do. Entry points print `longctx: <message>` and
-exit non-zero; a traceback is shown only with `--verbose` or `LONGCTX_DEBUG=1`.
+exit non-zero; a traceback is shown only with `--verbose` or `LONGCTX_DEBUG=1`. `first_line` and
+`os_reason` put a wrapped library error into such a message.
 """
+
+import os
+import re
 
 
 class LongctxError(Exception):
@@ -21,3 +25,25 @@ class RunError(LongctxError):
 
 class MissingFileError(ConfigError, FileNotFoundError):
     """A file or directory the input names does not exist (also a FileNotFoundError)."""
+
+
+def first_line(error: BaseException) -> str:
+    """One line about an error: its root cause's first line (Orbax wraps TensorStore's errors, whose
+    own message names the file and what is wrong with it, in a long dump of the array spec)."""
+    seen = []
+    while error is not None and error not in seen and len(seen) < 10:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    root = seen[-1]
+    lines = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {lines[0][:400] if lines else ''}"
+
+
+def os_reason(error: BaseException) -> str:
+    """The operating system's reason when a failed write has one ("No space left on device"), from
+    an OSError or from TensorStore's `[os_error_code='28']`; else the root cause's first line."""
+    for e in (error, error.__cause__, error.__context__):
+        if isinstance(e, OSError) and e.errno:
+            return f"{os.strerror(e.errno)} (errno {e.errno})"
+    code = re.search(r"os_error_code='?(\d+)", str(error))
+    return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})" if code else first_line(error)

@@ -96,9 +96,8 @@ class MetricsWriter:
             if self._failed:
                 return  # a write failed and was raised: closing what it left behind fails the same way
             self._failed = True
-            reason = f"{e.strerror} (errno {e.errno})" if e.errno else str(e)
             raise errors.RunError(
-                f"could not write metrics to {path} ({reason}). Free space there (or point the run at "
+                f"could not write metrics to {path} ({errors.os_reason(e)}). Free space there (or point the run at "
                 "another workdir) and start it again: it resumes from its newest complete checkpoint.") from e
 
 

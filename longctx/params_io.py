@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 
 import longctx
 from longctx import checkpoint as checkpoint_lib
-from longctx.errors import ConfigError
+from longctx.errors import ConfigError, first_line
 
 # The item names of a longctx checkpoint step (longctx/checkpoint.py).
 STATE, CONFIG, METADATA = "state", "config", "metadata"
@@ -81,5 +81,5 @@ def restore(directory: str, step: int, abstract_params, shardings):
                                             restore_args=ocp.checkpoint_utils.construct_restore_args(item)))
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"the parameters in {directory}/{step} could not be read for this model "
-                          f"({checkpoint_lib._first_line(e)}).") from e
+                          f"({first_line(e)}).") from e
     return restored["params"]
