@@ -28,9 +28,9 @@ fresh shuffle seeded with the step, and the sentence says so.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -87,6 +87,31 @@ class _OrbaxFailureLogs(logging.Filter):
 _ORBAX_FAILURE_LOGS = _OrbaxFailureLogs()
 
 
+def _is_abandoned_write_callback(unraisable) -> bool:
+    """TensorStore's completion callback of a write that Orbax abandoned when its save failed: the
+    write finishes on a TensorStore thread and hands its result to the save's asyncio loop, which
+    Orbax has already closed. Python reports it through sys.unraisablehook with no object."""
+    return (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed")
+
+
+def _drop_abandoned_write_callbacks() -> None:
+    """Installs (once per process) a sys.unraisablehook that drops those callbacks' errors and
+    passes every other one on. A save that fails with writes in flight gave dozens of these
+    tracebacks, before or after the one line that reports the failure, depending on timing. With
+    LONGCTX_DEBUG=1 (`--verbose`) they are kept."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_abandoned_write_callbacks", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not (_is_abandoned_write_callback(unraisable) and not cli.debug_enabled()):
+            previous(unraisable)
+
+    hook.drops_abandoned_write_callbacks = True
+    sys.unraisablehook = hook
+
+
 class Checkpointer:
     """One run's checkpoints. Constructed before anything compiles so that a bad checkpoint
     directory or a model-shape mismatch fails fast."""
@@ -105,6 +130,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         for logger in ("absl", "asyncio"):  # (added once each: a logger's filters are a set)
             logging.getLogger(logger).addFilter(_ORBAX_FAILURE_LOGS)
+        _drop_abandoned_write_callbacks()
         self._saving: int | None = None  # the step of the save in flight
         self._failed: errors.RunError | None = None
         self._check_model_shape()
@@ -320,12 +346,7 @@ class Checkpointer:
             if not already_raised:
                 raise
         finally:
-            # Orbax's writer threads still draining a failed save print asyncio tracebacks
-            # ("Event loop is closed") while the manager shuts its loops down; the failure
-            # itself is the RunError above.
-            quiet = self._failed is not None and not cli.debug_enabled()
-            with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
-                self.manager.close()
+            self.manager.close()
 
     @contextlib.contextmanager
     def _reporting_failed_save(self):

@@ -9,7 +9,6 @@ is injected by wrapping the jitted train step so that one step returns NaN param
 import itertools
 import json
 import os
-import re
 import subprocess
 import sys
 import uuid
@@ -133,18 +132,15 @@ def test_disk_full_during_a_save_is_one_line_and_the_next_start_resumes(small_di
     env = {k: v for k, v in os.environ.items() if k not in ("LONGCTX_DEBUG", "XLA_FLAGS")}
     proc = subprocess.run([sys.executable, TRAIN, f"--workdir={workdir}", *_overrides(config)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    # stderr holds tqdm's progress bar (carriage-return updates) and then the one line, last.
-    # Known leftover, by timing: TensorStore write callbacks that finish after Orbax closed the
-    # failed save's event loop can print asyncio's "Event loop is closed" from their own threads;
-    # no traceback passes through this repository's code (the venv, inside the clone, is not it).
+    # stderr holds tqdm's progress bar (carriage-return updates) and the one line, nothing else
+    # (before the fix, by timing, dozens of "Event loop is closed" tracebacks came with it).
     lines = [line.split("\r")[-1] for line in proc.stderr.splitlines()]
     lines = [line for line in lines if line.strip() and not line.startswith("train:")]
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert not re.search(rf'File "{re.escape(ROOT)}/(longctx|scripts|configs)/', proc.stderr), proc.stderr[-3000:]
-    assert lines[-1] == (
+    assert lines == [
         f"longctx: could not save checkpoint step 4 to {workdir}/checkpoints (No space left on "
         "device (errno 28)); the newest complete checkpoint is step 2, where the next start "
-        "resumes. Free space there (or point the run at another workdir) and start it again."), lines
+        "resumes. Free space there (or point the run at another workdir) and start it again."], lines
     assert _steps(workdir) == [2]
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     capsys.readouterr()
@@ -181,6 +177,48 @@ def test_metrics_on_a_full_disk_are_one_sentence_and_nothing_at_exit(small_disk)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
     assert proc.stdout.startswith(f"could not write metrics to {small_disk}/run/"), proc.stdout
     assert "(No space left on device (errno 28)). Free space there" in proc.stdout, proc.stdout
+
+
+ABANDONED_WRITE = """
+import asyncio, gc, sys, tempfile, threading
+import tensorstore as ts
+from configs import base
+from longctx import checkpoint
+checkpoint.Checkpointer(tempfile.mkdtemp(), base.get_config("tiny"))
+
+# A TensorStore write in flight when its save's loop is closed (as Orbax closes a failed save's):
+# its completion callback fails on the closed loop, reported through sys.unraisablehook.
+promise, write = ts.Promise.new()
+async def save():
+    await write
+loop = asyncio.new_event_loop()
+task = loop.create_task(save())
+loop.run_until_complete(asyncio.sleep(0.01))
+loop.close()
+threading.Thread(target=promise.set_result, args=(None,)).start()
+
+class Unrelated:  # any other unraisable error is still reported
+    def __del__(self):
+        raise ValueError("an unrelated error in __del__")
+Unrelated()
+gc.collect()
+"""
+
+
+def test_callbacks_of_abandoned_writes_are_dropped_and_nothing_else():
+    """The rule on its own, deterministically (the disk-full run meets it only by timing): the
+    closed-loop callback error is dropped, an unrelated unraisable error is not; LONGCTX_DEBUG=1
+    keeps both."""
+    env = {k: v for k, v in os.environ.items() if k != "LONGCTX_DEBUG"}
+    quiet = subprocess.run([sys.executable, "-c", ABANDONED_WRITE], capture_output=True, text=True,
+                           timeout=120, env=env, cwd=ROOT)
+    debug = subprocess.run([sys.executable, "-c", ABANDONED_WRITE], capture_output=True, text=True,
+                           timeout=120, env=dict(env, LONGCTX_DEBUG="1"), cwd=ROOT)
+    assert quiet.returncode == 0 and debug.returncode == 0, quiet.stderr + debug.stderr
+    assert "ValueError: an unrelated error in __del__" in quiet.stderr, quiet.stderr
+    assert "Event loop is closed" not in quiet.stderr, quiet.stderr
+    assert "ValueError: an unrelated error in __del__" in debug.stderr, debug.stderr
+    assert "RuntimeError: Event loop is closed" in debug.stderr, debug.stderr
 
 
 def _overrides(config) -> list[str]:
