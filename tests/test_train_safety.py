@@ -195,7 +195,9 @@ loop = asyncio.new_event_loop()
 task = loop.create_task(save())
 loop.run_until_complete(asyncio.sleep(0.01))
 loop.close()
-threading.Thread(target=promise.set_result, args=(None,)).start()
+writer = threading.Thread(target=promise.set_result, args=(None,))
+writer.start()
+writer.join()  # (so that the two reports below do not interleave)
 
 class Unrelated:  # any other unraisable error is still reported
     def __del__(self):
