@@ -105,8 +105,9 @@ def _drop_abandoned_write_callbacks() -> None:
         return
 
     def hook(unraisable) -> None:
-        if not (_is_abandoned_write_callback(unraisable) and not cli.debug_enabled()):
-            previous(unraisable)
+        if _is_abandoned_write_callback(unraisable) and not cli.debug_enabled():
+            return
+        previous(unraisable)
 
     hook.drops_abandoned_write_callbacks = True
     sys.unraisablehook = hook

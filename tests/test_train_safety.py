@@ -180,7 +180,7 @@ def test_metrics_on_a_full_disk_are_one_sentence_and_nothing_at_exit(small_disk)
 
 
 ABANDONED_WRITE = """
-import asyncio, gc, sys, tempfile, threading
+import asyncio, tempfile, threading
 import tensorstore as ts
 from configs import base
 from longctx import checkpoint
@@ -202,8 +202,7 @@ writer.join()  # (so that the two reports below do not interleave)
 class Unrelated:  # any other unraisable error is still reported
     def __del__(self):
         raise ValueError("an unrelated error in __del__")
-Unrelated()
-gc.collect()
+Unrelated()  # (deleted at once: its __del__ raises)
 """
 
 
