@@ -3,23 +3,29 @@ scale with blocks, so that the speedup of document skipping can be read against 
 alone allow (issue 12's target: at least 4x on documents of mean length S/32 at S = 8192).
 
   python scripts/bench_ring_overhead.py               # splash and xla, contiguous, S = 8192,
-                                                      # sp = 4 and sp = 1 (about a minute)
+                                                      # sp = 4 and sp = 1 (about two minutes)
   python scripts/bench_ring_overhead.py --one-core    # pinned to one core: CPU time = wall
 
 Inputs: bench_ring.py's docs_s32 case (causal; documents of mean length S/32). Per impl and sp,
-three variants of the same ring, each jit(forward + vjp over q, k, v):
+four variants of the same ring, each jit(forward + vjp over q, k, v):
   docs     skip_documents=True on the documents: computes the live blocks, B_docs of them
   one_doc  the same ring, one document per row: every causal block is live, B_all of them
   noskip   skip_documents=False on the documents: every causal block, B_all
+  padding  the same ring as docs on rows of padding only: no live block anywhere
 timed round-robin, median of N. With time = F + c x blocks (blocks from ops/tables.py):
   c = (one_doc - docs) / (B_all - B_docs): one block;
   F = docs - c x B_docs: the rest (block tables, K/V transfers, per-step passes over the shard,
       kernel calls), and F_noskip = noskip - c x B_all the same for the ring that skips nothing.
 Skipping speeds the ring up by noskip / docs, B_all / B_docs if F were 0; a speedup r needs
-F <= (c x B_all + F_noskip) / r - c x B_docs ("F for r" in the table). sp = 1 is the same
-computation on one device: what the ring's own steps add to F is the difference. A block is not
+F <= (c x B_all + F_noskip) / r - c x B_docs ("F for r" in the table). The padding rows measure
+F directly for a ring that stops after its first step (nothing lives beyond it): the part of F
+every call pays, to which each further step the documents reach adds its K/V transfer and step
+overhead (S/32 documents reach the second step of a contiguous ring and every step of a
+balanced one). The decomposed F also carries the medians' noise, amplified (a difference of two
+medians over a difference of block counts), and what the model leaves out: a block is not
 quite the same work on every input (with skipping off, the documents' blocks, mostly masked,
-ran up to 4% faster than one document's here), so c and F are estimates, good to some ms.
+ran up to 4% faster than one document's here), so c and the decomposed F are estimates. sp = 1
+is the same computation on one device: what the ring's own steps add to F is the difference.
 Writes docs/bench_ring_overhead.json and its section of docs/benchmarks.md.
 """
 import os
@@ -47,6 +53,11 @@ def one_document(x):
     return dict(x, seg=seg, pos=br.in_document_positions(seg))
 
 
+def all_padding(x):
+    """The inputs with every token padding (segment id 0): no block is live."""
+    return dict(x, seg=np.zeros_like(x["seg"]), pos=np.zeros_like(x["pos"]))
+
+
 def decompose(rec, target):
     """c (block_s), F (fixed_s, fixed_noskip_s), the speedup and its bounds, from the three
     medians and block counts of `rec` (see the module docstring)."""
@@ -67,7 +78,8 @@ def measure(args, impl, layout, sp, seq_len):
                          axis_types=(jax.sharding.AxisType.Auto,))
     x = br.make_inputs(case, seq_len, sp, seed=seq_len + len(case.name))
     block = br.layout_block(min(args.block, seq_len // sp), seq_len // sp, layout)
-    inputs = {"docs": (x, True), "one_doc": (one_document(x), True), "noskip": (x, False)}
+    inputs = {"docs": (x, True), "one_doc": (one_document(x), True), "noskip": (x, False),
+              "padding": (all_padding(x), True)}
     rec, runnable = {"impl": impl, "layout": layout, "sp": sp, "seq_len": seq_len,
                      "block": block}, {}
     for name, (xv, skip) in inputs.items():
@@ -89,7 +101,8 @@ def measure(args, impl, layout, sp, seq_len):
     b_docs, b_all = rec["docs_blocks"], rec["one_doc_blocks"]
     print(f"{impl:6s} {layout:10s} sp={sp}: docs {rec['docs_s'] * 1e3:.0f} ms ({b_docs} blocks), "
           f"one_doc {rec['one_doc_s'] * 1e3:.0f} ({b_all}), noskip {rec['noskip_s'] * 1e3:.0f}; "
-          f"block {c * 1e3:.2f} ms, F {rec['fixed_s'] * 1e3:.0f} ms (noskip "
+          f"block {c * 1e3:.2f} ms, F {rec['fixed_s'] * 1e3:.0f} ms (one step, padding "
+          f"{rec['padding_s'] * 1e3:.0f}, noskip "
           f"{rec['fixed_noskip_s'] * 1e3:.0f}), speedup {rec['speedup']:.2f}x of "
           f"{rec['block_bound']:.2f}x; {args.target:g}x needs F <= "
           f"{rec['fixed_for_target_s'] * 1e3:.0f} ms", flush=True)
@@ -101,11 +114,13 @@ def markdown(result):
     ms = lambda s: f"{s * 1e3:,.0f}"  # noqa: E731
     rows = [[r["impl"], r["layout"], r["sp"], f"{ms(r['docs_s'])} ({r['docs_blocks']})",
              f"{ms(r['one_doc_s'])} ({r['one_doc_blocks']})", ms(r["noskip_s"]),
-             f"{r['block_s'] * 1e3:.2f}", ms(r["fixed_s"]), ms(r["fixed_noskip_s"]),
+             f"{r['block_s'] * 1e3:.2f}", ms(r["fixed_s"]), ms(r["padding_s"]),
+             ms(r["fixed_noskip_s"]),
              f"{r['speedup']:.2f}x", f"{r['block_bound']:.2f}x", ms(r["fixed_for_target_s"])]
             for r in result["rows"]]
     headers = ["impl", "layout", "sp", "docs: ms (blocks)", "one document: ms (blocks)",
-               "skipping off: ms", "c: ms per block", "F: ms", "F skipping off: ms",
+               "skipping off: ms", "c: ms per block", "F: ms", "F of one step (all padding): ms",
+               "F skipping off: ms",
                "speedup (off / on)", "blocks off / on", f"F for {st['target']:g}x: ms"]
     return "\n".join([
         "## Where the ring's time goes on documents (`bench_ring_overhead.py`)\n",
@@ -115,7 +130,9 @@ def markdown(result):
         f"{m['date_utc']} UTC. bench_ring.py's docs_s32 inputs (causal, documents of mean length "
         f"S/32), S = {st['seq_len']:,}, {br.HEADS} heads x {br.HEAD_DIM}, float32, fwd+bwd, "
         f"median of {st['repeats']} round-robin runs (wall). With time = F + c x blocks: c from "
-        "the ring on the documents and on one document per row (the same program), F the rest; "
+        "the ring on the documents and on one document per row (the same program), F the rest, "
+        "and measured as the same program's time on rows of padding only (no live block: the "
+        "ring stops after its first step); "
         f"skipping gives a {st['target']:g}x speedup only where F is at most the last column.\n",
         bc.table(headers, rows)])
 

@@ -1,9 +1,9 @@
 """Smoke test of scripts/bench_ring_overhead.py on a small ring, run as a user would run it.
 
 Timings on a shared machine can take any value, so it asserts what they cannot change: the run
-finishes, the three variants compute the blocks they should (the documents fewer than one
-document per row, which computes as many as skipping off), and the report's figures are the
-decomposition time = F + c x blocks of its own medians.
+finishes, the four variants compute the blocks they should (the documents fewer than one
+document per row, which computes as many as skipping off; rows of padding none), and the
+report's figures are the decomposition time = F + c x blocks of its own medians.
 """
 import json
 import os
@@ -25,6 +25,7 @@ def test_bench_ring_overhead_small(tmp_path):
     (row,) = json.loads(out_json.read_text())["rows"]
     assert (row["impl"], row["sp"], row["seq_len"]) == ("xla", 2, 2048)
     assert 0 < row["docs_blocks"] < row["one_doc_blocks"] == row["noskip_blocks"]
+    assert row["padding_blocks"] == 0 and row["padding_s"] > 0
     c = row["block_s"]
     assert c == pytest.approx((row["one_doc_s"] - row["docs_s"])
                               / (row["one_doc_blocks"] - row["docs_blocks"]))
@@ -34,4 +35,5 @@ def test_bench_ring_overhead_small(tmp_path):
     allowed = row["fixed_for_target_s"]
     assert ((row["fixed_noskip_s"] + c * row["noskip_blocks"])
             / (allowed + c * row["docs_blocks"])) == pytest.approx(4.0)
-    assert "bench_ring_overhead.py" in out_md.read_text()
+    md = out_md.read_text()
+    assert "bench_ring_overhead.py" in md and "F of one step (all padding)" in md
