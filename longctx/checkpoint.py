@@ -367,7 +367,7 @@ class Checkpointer:
             what = "a checkpoint" if step is None else f"checkpoint step {step}"
             self._failed = errors.RunError(
                 f"could not save {what} to {self.directory} ({errors.os_reason(e)}); {resume}. "
-                "Free space there (or point the run at another workdir) and start it again.")
+                f"{errors.WRITE_FAILED_ADVICE}.")
             raise self._failed from e
 
 

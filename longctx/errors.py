@@ -27,6 +27,11 @@ class MissingFileError(ConfigError, FileNotFoundError):
     """A file or directory the input names does not exist (also a FileNotFoundError)."""
 
 
+# What to do when a write into the workdir failed (a full disk, mostly): said the same way by the
+# checkpointer and the metrics writer, each after its own "could not write ..." and what resumes.
+WRITE_FAILED_ADVICE = "Free space there (or point the run at another workdir) and start it again"
+
+
 def first_line(error: BaseException) -> str:
     """One line about an error: its root cause's first line (Orbax wraps TensorStore's errors, whose
     own message names the file and what is wrong with it, in a long dump of the array spec)."""

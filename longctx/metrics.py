@@ -97,8 +97,8 @@ class MetricsWriter:
                 return  # a write failed and was raised: closing what it left behind fails the same way
             self._failed = True
             raise errors.RunError(
-                f"could not write metrics to {path} ({errors.os_reason(e)}). Free space there (or point the run at "
-                "another workdir) and start it again: it resumes from its newest complete checkpoint.") from e
+                f"could not write metrics to {path} ({errors.os_reason(e)}). "
+                f"{errors.WRITE_FAILED_ADVICE}: it resumes from its newest complete checkpoint.") from e
 
 
 _EVENT_FILES = itertools.count()
