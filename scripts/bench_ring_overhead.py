@@ -47,15 +47,19 @@ import numpy as np  # noqa: E402
 import bench_common as bc  # noqa: E402
 import bench_ring as br  # noqa: E402
 
+def with_segments(x, seg):
+    """The inputs with segment ids `seg` (natural order) and the positions they give."""
+    return dict(x, seg=seg, pos=br.in_document_positions(seg))
+
+
 def one_document(x):
     """The inputs with every row one document (positions from 0 to S - 1)."""
-    seg = np.ones_like(x["seg"])
-    return dict(x, seg=seg, pos=br.in_document_positions(seg))
+    return with_segments(x, np.ones_like(x["seg"]))
 
 
 def all_padding(x):
     """The inputs with every token padding (segment id 0): no block is live."""
-    return dict(x, seg=np.zeros_like(x["seg"]), pos=np.zeros_like(x["pos"]))
+    return with_segments(x, np.zeros_like(x["seg"]))
 
 
 def decompose(rec, target):
