@@ -198,7 +198,8 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The (dp, fsdp, sp) mesh; multi-slice via DCN sizes when any dcn_* > 1.
 
     The sp axis is the innermost (fastest-varying) one so the ring's neighbours are physical
-    neighbours (ICI) and, with several processes per sp group, the ring spans hosts last.
+    neighbours (ICI) and, with several processes per sp group, the ring spans hosts last. On TPU
+    each ring then goes round its chips one ICI link per pass where it can (`ring_cycle`).
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_mesh_shape(mesh_config, len(devices))
@@ -212,4 +213,70 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
         device_array = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
     else:
         device_array = np.asarray(devices).reshape(shape)
+    if devices[0].platform == "tpu":
+        rings = [ring_cycle(list(ring)) for ring in device_array.reshape(-1, device_array.shape[-1])]
+        device_array = np.asarray(rings, dtype=object).reshape(device_array.shape)
     return Mesh(device_array, MESH_AXES)
+
+
+def ring_cycle(ring: list) -> list:
+    """The devices of one sp ring (TPU: `coords` are chip coordinates) in an order in which every
+    pass, the last back to the first included, crosses one ICI link, where its chips form a box
+    that has such a cycle; else as given.
+
+    A ring longer than a torus axis spans a plane or a block of chips, and jax's mesh builder lays
+    it out row by row: a row's end and the next row's start are 2 hops apart on a 4x4 plane with
+    wrap-around (3 across the planes of a 4x4x2 block, and a 2x2 square comes out in Z order with
+    a diagonal step). Every ring pass waits for its slowest transfer, so the cycle matters. The
+    reorder moves devices only along sp: each keeps its (dp, fsdp) row, hence its batch rows, and
+    rings that are translates of one another (as the builder makes them) get the same pattern.
+    """
+    coords = [tuple(d.coords) for d in ring]
+    if len(set(coords)) != len(ring):  # two cores of one chip, or a ring across slices (dcn_sp)
+        return ring
+    low = np.min(coords, axis=0)
+    extent = tuple(int(n) for n in np.max(coords, axis=0) - low + 1)
+    cells = box_cycle(extent)
+    if cells is None or len(cells) != len(ring):  # no such cycle, or not a whole box
+        return ring
+    at = {tuple(int(c) for c in np.subtract(xyz, low)): d for xyz, d in zip(coords, ring)}
+    return [at[cell] for cell in cells]
+
+
+def box_cycle(extent: tuple[int, ...]) -> list[tuple[int, ...]] | None:
+    """Every cell of a box of `extent` once, in an order in which consecutive cells (the last and
+    the first included) differ by 1 along one axis, using no wrap-around; None where there is no
+    such cycle: fewer than two axes longer than 1 (a line: the builder's order is as good), or
+    every extent odd (a grid with an odd number of cells has no cycle through all of them).
+
+    One even axis is the "row" axis; the other axes are flattened into one line by a snake
+    (`_snake`). The cycle goes out along row 0, snakes back and forth over the other rows leaving
+    column 0 free, and comes home down column 0."""
+    axes = [a for a, n in enumerate(extent) if n > 1]
+    even = [a for a in axes if extent[a] % 2 == 0]
+    if len(axes) < 2 or not even:
+        return None
+    rows = even[0]
+    others = [a for a in axes if a != rows]
+    line = _snake([extent[a] for a in others])
+    grid = [(0, j) for j in range(len(line))]
+    for i in range(1, extent[rows]):
+        columns = range(len(line) - 1, 0, -1) if i % 2 else range(1, len(line))
+        grid += [(i, j) for j in columns]
+    grid += [(i, 0) for i in range(extent[rows] - 1, 0, -1)]
+    cells = []
+    for i, j in grid:
+        cell = [0] * len(extent)
+        cell[rows] = i
+        for axis, c in zip(others, line[j]):
+            cell[axis] = c
+        cells.append(tuple(cell))
+    return cells
+
+
+def _snake(extent: list[int]) -> list[tuple[int, ...]]:
+    """Every cell of a box once, consecutive cells 1 apart along one axis (boustrophedon)."""
+    if not extent:
+        return [()]
+    inner = _snake(extent[1:])
+    return [(i, *cell) for i in range(extent[0]) for cell in (inner if i % 2 == 0 else inner[::-1])]

@@ -87,28 +87,21 @@ def _tpu_mesh(topology, preset=None, sp=None):
     return mesh_lib.make_mesh(config, devices=devices)
 
 
-def _known_longer_hop(worst, why):
-    return pytest.mark.xfail(strict=True, reason=f"make_mesh gives a worst ring hop of {worst} here: {why}")
-
-
-_ROW_MAJOR = "it lays sp over a plane row by row, so a row's end and the next row's start are 2 hops apart"
 # (topology, preset or None, sp): in every case the torus has a ring of sp chips with every hop 1 (an
-# axis with wrap-around, or an even-sized block of 2+ axes); the builder's worst hop is in the mark.
+# axis with wrap-around, or a block of 2+ axes with an even side).
 RING_CASES = [
     # sp along one physical axis that has wrap-around
     pytest.param("v5p:4x4x4", None, 4, id="v5p4x4x4-sp4"),
     pytest.param("v6e:16x16", "llama3_8b_128k", None, id="llama3_8b_128k-v6e16x16"),  # shipped: sp=16
     pytest.param("v5e:16x16", "llama3_8b_128k", None, id="llama3_8b_128k-v5e16x16"),  # shipped: sp=16
-    pytest.param("v6e:4x4", None, 16, id="v6e4x4-sp16"),  # no wrap-around; a snake through the 4x4
+    pytest.param("v6e:4x4", None, 16, id="v6e4x4-sp16"),  # no wrap-around; a cycle through the 4x4
     pytest.param("v5p:2x2x1", None, 2, id="v5p2x2x1-sp2"),
-    # rings longer than a torus axis, or over a block of a mesh without wrap-around
-    pytest.param("v5p:4x4x4", "llama3_8b_128k", None, id="llama3_8b_128k-v5p4x4x4",  # shipped: sp=16
-                 marks=_known_longer_hop(2, _ROW_MAJOR)),
-    pytest.param("v5p:4x4x4", None, 8, id="v5p4x4x4-sp8", marks=_known_longer_hop(2, _ROW_MAJOR)),
-    pytest.param("v5p:4x4x4", None, 32, id="v5p4x4x4-sp32",
-                 marks=_known_longer_hop(3, "it lays sp over a 4x4x2 block row by row (3 hops between planes)")),
-    pytest.param("v5p:2x2x2", "tiny", None, id="tiny-v5p2x2x2",  # sp=4 over a 2x2 square
-                 marks=_known_longer_hop(2, "a 2x2 square in Z order (a diagonal step) instead of a cycle")),
+    # rings longer than a torus axis: over a plane or a block, which jax's builder lays out row by
+    # row (worst hop 2, 3 across the planes of a 4x4x2 block; a 2x2 square in Z order)
+    pytest.param("v5p:4x4x4", "llama3_8b_128k", None, id="llama3_8b_128k-v5p4x4x4"),  # shipped: sp=16
+    pytest.param("v5p:4x4x4", None, 8, id="v5p4x4x4-sp8"),
+    pytest.param("v5p:4x4x4", None, 32, id="v5p4x4x4-sp32"),
+    pytest.param("v5p:2x2x2", "tiny", None, id="tiny-v5p2x2x2"),  # sp=4 over a 2x2 square
 ]
 
 
@@ -153,6 +146,51 @@ def test_ring_hops_count_wraparound_and_chips():
 def test_tpu_mesh_for_rings_longer_than_a_torus_axis(sp):
     mesh = _tpu_mesh("v5p:4x4x4", sp=sp)
     assert dict(mesh.shape) == {"dp": 1, "fsdp": 64 // sp, "sp": sp}
-    # Until the builder snakes through planes (see RING_CASES): no ring pass longer than the torus
-    # diameter of the block sp spans (2 for a 4x4 plane on wrap-around axes, 3 for a 4x4x2 block).
-    assert max(ring_hops(mesh)) <= {8: 2, 16: 2, 32: 3}[sp]
+    assert ring_hops(mesh) == [1] * 64
+    # only the order along sp changed: every ring holds the chips the builder gave it
+    from jax.experimental import mesh_utils, topologies
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:4x4x4").devices
+    built = mesh_utils.create_device_mesh((1, 64 // sp, sp), devices=devices,
+                                          allow_split_physical_axes=True)
+    assert [{d.id for d in r} for r in mesh.devices.reshape(-1, sp)] == \
+        [{d.id for d in r} for r in built.reshape(-1, sp)]
+
+
+def _cycle_hops(cells):
+    return [sum(abs(a - b) for a, b in zip(cells[i], cells[(i + 1) % len(cells)]))
+            for i in range(len(cells))]
+
+
+@pytest.mark.parametrize("extent", [(2, 2, 1), (4, 4, 1), (1, 4, 4), (4, 4, 2), (3, 4, 1), (2, 3, 3),
+                                    (16, 16, 1), (2, 2, 2)])
+def test_box_cycle_visits_every_cell_once_one_step_at_a_time(extent):
+    import itertools
+
+    cells = mesh_lib.box_cycle(extent)
+    assert sorted(cells) == sorted(itertools.product(*(range(n) for n in extent)))
+    assert _cycle_hops(cells) == [1] * len(cells)
+
+
+@pytest.mark.parametrize("extent", [(1, 1, 1), (4, 1, 1), (1, 1, 16), (3, 3, 1), (3, 5, 3)])
+def test_box_cycle_is_none_for_a_line_or_an_odd_box(extent):
+    assert mesh_lib.box_cycle(extent) is None
+
+
+def test_ring_cycle_reorders_whole_boxes_only():
+    from types import SimpleNamespace as D
+
+    def ring(coords):
+        return [D(coords=c, id=i) for i, c in enumerate(coords)]
+
+    z_order = ring([(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)])  # a diagonal step from 2nd to 3rd
+    cycle = mesh_lib.ring_cycle(z_order)
+    assert sorted(d.id for d in cycle) == [0, 1, 2, 3]
+    assert _cycle_hops([d.coords for d in cycle]) == [1, 1, 1, 1]
+    shifted = ring([(2, 4, 1), (3, 4, 1), (2, 5, 1), (3, 5, 1)])  # a translate: the same pattern
+    assert [d.id for d in mesh_lib.ring_cycle(shifted)] == [d.id for d in cycle]
+    line = ring([(0, 0, z) for z in range(4)])
+    not_a_box = ring([(0, 0, 0), (1, 0, 0), (2, 1, 0), (3, 1, 0)])
+    two_cores = ring([(0, 0, 0), (0, 0, 0), (1, 0, 0), (1, 0, 0)])
+    for kept in (line, not_a_box, two_cores):
+        assert mesh_lib.ring_cycle(kept) == kept
