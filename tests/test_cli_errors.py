@@ -14,7 +14,7 @@ import pytest
 
 from configs import base
 from longctx import cli
-from longctx.data import prepare
+from longctx.data import pipeline, prepare
 from longctx.errors import ConfigError, LongctxError, RunError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,6 +194,20 @@ def test_workdir_that_is_a_file_is_named_as_a_file(tmp_path):
     assert r.returncode == 2
     assert the_line(r) == (f"longctx: workdir '{blocker}' is not writable: {blocker} is a file, "
                            "not a directory.")
+    assert blocker.read_text() == "not a directory"
+
+
+def test_cache_dir_that_cannot_hold_the_corpus_is_named(tmp_path):
+    blocker = tmp_path / "cfile"
+    blocker.write_text("not a directory")
+    config = base.get_config("tiny")
+    for cache, reason in [(blocker, "Not a directory (errno 20)"),
+                          (blocker / "below", "Not a directory (errno 20)")]:
+        config.data.cache_dir = str(cache)
+        with pytest.raises(ConfigError) as e:
+            pipeline.resolve_dataset(config)
+        assert str(e.value) == (f"data.cache_dir={cache} cannot hold the prepared embedded corpus "
+                                f"({reason}); point it at a writable directory.")
     assert blocker.read_text() == "not a directory"
 
 

@@ -45,6 +45,7 @@ padding), all permuted along the sequence by `longctx.layout.permutation(layout,
 from __future__ import annotations
 
 import bisect
+import errno
 import functools
 import json
 import os
@@ -53,6 +54,7 @@ import grain
 from grain import experimental as gx
 import numpy as np
 
+from longctx import errors
 from longctx.data import packing
 from longctx.data import prepare as prepare_lib
 from longctx.data import sharding as sharding_lib
@@ -83,7 +85,13 @@ def resolve_dataset(config) -> str:
                 check_shard(os.path.join(path, entry["path"]), entry["num_documents"])
         return path
     cache = config.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "longctx")
-    return prepare_lib.prepare_stdlib(cache)
+    try:
+        if os.path.exists(cache) and not os.path.isdir(cache):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), cache)
+        return prepare_lib.prepare_stdlib(cache)
+    except OSError as e:  # a file in the way, no permission, a full disk
+        raise ConfigError(f"data.cache_dir={cache} cannot hold the prepared embedded corpus "
+                          f"({errors.os_reason(e)}); point it at a writable directory.") from None
 
 
 def load_metadata(data_dir: str) -> dict:
