@@ -8,6 +8,7 @@ compiler (Mosaic kernels included) here, and `memory_analysis()` says whether it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -23,6 +24,7 @@ import ml_collections
 from jax.experimental import topologies
 
 from longctx import config as config_lib
+from longctx import devices as devices_lib
 from longctx import memory
 from longctx import mesh as mesh_lib
 from longctx import train
@@ -41,9 +43,39 @@ HBM_BYTES_BY_CHIP = {
 }
 
 
+# Set while libtpu starts on a machine without a TPU (see _topology).
+_ONE_HOST_ALONE = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
+
+
+def _topology(name: str):
+    """jax's description of a TPU topology. Without a TPU here, libtpu (loaded by the first call
+    only to describe topologies) still looks for the slice it runs on and prints half a dozen
+    lines on stderr, an INVALID_ARGUMENT about worker host names among them. Told it is one host
+    alone while it starts, it prints nothing and compiles the same (the llama3_8b_128k step on
+    v5p:4x4x4: 15.93 GiB either way). The settings are taken back at once: a process started
+    from this one would read TPU_WORKER_HOSTNAMES as a TPU pod's (mesh.maybe_initialize_distributed).
+    On a TPU VM nothing is set."""
+    with contextlib.ExitStack() as stack:
+        if not devices_lib.has_accelerator():
+            stack.enter_context(_environment(_ONE_HOST_ALONE))
+        return topologies.get_topology_desc(platform="tpu", topology_name=name)
+
+
+@contextlib.contextmanager
+def _environment(settings: dict[str, str]):
+    """`settings` in os.environ (where not set already) for the block, then taken back."""
+    added = {k: v for k, v in settings.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 def libtpu_available() -> bool:
     try:
-        topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1")
+        _topology("v5p:2x2x1")
         return True
     except Exception:  # noqa: BLE001  (no libtpu, or one that cannot describe topologies)
         return False
@@ -52,7 +84,7 @@ def libtpu_available() -> bool:
 def topology_devices(topology: str) -> list:
     """Abstract TPU devices for e.g. "v5p:2x2x2" (libtpu names: v4, v5e, v5p, v6e)."""
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+        return list(_topology(topology).devices)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"topology {topology!r} is not known to libtpu ({str(e).splitlines()[0][:200]}).") from None
 

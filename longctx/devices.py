@@ -47,7 +47,7 @@ def configure_cpu_devices(default: int = 8) -> int:
     """
     count = cpu_device_count(default)
     os.environ[JAX_ENV] = str(count)
-    if not _has_accelerator():
+    if not has_accelerator():
         # libtpu is installed for ahead-of-time TPU compiles; without a TPU, skip its probing.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if "jax" in sys.modules:  # the environment has been read already; tell jax directly
@@ -63,7 +63,8 @@ def configure_cpu_devices(default: int = 8) -> int:
     return count
 
 
-def _has_accelerator() -> bool:
+def has_accelerator() -> bool:
+    """Whether this machine has a TPU or GPU jax may use (JAX_PLATFORMS, when set, decides)."""
     if os.environ.get("JAX_PLATFORMS"):
         return os.environ["JAX_PLATFORMS"] != "cpu"
     return os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio") or os.path.exists("/dev/nvidia0")

@@ -48,10 +48,21 @@ def run(*args, env=None, timeout=300):
 
 
 @needs_libtpu
+def test_libtpu_start_up_settings_do_not_outlive_the_topology(monkeypatch):
+    """What aot sets while libtpu starts is taken back: a TPU_WORKER_HOSTNAMES left behind would
+    make every process started from this one take itself for a host of a TPU pod."""
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    monkeypatch.setenv("TPU_HOST_BOUNDS", "2,2,1")  # the user's own setting stays
+    assert len(aot.topology_devices("v5p:2x2x2")) == 8
+    assert "TPU_WORKER_HOSTNAMES" not in os.environ and os.environ["TPU_HOST_BOUNDS"] == "2,2,1"
+
+
+@needs_libtpu
 @pytest.mark.tpu_aot
 def test_estimate_tiny_on_v5p_fits_and_prints_memory():
     p = run("scripts/estimate.py", "--config=configs/base.py:tiny", "--topology=v5p:2x2x2", "--json")
     assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stderr == ""  # libtpu, loaded for the topology, printed its start-up warnings here
     out = json.loads(p.stdout)
     assert out["fits"] is True and out["num_devices"] == 8 and out["device_kind"].startswith("TPU v5")
     assert out["hbm_bytes"] == 95 * aot.GIB  # a v5p chip
