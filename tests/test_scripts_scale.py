@@ -62,7 +62,10 @@ def test_libtpu_start_up_settings_do_not_outlive_the_topology(monkeypatch):
 def test_estimate_tiny_on_v5p_fits_and_prints_memory():
     p = run("scripts/estimate.py", "--config=configs/base.py:tiny", "--topology=v5p:2x2x2", "--json")
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stderr == ""  # libtpu, loaded for the topology, printed its start-up warnings here
+    # libtpu, loaded for the topology, printed half a dozen start-up lines here (aot._topology)
+    for line in ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "INVALID_ARGUMENT",
+                 "Source Location Trace"):
+        assert line not in p.stderr, p.stderr[-2000:]
     out = json.loads(p.stdout)
     assert out["fits"] is True and out["num_devices"] == 8 and out["device_kind"].startswith("TPU v5")
     assert out["hbm_bytes"] == 95 * aot.GIB  # a v5p chip
