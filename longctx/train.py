@@ -67,11 +67,14 @@ def make_optimizer(config) -> optax.GradientTransformation:
 # ----------------------------------------------------------------------------- state & shardings
 
 
-def resolve_layout(config, sp: int) -> str:
-    """The concrete sequence layout for this run (resolves "auto" by the ring's schedule with
-    the run's attention.block_size)."""
+def resolve_layout(config, sp: int, documents=None) -> str:
+    """The concrete sequence layout for this run: "auto" resolved by the ring's schedule with the
+    run's attention.block_size, on `documents` (segment ids of rows the run will see, e.g.
+    data.layout_sample's) where given and attention.use_segment_ids masks them."""
+    if not config.attention.use_segment_ids:
+        documents = None
     return ops.resolve_layout(config.attention.layout, config.data.seq_len, sp,
-                              block_size=config.attention.block_size,
+                              block_size=config.attention.block_size, segment_ids=documents,
                               **config_lib.mask_kwargs(config.attention))
 
 
@@ -275,11 +278,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
 
     mesh = mesh_lib.make_mesh(config.mesh)
-    layout = resolve_layout(config, sizes[mesh_lib.SP])
-    _write_run_info(config, workdir, mesh, layout, data_dir)
+    by_documents = config.attention.layout == "auto" and config.attention.use_segment_ids
+    documents = data_lib.layout_sample(config, data_dir) if by_documents else None
+    layout = resolve_layout(config, sizes[mesh_lib.SP], documents)
+    _write_run_info(config, workdir, mesh, layout, data_dir, documents)
     if jax.process_index() == 0:
+        chosen = (f" (auto, chosen on the documents of {len(documents)} sampled rows)" if by_documents
+                  else " (auto, chosen by the mask)" if config.attention.layout == "auto" else "")
         print(f"longctx: {jax.process_count()} process(es), {jax.device_count()} {jax.devices()[0].platform} "
-              f"devices, mesh {dict(mesh.shape)}, layout {layout}, attention impl {config.attention.impl}, "
+              f"devices, mesh {dict(mesh.shape)}, layout {layout}{chosen}, attention impl {config.attention.impl}, "
               f"~{config_lib.num_params_estimate(config) / 1e6:.1f}M params, data {data_dir}", flush=True)
 
     def make_train_iterator(seed_offset: int = 0):
@@ -323,8 +330,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return result
 
 
-def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str) -> None:
-    """`workdir/run_info.json`: what this run is, for reports that compare runs (scripts/ablate.py)."""
+def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str, documents=None) -> None:
+    """`workdir/run_info.json`: what this run is, for reports that compare runs (scripts/ablate.py).
+    The ring's schedule is the mask's (every row); `documents`: the rows "auto" was chosen on."""
     if jax.process_index() != 0:
         return
     a = config.attention
@@ -335,6 +343,8 @@ def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str) -> N
         "process_count": jax.process_count(),
         "platform": jax.devices()[0].platform,
         "layout": layout,
+        "layout_chosen_on": (None if a.layout != "auto" else "the mask" if documents is None
+                             else f"the documents of {len(documents)} sampled rows"),
         "ring_steps_run": int(len(schedule.run_steps)),
         "ring_schedule_efficiency": float(schedule.efficiency),
         "params": config_lib.num_params_estimate(config),

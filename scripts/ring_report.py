@@ -12,7 +12,9 @@ useful blocks / (sp * sum over run steps of max over devices of computed blocks)
 --layout auto resolves to the layout ring_attention would use (named on stderr with --json).
 
 With documents the report covers every layout (the ring skips blocks whose queries and keys
-share no document, so the layouts compare differently than for the mask alone):
+share no document, so the layouts compare differently than for the mask alone) and names the
+layout "auto" picks on those rows, as a training run does on its first rows (data.layout_sample;
+`auto_layout`, and `auto_layout_by_the_mask` for the mask alone):
 
   python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --doc-lengths 4096
   python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \
@@ -97,7 +99,10 @@ def _doc_rows(a) -> np.ndarray:
 def _documents_report(a, mask_kw) -> int:
     ids = _doc_rows(a)
     spec = masks.make_mask_spec(**mask_kw)
-    auto = masks.resolve_layout("auto", a.seq_len, a.sp, **mask_kw)
+    # what a training run on these rows would pick (train.resolve_layout), and by the mask alone
+    auto = masks.resolve_layout("auto", a.seq_len, a.sp, block_size=a.block, segment_ids=ids,
+                                **mask_kw)
+    by_mask = masks.resolve_layout("auto", a.seq_len, a.sp, block_size=a.block, **mask_kw)
     report = {}
     for layout in ("contiguous", "zigzag", "striped"):
         try:
@@ -119,10 +124,10 @@ def _documents_report(a, mask_kw) -> int:
             f"{len(ids)} rows of {a.data}")
     if a.json:
         print(json.dumps({"documents": docs, "rows": len(ids), "auto_layout": auto,
-                          "layouts": report}))
+                          "auto_layout_by_the_mask": by_mask, "layouts": report}))
         return 0
     print(f"S={a.seq_len} sp={a.sp} block={a.block} {_describe(mask_kw)}, {docs} "
-          f"(layout auto -> {auto}, chosen by the mask alone)")
+          f"(layout auto on these documents -> {auto}; by the mask alone -> {by_mask})")
     print(f"{'layout':>11} {'kept':>8} {'computed':>9} {'critical path':>14} "
           f"{'steps run/visited':>18} {'doc efficiency':>15}")
     for layout, r in report.items():

@@ -11,7 +11,8 @@ import pytest
 from configs import base
 from longctx import layout as layout_lib
 from longctx import mesh as mesh_lib
-from longctx.data import make_batch_iterator, load_metadata, prepare, resolve_dataset
+from longctx.data import (layout_sample, make_batch_iterator, load_metadata, packed_rows, prepare,
+                          resolve_dataset)
 from tests.test_data_packing import make_corpus
 
 SEQ = 64
@@ -111,6 +112,21 @@ def test_same_seed_same_batches_and_seed_offset_changes_order(data_dir):
     a, b, other = run(), run(), run(seed_offset=1)
     assert same(a, b)
     assert not same(a, other)
+
+
+def test_layout_sample_is_the_first_train_rows_whoever_reads_it(data_dir):
+    """The rows attention.layout='auto' is chosen on: the train split's first packed rows in the
+    run's shuffled order, natural order, the same at every call (every host, every resume),
+    whatever this process's data shard or batch size."""
+    config = tiny_config(shuffle_seed=3)
+    sample = layout_sample(config, data_dir)
+    assert sample.shape == (8, SEQ) and sample.dtype == np.int32
+    other_batch = tiny_config(shuffle_seed=3, global_batch_size=8)
+    np.testing.assert_array_equal(sample, layout_sample(other_batch, data_dir))
+    first = iter(packed_rows(data_dir, "train", seq_len=SEQ, packer="best_fit", seed=3))
+    np.testing.assert_array_equal(sample, np.stack([next(first)["segment_ids"] for _ in range(8)]))
+    assert np.all(np.diff(sample, axis=1)[sample[:, 1:] > 0] >= 0)  # natural order: ids never fall
+    assert not np.array_equal(sample, layout_sample(tiny_config(shuffle_seed=4), data_dir))
 
 
 def test_validation_is_repeatable(data_dir):

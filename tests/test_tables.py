@@ -335,6 +335,55 @@ def test_document_schedule_by_hand():
     assert sched.visited_steps == (0,) and one.visited_steps == (0, 1)
 
 
+def _random_documents(rows, seq_len, mean, seed):
+    """Natural-order segment ids [rows, seq_len]: documents cut at random, of mean length `mean`."""
+    rng = np.random.default_rng(seed)
+    starts = np.zeros((rows, seq_len), np.int32)
+    starts[:, 0] = 1
+    for r in range(rows):
+        starts[r, rng.choice(np.arange(1, seq_len), seq_len // mean - 1, replace=False)] = 1
+    return np.cumsum(starts, axis=1).astype(np.int32)
+
+
+def test_document_schedule_without_the_kept_count_computes_the_same():
+    spec = masks.make_mask_spec(causal=True)
+    docs = _random_documents(2, 4096, 256, seed=0)
+    for layout in ("contiguous", "zigzag", "striped"):
+        full = tables.document_schedule(spec, layout, 4096, 4, 256, docs)
+        cheap = tables.document_schedule(spec, layout, 4096, 4, 256, docs, count_kept=False)
+        assert cheap.kept_blocks is None and full.kept_blocks > 0
+        np.testing.assert_array_equal(cheap.computed_blocks, full.computed_blocks)
+        assert (cheap.run_steps, cheap.visited_steps) == (full.run_steps, full.visited_steps)
+
+
+def _document_key(layout, seq_len, sp, block, docs):
+    """resolve_layout's score with documents, from the schedule itself: (critical path + steps
+    the ring goes through) in pairs, then blocks computed in all."""
+    sched = tables.document_schedule(masks.make_mask_spec(causal=True), layout, seq_len, sp, block,
+                                     docs)
+    steps = len(sched.visited_steps)
+    return (sched.critical_path + steps) * block * block, int(sched.computed_blocks.sum())
+
+
+@pytest.mark.parametrize("mean", [128, 512, 8192])
+def test_auto_on_documents_picks_the_ring_that_finishes_first_on_them(mean):
+    """With segment ids, "auto" scores each layout on what its ring computes for those rows. The
+    static choice (zigzag, for the causal triangle) is not the best one for short documents, which
+    keep bands along the diagonal; for documents as long as the row it is the same choice."""
+    S, sp, block = 8192, 4, 256
+    docs = _random_documents(4, S, mean, seed=mean)
+    scores = {layout: _document_key(layout, S, sp, block, docs)
+              for layout in ("contiguous", "zigzag", "striped")}
+    chosen = masks.resolve_layout("auto", S, sp, causal=True, block_size=block, segment_ids=docs)
+    assert scores[chosen] == min(scores.values()), (chosen, scores)
+    static = masks.resolve_layout("auto", S, sp, causal=True, block_size=block)
+    assert static == "zigzag"
+    if mean == 8192:  # one document per row: the causal triangle again
+        assert chosen == static
+    else:
+        assert scores[chosen][0] < scores[static][0], (chosen, scores)
+
+
 def test_runs_of_ring_steps_and_when_a_ring_can_stop_early():
     assert tables.step_runs((0, 1, 2, 5, 6)) == [[0, 0, 3], [3, 5, 2]]
     assert tables.can_stop_early((0, 1, 2, 3))
@@ -373,6 +422,11 @@ def test_ring_report_with_documents():
     assert contiguous["kept_blocks"] == 24 and contiguous["computed_blocks"] == [[6]] * 4
     assert contiguous["run_steps"] == [0] and contiguous["doc_efficiency"] == 1.0
     assert report["layouts"]["zigzag"]["kept_blocks"] == 24
+    # "auto" on these rows: a ring that finishes first on them; by the mask alone: zigzag
+    cost = {name: r["critical_path"] + len(r["visited_steps"])
+            for name, r in report["layouts"].items()}
+    assert cost[report["auto_layout"]] == min(cost.values())
+    assert report["auto_layout_by_the_mask"] == "zigzag"
 
 
 def test_default_block_keeps_a_zigzag_shards_halves_apart():

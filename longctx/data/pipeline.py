@@ -277,6 +277,26 @@ class BatchIterator:
             close()
 
 
+LAYOUT_SAMPLE_ROWS = 8
+
+
+def layout_sample(config, data_dir: str, rows: int = LAYOUT_SAMPLE_ROWS) -> np.ndarray:
+    """Segment ids [rows, seq_len] (natural order, 0 = padding) of the first packed rows of the
+    train split in its shuffled order: the documents attention.layout='auto' is chosen on. The
+    same rows on every process and at every start of the run (data shard 0 of 1, the run's
+    shuffle seed and packer), so every host picks the same layout and a resumed run the one it
+    started with."""
+    d = config.data
+    it = iter(packed_rows(data_dir, "train", seq_len=d.seq_len, packer=d.packer,
+                          seed=d.shuffle_seed))
+    try:
+        return np.stack([next(it)["segment_ids"] for _ in range(rows)])
+    finally:
+        close = getattr(it, "close", None)  # its read threads, else they go at garbage collection
+        if close is not None:
+            close()
+
+
 def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data_dir: str,
                         seed_offset: int = 0, num_epochs: int | None = None) -> BatchIterator:
     """The iterator the train loop consumes; `layout` is a concrete layout name (not "auto").
