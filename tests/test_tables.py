@@ -356,6 +356,23 @@ def test_document_schedule_without_the_kept_count_computes_the_same():
         assert (cheap.run_steps, cheap.visited_steps) == (full.run_steps, full.visited_steps)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_a_smaller_block_never_computes_more_pairs(layout):
+    """A block of half the size is live only inside a live block of the larger size (its id
+    ranges lie within the larger block's, and the static mask keeps no part of a block it drops),
+    so the (query, key) pairs the ring computes never grow as the block shrinks; on short
+    documents they shrink severalfold (bench_ring_blocks.py times it)."""
+    spec = masks.make_mask_spec(causal=True)
+    S, sp = 8192, 4
+    docs = _random_documents(2, S, 256, seed=1)
+    pairs = {}
+    for block in (512, 256, 128):
+        sched = tables.document_schedule(spec, layout, S, sp, block, docs, count_kept=False)
+        pairs[block] = int(sched.computed_blocks.sum()) * block * block
+    assert pairs[128] <= pairs[256] <= pairs[512], pairs
+    assert pairs[128] < pairs[512] / 2, pairs
+
+
 def _document_key(layout, seq_len, sp, block, docs):
     """resolve_layout's score with documents, from the schedule itself: (critical path + steps
     the ring goes through) in pairs, then blocks computed in all."""
