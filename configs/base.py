@@ -99,7 +99,9 @@ def _base() -> ml_collections.ConfigDict:
             attention_sinks=False,  # one learned sink logit per head
             logits_soft_cap=_optional_float(),
             use_segment_ids=True,  # document masking: attend only within a packed document
-            block_size=512,  # splash q/kv block
+            # q/kv block of the ring's tables and kernels; off TPU, 256 or 128 is faster on short
+            # packed documents (skipping is per block: README, bench_ring_blocks.py)
+            block_size=512,
             # What the ring's backward keeps per layer (longctx/attention.py): save_qkv |
             # recompute_qkv (q/k/v recomputed from the layer input) | offload_qkv (to host memory)
             residuals="save_qkv",
