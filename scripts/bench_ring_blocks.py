@@ -1,8 +1,10 @@
 """The block size against the documents: bench_ring.py's rows at several blocks, with and without
 document skipping, every result checked.
 
-  python scripts/bench_ring_blocks.py        # blocks 512, 256, 128; causal, docs9, docs_s32 at
-                                             # S = 8192; every impl x layout (about 20 minutes)
+  python scripts/bench_ring_blocks.py                # blocks 512, 256, 128; causal, docs9 and
+                                                     # docs_s32 at S = 8192; every impl x layout
+                                                     # (16 minutes on 2 shared cores)
+  python scripts/bench_ring_blocks.py --render-only  # rewrite the markdown from the JSON
 
 A block is computed whole or not at all, so skipping can drop only the blocks that hold no
 (query, key) pair of one document. With documents of mean length S/32 = 256 tokens at S = 8192,
@@ -23,6 +25,7 @@ from longctx import cli
 cli.start(cpu_devices=8)  # before jax is imported
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -34,16 +37,17 @@ import bench_ring_report as report  # noqa: E402
 CASES = ("causal", "docs9", "docs_s32")
 
 
-def cell(row, name, key="median_s"):
-    """'on ms' or, on a document case, 'on / off ms (x faster; blocks off/on)'."""
+def block_cell(row, name, key="median_s"):
+    """'on' (ms) or, on a document case, 'on / off (x faster; blocks off/on)'."""
     v = row["variants"]
     on = v.get(name)
     if name + "/noskip" not in v:
-        return report._cell(on, key)
+        return report.cell(on, key)
     off = v[name + "/noskip"]
     speedup = report.summary(row, key).get("skip_speedup", {}).get(name)
-    return (f"{report._cell(on, key)} / {report._cell(off, key)}" + (f" ({speedup:.2f}x;" if speedup else " (-;")
-            + f" {off.get('computed_blocks', '-')}/{on.get('computed_blocks', '-')} blocks)")
+    blocks = [f"{r['computed_blocks']:,}" if "computed_blocks" in r else "-" for r in (off, on)]
+    return (f"{report.cell(on, key)} / {report.cell(off, key)} "
+            f"({f'{speedup:.2f}x' if speedup else '-'}; {'/'.join(blocks)} blocks)")
 
 
 def markdown(result, key="median_s"):
@@ -55,13 +59,14 @@ def markdown(result, key="median_s"):
     for case in st["cases"]:
         for name in names:
             table.append([br.CASES[case].title, name]
-                         + [cell(rows[(case, b)], name, key) if (case, b) in rows else "-"
+                         + [block_cell(rows[(case, b)], name, key) if (case, b) in rows else "-"
                             for b in blocks])
     out = [
         "## The block size against the documents (`bench_ring_blocks.py`)\n",
         f"Command: `{result['command']}`  ",
         f"Machine: {m['cpu_count']} CPU cores ({m.get('cpu_model', '')}, shared), jax {m['jax']}, "
-        f"{m['date_utc']} UTC" + (f", {result['wall_s'] / 60:.0f} min" if "wall_s" in result else "")
+        f"{m['date_utc']} UTC"
+        + (f", {result['wall_s'] / 60:.0f} min" if "wall_s" in result else "")
         + f". bench_ring.py's cases at S = {st['seq_len']:,}, sp = {st['sp']}, "
         f"{br.HEADS} heads x {br.HEAD_DIM}, float32, fwd+bwd, median of {st['repeats']} (the "
         "variants of a row timed round-robin); every variant checked against the dense oracle "
@@ -90,8 +95,14 @@ def main():
     ap.add_argument("--sp", type=int, default=4)
     ap.add_argument("--check-up-to", type=int, default=8192,
                     help="largest S checked against the dense oracle")
-    bc.add_output_arguments(ap, "bench_ring_blocks")
+    bc.add_output_arguments(ap, "bench_ring_blocks",
+                            "rewrite the markdown section from --json without running")
     args = ap.parse_args()
+    if args.render_only:
+        text = markdown(json.load(open(args.json)))
+        bc.write_section("bench_ring_blocks", text, args.md)
+        print(text)
+        return 0
     blocks = [int(b) for b in args.blocks.split(",") if b]
     cases = [c for c in args.cases.split(",") if c]
     if not set(cases) <= set(br.CASES):

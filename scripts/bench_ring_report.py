@@ -21,7 +21,8 @@ def _ms(t):
     return f"{t * 1e3:,.0f}"
 
 
-def _cell(rec, key="median_s"):
+def cell(rec, key="median_s"):
+    """A variant's median in ms, or why it has none (rejects / fails), table-safe."""
     if rec is None:
         return "-"
     if key not in rec:
@@ -189,8 +190,8 @@ def _table(result, key):
     for r in ordered:
         s = summary(r, key)
         rows.append([r["title"], f"{r['seq_len']:,}"]
-                    + [_cell(r["variants"].get(p), key) for p in peers]
-                    + [_cell(r["variants"].get(n), key) for n in cols]
+                    + [cell(r["variants"].get(p), key) for p in peers]
+                    + [cell(r["variants"].get(n), key) for n in cols]
                     + ([f"{s['peer_over_longctx_best']:.2f}x" if "peer_over_longctx_best" in s
                         else "-"] if peers else []))
     pad, tail = ["-"] * len(peers), ["-"] if peers else []
@@ -199,7 +200,7 @@ def _table(result, key):
             continue
         sp = summary(r, key).get("skip_speedup", {})
         rows.append([f"same, skip_documents=False: {r['title']}", f"{r['seq_len']:,}"] + pad
-                    + [_cell(r["variants"].get(n + "/noskip"), key) for n in cols] + tail)
+                    + [cell(r["variants"].get(n + "/noskip"), key) for n in cols] + tail)
         rows.append([f"skipping on vs off: x faster (blocks computed off/on): {r['title']}",
                      f"{r['seq_len']:,}"] + pad
                     + [(f"{sp[n]:.2f}x" if n in sp else "-") + _blocks_ratio(r, n) for n in cols]
