@@ -416,6 +416,27 @@ def run_row(args, mesh, case, seq_len):
 
 # ----------------------------------------------------------------------------- main
 
+def selection(ap, args):
+    """The cases of --cases (checked); --impls and --layouts made checked tuples in `args`."""
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    args.impls = tuple(i for i in args.impls.split(",") if i)
+    args.layouts = tuple(x for x in args.layouts.split(",") if x)
+    if not set(args.impls) <= set(IMPLS) or not set(args.layouts) <= set(LAYOUTS):
+        ap.error(f"--impls from {IMPLS}, --layouts from {LAYOUTS}")
+    return cases
+
+
+def sp_mesh(ap, sp):
+    """The first `sp` devices as a mesh with the one axis "sp"."""
+    if jax.device_count() < sp:
+        ap.error(f"--sp {sp} needs {sp} devices, have {jax.device_count()}")
+    return jax.make_mesh((sp,), ("sp",), devices=jax.devices()[:sp],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="S=2048 only, one run, no peers")
@@ -448,24 +469,14 @@ def main():
         if "--repeats" not in explicit:
             args.repeats = 1
         args.peers = None
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        ap.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
-    args.impls = tuple(i for i in args.impls.split(",") if i)
-    args.layouts = tuple(x for x in args.layouts.split(",") if x)
-    if not set(args.impls) <= set(IMPLS) or not set(args.layouts) <= set(LAYOUTS):
-        ap.error(f"--impls from {IMPLS}, --layouts from {LAYOUTS}")
+    cases = selection(ap, args)
     seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
     if args.peers:
         args.peers = os.path.abspath(args.peers)
         if not os.path.isdir(os.path.join(args.peers, "maxtext")):
             ap.error(f"--peers {args.peers}: no maxtext package there")
         sys.path.insert(0, args.peers)  # this script only; longctx never imports peer code
-    if jax.device_count() < args.sp:
-        ap.error(f"--sp {args.sp} needs {args.sp} devices, have {jax.device_count()}")
-    mesh = jax.make_mesh((args.sp,), ("sp",), devices=jax.devices()[:args.sp],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = sp_mesh(ap, args.sp)
     result = {"command": bc.command_line(), "machine": bc.machine(),
               "settings": {"cases": cases, "heads": HEADS, "head_dim": HEAD_DIM, "window": WINDOW,
                            "sp": args.sp, "block": args.block, "repeats": args.repeats,

@@ -28,8 +28,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
-import jax  # noqa: E402
-
 import bench_common as bc  # noqa: E402
 import bench_ring as br  # noqa: E402
 import bench_ring_report as report  # noqa: E402
@@ -104,18 +102,9 @@ def main():
         print(text)
         return 0
     blocks = [int(b) for b in args.blocks.split(",") if b]
-    cases = [c for c in args.cases.split(",") if c]
-    if not set(cases) <= set(br.CASES):
-        ap.error(f"--cases from {list(br.CASES)}")
-    args.impls = tuple(i for i in args.impls.split(",") if i)
-    args.layouts = tuple(x for x in args.layouts.split(",") if x)
-    if not set(args.impls) <= set(br.IMPLS) or not set(args.layouts) <= set(br.LAYOUTS):
-        ap.error(f"--impls from {br.IMPLS}, --layouts from {br.LAYOUTS}")
-    if jax.device_count() < args.sp:
-        ap.error(f"--sp {args.sp} needs {args.sp} devices, have {jax.device_count()}")
+    cases = br.selection(ap, args)
     args.peers = None  # run_row's: the peers are bench_ring.py's business
-    mesh = jax.make_mesh((args.sp,), ("sp",), devices=jax.devices()[:args.sp],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = br.sp_mesh(ap, args.sp)
     result = {"command": bc.command_line(), "machine": bc.machine(),
               "settings": {"blocks": blocks, "cases": cases, "seq_len": args.seq_len, "sp": args.sp,
                            "repeats": args.repeats, "check_up_to": args.check_up_to,
