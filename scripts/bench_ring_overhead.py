@@ -80,7 +80,7 @@ def measure(args, impl, layout, sp, seq_len):
     case = br.CASES["docs_s32"]
     mesh = jax.make_mesh((sp,), ("sp",), devices=jax.devices()[:sp],
                          axis_types=(jax.sharding.AxisType.Auto,))
-    x = br.make_inputs(case, seq_len, sp, seed=seq_len + len(case.name))
+    x = br.row_inputs(case, seq_len, sp)
     block = br.layout_block(min(args.block, seq_len // sp), seq_len // sp, layout)
     inputs = {"docs": (x, True), "one_doc": (one_document(x), True), "noskip": (x, False),
               "padding": (all_padding(x), True)}
