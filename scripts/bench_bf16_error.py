@@ -90,8 +90,7 @@ def single_device(q, k, v, dout, seg, block):
 
 
 def ring(q, k, v, dout, seg, sp, layout, block):
-    mesh = jax.make_mesh((sp,), ("sp",), devices=jax.devices()[:sp],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = bc.sp_mesh(sp)
     data = P(None, "sp")
     perm = layout_lib.permutation(layout, q.shape[1], sp)
     put = lambda x: None if x is None else jax.device_put(x[:, perm], NamedSharding(mesh, data))  # noqa: E731

@@ -128,6 +128,13 @@ def cpu_model() -> str:
     return py_platform.processor() or py_platform.machine()
 
 
+def sp_mesh(sp: int):
+    """The first `sp` devices as a mesh with the one axis "sp": the ring benchmarks' mesh."""
+    import jax
+    return jax.make_mesh((sp,), ("sp",), devices=jax.devices()[:sp],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
 def machine() -> dict:
     import platform as py_platform
 

@@ -430,25 +430,29 @@ def run_row(args, mesh, case, seq_len):
 
 # ----------------------------------------------------------------------------- main
 
-def selection(ap, args):
-    """The cases of --cases (checked); --impls and --layouts made checked tuples in `args`."""
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        ap.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+def impls_and_layouts(ap, args):
+    """--impls and --layouts made checked tuples in `args`."""
     args.impls = tuple(i for i in args.impls.split(",") if i)
     args.layouts = tuple(x for x in args.layouts.split(",") if x)
     if not set(args.impls) <= set(IMPLS) or not set(args.layouts) <= set(LAYOUTS):
         ap.error(f"--impls from {IMPLS}, --layouts from {LAYOUTS}")
+
+
+def selection(ap, args):
+    """The cases of --cases (checked); --impls and --layouts as impls_and_layouts makes them."""
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    impls_and_layouts(ap, args)
     return cases
 
 
 def sp_mesh(ap, sp):
-    """The first `sp` devices as a mesh with the one axis "sp"."""
+    """bench_common.sp_mesh, after checking that --sp has its devices."""
     if jax.device_count() < sp:
         ap.error(f"--sp {sp} needs {sp} devices, have {jax.device_count()}")
-    return jax.make_mesh((sp,), ("sp",), devices=jax.devices()[:sp],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return bc.sp_mesh(sp)
 
 
 def main():

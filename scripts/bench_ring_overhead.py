@@ -78,8 +78,7 @@ def decompose(rec, target):
 
 def measure(args, impl, layout, sp, seq_len):
     case = br.CASES["docs_s32"]
-    mesh = jax.make_mesh((sp,), ("sp",), devices=jax.devices()[:sp],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = bc.sp_mesh(sp)
     x = br.row_inputs(case, seq_len, sp)
     block = br.layout_block(min(args.block, seq_len // sp), seq_len // sp, layout)
     inputs = {"docs": (x, True), "one_doc": (one_document(x), True), "noskip": (x, False),
@@ -154,11 +153,8 @@ def main():
                     help="pin the process to one core (read before jax starts)")
     bc.add_output_arguments(ap, "bench_ring_overhead")
     args = ap.parse_args()
-    impls = [i for i in args.impls.split(",") if i]
-    layouts = [x for x in args.layouts.split(",") if x]
+    br.impls_and_layouts(ap, args)
     sps = [int(s) for s in args.sps.split(",") if s]
-    if not set(impls) <= set(br.IMPLS) or not set(layouts) <= set(br.LAYOUTS):
-        ap.error(f"--impls from {br.IMPLS}, --layouts from {br.LAYOUTS}")
     if not sps or any(sp < 1 or sp > jax.device_count() or args.seq_len % sp for sp in sps):
         ap.error(f"--sps {args.sps}: each must divide --seq-len and be at most "
                  f"{jax.device_count()} (the devices)")
@@ -167,7 +163,7 @@ def main():
                            "repeats": args.repeats, "target": args.target,
                            "one_core": args.one_core},
               "rows": [measure(args, impl, layout, sp, args.seq_len)
-                       for sp in sps for impl in impls for layout in layouts]}
+                       for sp in sps for impl in args.impls for layout in args.layouts]}
     report = markdown(result)
     bc.write_json(args.json, result)
     bc.write_section("bench_ring_overhead", report, args.md)
