@@ -28,6 +28,7 @@ fresh shuffle seeded with the step, and the sentence says so.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import sys
@@ -95,21 +96,35 @@ def _is_abandoned_write_callback(unraisable) -> bool:
             and str(unraisable.exc_value) == "Event loop is closed")
 
 
-def _drop_abandoned_write_callbacks() -> None:
-    """Installs (once per process) a sys.unraisablehook that drops those callbacks' errors and
-    passes every other one on. A save that fails with writes in flight gave dozens of these
-    tracebacks, before or after the one line that reports the failure, depending on timing. With
-    LONGCTX_DEBUG=1 (`--verbose`) they are kept."""
+def _is_abandoned_read(unraisable) -> bool:
+    """One of Orbax's reads still pending when its restore failed on another array (a corrupt
+    checkpoint, which restore_or_init reports and sets aside): when the coroutine is collected,
+    the GeneratorExit that closes it is caught by Orbax's `except BaseException` and raised again
+    as an Exception, which Python reports through sys.unraisablehook with the coroutine as object."""
+    coroutine = unraisable.object
+    return (inspect.iscoroutine(coroutine)
+            and f"{os.sep}orbax{os.sep}" in coroutine.cr_code.co_filename
+            and isinstance(getattr(unraisable.exc_value, "__cause__", None), GeneratorExit))
+
+
+def _drop_reports_of_abandoned_io() -> None:
+    """Installs (once per process) a sys.unraisablehook that drops the errors of abandoned writes
+    and reads (above) and passes every other one on. A save that fails with writes in flight gave
+    dozens of tracebacks, before or after the one line that reports the failure, depending on
+    timing; a resume past a corrupt checkpoint, about one run in ten here, fifteen tracebacks of
+    sixty lines each after its one-line warning. With LONGCTX_DEBUG=1 (`--verbose`) they are
+    kept."""
     previous = sys.unraisablehook
-    if getattr(previous, "drops_abandoned_write_callbacks", False):
+    if getattr(previous, "drops_reports_of_abandoned_io", False):
         return
 
     def hook(unraisable) -> None:
-        if _is_abandoned_write_callback(unraisable) and not cli.debug_enabled():
+        abandoned = _is_abandoned_write_callback(unraisable) or _is_abandoned_read(unraisable)
+        if abandoned and not cli.debug_enabled():
             return
         previous(unraisable)
 
-    hook.drops_abandoned_write_callbacks = True
+    hook.drops_reports_of_abandoned_io = True
     sys.unraisablehook = hook
 
 
@@ -131,7 +146,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         for logger in ("absl", "asyncio"):  # (added once each: a logger's filters are a set)
             logging.getLogger(logger).addFilter(_ORBAX_FAILURE_LOGS)
-        _drop_abandoned_write_callbacks()
+        _drop_reports_of_abandoned_io()
         self._saving: int | None = None  # the step of the save in flight
         self._failed: errors.RunError | None = None
         self._check_model_shape()
