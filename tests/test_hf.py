@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from configs import base
+from longctx import config as config_lib
 from longctx import hf, inference, params_io
 from longctx.errors import ConfigError
 
@@ -44,8 +45,9 @@ def convert(hf_dir: str, out: str) -> str:
     """HF directory -> longctx checkpoint directory, the library path scripts/convert_hf.py takes."""
     config = converted_config(hf_dir)
     runner = inference.make_runner(config, lambda a, s: hf.load_params(hf_dir, config, a, s))
-    params_io.save(out, config, runner.params, source=hf_dir,
-                   files={"hf_config.json": json.dumps(hf.read_config(hf_dir))})
+    params_io.save(out, config, runner.params, source=hf_dir)
+    with open(os.path.join(out, "hf_config.json"), "w") as f:  # (as to-longctx writes it)
+        json.dump(hf.read_config(hf_dir), f)
     return out
 
 
@@ -258,13 +260,68 @@ def test_init_from_accepts_a_converted_checkpoint(converted, tmp_path):
     assert "fresh start with parameters from" in note
     # The source's config.json comes along, so that exporting this run keeps its token ids.
     assert note.endswith("; hf_config.json carried along for export"), note
-    carried = params_io.hf_config_path(str(tmp_path / "run" / "checkpoints" / "7"))
-    assert carried == str(tmp_path / "run" / "hf_config.json")
+    os.makedirs(tmp_path / "run" / "checkpoints" / "7" / "state")  # (a step directory's shape)
+    for path in ("run", "run/checkpoints", "run/checkpoints/7"):  # what to-hf --checkpoint takes
+        assert params_io.hf_config_path(str(tmp_path / path)) == str(tmp_path / "run" / "hf_config.json")
+    carried = str(tmp_path / "run" / "hf_config.json")
     assert json.load(open(carried)) == hf.read_config(os.path.join(ASSETS, "llama_tied"))
     source = dict(hf.iter_hf_tensors(os.path.join(ASSETS, "llama_tied")))
     np.testing.assert_array_equal(np.asarray(state.params["embed"][...]), source["model.embed_tokens.weight"])
     np.testing.assert_array_equal(np.asarray(state.params["blocks"]["w_down"][...])[1],
                                   source["model.layers.1.mlp.down_proj.weight"].T)
+
+
+@pytest.mark.parametrize("change, refused", [
+    ({"model.rope_theta": 500_000.0}, "model.rope_theta: checkpoint 10000.0 vs config 500000.0"),
+    ({"model.norm_eps": 1e-6}, "model.norm_eps: checkpoint 1e-05 vs config 1e-06"),
+    ({"attention.sliding_window": 99}, "attention.sliding_window: checkpoint None vs config 99"),
+    ({"attention.causal": False}, "attention.causal: checkpoint True vs config False"),
+])
+def test_init_from_refuses_a_model_that_computes_another_function(converted, tmp_path, change, refused):
+    """Same shapes, another function: refused before anything is compiled, in one sentence naming
+    the key and the flag that accepts it; accepted when checkpoint.init_from_allow names it."""
+    from longctx import checkpoint as checkpoint_lib
+
+    config = converted_config(os.path.join(ASSETS, "llama_untied"), **change)
+    config.checkpoint.init_from = converted["llama_untied"]
+    key = refused.split(":")[0]
+    with pytest.raises(ConfigError) as raised:
+        checkpoint_lib.Checkpointer(str(tmp_path / "run"), config)
+    message = str(raised.value)
+    assert refused in message and f"--config.checkpoint.init_from_allow={key} " in message
+    assert "\n" not in message and message.count(". ") == 0, message
+    config.checkpoint.init_from_allow = f"model.mlp_dim,{key}"  # (validate refuses the first)
+    with pytest.raises(ConfigError, match="init_from_allow names 'model.mlp_dim', which init_from does not compare"):
+        config_lib.validate(config)
+    config.checkpoint.init_from_allow = key
+    config_lib.validate(config)
+    checkpointer = checkpoint_lib.Checkpointer(str(tmp_path / "run"), config)
+    checkpointer.close()
+    assert checkpointer._init_from_changes == [refused]
+
+
+def test_init_from_lists_the_context_extension_and_refuses_other_scaling(converted, tmp_path):
+    """README's recipe: the converted model plus RoPE scaling and a longer seq_len starts, and the
+    start-up line lists both; changing the scaling a model already has is refused."""
+    from longctx import checkpoint as checkpoint_lib
+
+    extension = {"model.rope_scaling.type": "llama3", "model.rope_scaling.factor": 8.0,
+                 "model.rope_scaling.original_max_position": 512, "data.seq_len": 1024,
+                 "train.loss_chunk_size": 256}
+    config = converted_config(os.path.join(ASSETS, "llama_untied"), **extension)
+    config.checkpoint.init_from = converted["llama_untied"]
+    checkpointer = checkpoint_lib.Checkpointer(str(tmp_path / "run"), config)
+    checkpointer.close()
+    assert checkpointer._init_from_changes == [
+        "data.seq_len: checkpoint 512 vs config 1024",
+        "model.rope_scaling: checkpoint none vs config llama3(factor=8.0, low_freq_factor=1.0, "
+        "high_freq_factor=4.0, original_max_position=512)"]
+
+    config = converted_config(os.path.join(ASSETS, "llama3_scaling"), **{"model.rope_scaling.factor": 4.0})
+    config.checkpoint.init_from = converted["llama3_scaling"]
+    with pytest.raises(ConfigError, match=r"model\.rope_scaling: checkpoint llama3\(factor=8\.0, .*\) vs "
+                                          r"config llama3\(factor=4\.0, "):
+        checkpoint_lib.Checkpointer(str(tmp_path / "run2"), config)
 
 
 # ----------------------------------------------------------------------------- output directories
@@ -323,10 +380,10 @@ def test_reader_prefers_model_safetensors_as_transformers_does(tmp_path):
               os.path.join(directory, "model-00001-of-00001.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, hf.INDEX_FILE), "w") as f:
         json.dump({"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}}, f)
-    assert hf.ignored_index(directory)
     again = dict(hf.iter_hf_tensors(directory))
     assert sorted(again) == sorted(tensors)
     assert all(again[k].tobytes() == v.tobytes() for k, v in tensors.items())
+    assert hf.ignored_index(directory)  # (to-longctx says so)
 
 
 def test_params_io_overwrite_keeps_the_old_directory_when_the_save_fails(converted, tmp_path, monkeypatch):
@@ -373,6 +430,27 @@ def test_llama31_config_gives_the_extend_preset_model():
     # Llama-3-8B (8K, no scaling) differs only in the RoPE scaling the preset adds.
     llama3 = {k: v for k, v in LLAMA31_8B.items() if k != "rope_scaling"}
     assert hf.print_overrides(hf.config_overrides(llama3), base=preset) == "--config.model.rope_scaling.type=none"
+
+
+def test_extend_recipe_passes_the_init_from_check():
+    """README's recipe: Llama-3-8B converted with the default --config, then the
+    llama3_8b_extend_128k preset started from it: nothing refused, two changes listed."""
+    from longctx import checkpoint_compat as compat
+
+    llama3 = {k: v for k, v in LLAMA31_8B.items() if k != "rope_scaling"}
+    converted = base.get_config()
+    hf.apply_overrides(converted, hf.config_overrides(llama3))
+    preset = base.get_config("llama3_8b_extend_128k")
+    listed, refused = compat.init_from_differences(converted.to_dict(), preset.to_dict(), ())
+    assert refused == []
+    assert listed == ["data.seq_len: checkpoint 2048 vs config 131072",
+                      "model.rope_scaling: checkpoint none vs config llama3(factor=8.0, low_freq_factor=1.0, "
+                      "high_freq_factor=4.0, original_max_position=8192)"]
+    # Converted from Llama-3.1 (which has the scaling) but started without it: refused.
+    hf.apply_overrides(converted, hf.config_overrides(LLAMA31_8B))
+    listed, refused = compat.init_from_differences(converted.to_dict(), base.get_config("llama3_8b_128k").to_dict(), ())
+    assert refused == ["model.rope_scaling: checkpoint llama3(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, "
+                       "original_max_position=8192) vs config none"]
 
 
 def test_mistral_window_maps_exactly():
