@@ -8,7 +8,12 @@ Layout of `workdir/checkpoints/<step>/`:
 
 Resume order (`restore_or_init`): (1) the newest complete checkpoint in `workdir`; (2) else
 `checkpoint.init_from` (parameters only: a workdir, its checkpoints/ directory, or one step
-directory); (3) else a fresh start. The returned sentence says which one happened.
+directory); (3) else a fresh start. The returned sentence says which one happened. init_from's
+model must have this run's shapes and compute the same function (checkpoint_compat.INIT_FROM_KEYS:
+RoPE, norm_eps, the mask): context extension's changes (RoPE scaling added, data.seq_len) are
+listed in that sentence, any other is refused unless checkpoint.init_from_allow names it. A Hugging
+Face source's config.json (HF_CONFIG_FILE beside init_from's checkpoints/) is copied into the
+workdir, for the export.
 
 Crash safety. Orbax writes each step into `<step>.orbax-checkpoint-tmp` and renames it when
 complete, so a run killed mid-save leaves only complete steps visible (the leftover tmp directory is

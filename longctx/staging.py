@@ -31,13 +31,20 @@ def _is_used(directory: str) -> bool:
     return os.path.isdir(directory) and bool(os.listdir(directory))
 
 
-def check_destination(directory: str, overwrite: bool, flag: str = "--out") -> None:
-    """Raises ConfigError when `directory` cannot take a new export (say it before any work)."""
+def check_destination(directory: str, overwrite: bool, flag: str = "--out",
+                      source: tuple[str, str] | None = None) -> None:
+    """Raises ConfigError when `directory` cannot take a new export (say it before any work).
+    `source` (flag, path): what the export reads, which replacing `directory` must not delete."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ConfigError(f"{flag}={directory} is a file, not a directory.")
     if _is_used(directory) and not overwrite:
         raise ConfigError(f"{flag}={directory} is not empty; pass --overwrite to replace it (the old "
                           "contents are kept until the new ones are complete).")
+    if source is not None and "://" not in source[1]:
+        out, read = os.path.realpath(directory), os.path.realpath(source[1])
+        if read == out or read.startswith(out.rstrip(os.sep) + os.sep):
+            raise ConfigError(f"{flag}={directory} holds {source[0]}={source[1]}, which replacing it would "
+                              f"delete; choose another {flag}.")
 
 
 def _set_modes(root: str) -> None:

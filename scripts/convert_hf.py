@@ -94,7 +94,7 @@ def to_longctx(args) -> int:
         return 0
     if not args.out:
         raise ConfigError("to-longctx needs --out (or --print-config).")
-    staging.check_destination(args.out, args.overwrite)  # before minutes of reading weights
+    staging.check_destination(args.out, args.overwrite, source=("--hf", args.hf))  # before minutes of reading
     if hf.ignored_index(args.hf):
         print(f"convert_hf: {args.hf} holds both {hf.SINGLE_FILE} and {hf.INDEX_FILE}; reading "
               f"{hf.SINGLE_FILE}, as transformers does.")
@@ -122,7 +122,7 @@ def to_longctx(args) -> int:
 def to_hf(args) -> int:
     import jax
 
-    staging.check_destination(args.out, args.overwrite)  # before the parameters are read
+    staging.check_destination(args.out, args.overwrite, source=("--checkpoint", args.checkpoint))  # before reading
     template_path = args.hf_config or params_io.hf_config_path(args.checkpoint)
     template = None
     if os.path.isfile(template_path):

@@ -199,7 +199,8 @@ def test_yarn_export_as_written_before_is_read_differently_by_transformers_4():
     """Why YaRN's max_position_embeddings must be factor x original: the export longctx wrote
     before (the 32,768-token training length) is read by transformers 4.51 as factor 8, not 4."""
     before = EXPORT_GOLDEN["written_before"]["yarn_written_before"]
-    assert before["max_position_embeddings"] == 2 * EXPORT_GOLDEN["cases"]["yarn"]["exported"]["max_position_embeddings"]
+    fixed = EXPORT_GOLDEN["cases"]["yarn"]["exported"]
+    assert before["max_position_embeddings"] == 2 * fixed["max_position_embeddings"] == 32_768
     readings = EXPORT_GOLDEN["transformers"]
     assert readings["4.51.3"]["yarn_written_before"]["exported"] != readings["4.51.3"]["yarn"]["source_rope_type"]
     assert readings["4.51.3"]["yarn_written_before"]["exported"]["attention_scaling"] == pytest.approx(
@@ -367,6 +368,17 @@ def test_export_into_a_used_directory(converted, tmp_path, monkeypatch):
     assert {oct(os.stat(os.path.join(out, f)).st_mode & 0o777) for f in written} == {oct(0o644)}
     source = dict(hf.iter_hf_tensors(os.path.join(ASSETS, "llama_untied")))
     assert all(v.tobytes() == source[k].tobytes() for k, v in hf.iter_hf_tensors(out))
+
+
+def test_overwrite_never_deletes_what_the_export_reads(tmp_path):
+    from longctx import staging
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    for out in (tmp_path, tmp_path / "run"):
+        with pytest.raises(ConfigError, match=rf"^--out={out} holds --checkpoint={tmp_path}/run/checkpoints, "
+                                              r"which replacing it would delete; choose another --out\.$"):
+            staging.check_destination(str(out), True, source=("--checkpoint", str(tmp_path / "run/checkpoints")))
+    staging.check_destination(str(tmp_path / "run2"), True, source=("--checkpoint", str(tmp_path / "run")))
 
 
 def test_reader_prefers_model_safetensors_as_transformers_does(tmp_path):
