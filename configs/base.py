@@ -158,6 +158,9 @@ def _base() -> ml_collections.ConfigDict:
             max_to_keep=3,
             keep_period=_optional_int(),  # also keep every keep_period-th step permanently
             init_from="",  # checkpoint directory to take parameters from on a fresh start
+            # init_from's model must compute the same function (RoPE, norm_eps, mask: the keys in
+            # longctx/checkpoint_compat.py INIT_FROM_KEYS); "key,key" accepts these differences.
+            init_from_allow="",
             async_save=True,
         )
     )

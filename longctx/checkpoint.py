@@ -8,7 +8,12 @@ Layout of `workdir/checkpoints/<step>/`:
 
 Resume order (`restore_or_init`): (1) the newest complete checkpoint in `workdir`; (2) else
 `checkpoint.init_from` (parameters only: a workdir, its checkpoints/ directory, or one step
-directory); (3) else a fresh start. The returned sentence says which one happened.
+directory); (3) else a fresh start. The returned sentence says which one happened. init_from's
+model must have this run's shapes and compute the same function (checkpoint_compat.INIT_FROM_KEYS:
+RoPE, norm_eps, the mask): context extension's changes (RoPE scaling added, data.seq_len) are
+listed in that sentence, any other is refused unless checkpoint.init_from_allow names it. A Hugging
+Face source's config.json (HF_CONFIG_FILE beside init_from's checkpoints/) is copied into the
+workdir, for the export.
 
 Crash safety. Orbax writes each step into `<step>.orbax-checkpoint-tmp` and renames it when
 complete, so a run killed mid-save leaves only complete steps visible (the leftover tmp directory is
@@ -49,6 +54,9 @@ from longctx import errors
 from longctx import workdir as workdir_lib
 
 _STATE, _DATA, _CONFIG, _METADATA = "state", "data", "config", "metadata"
+# A Hugging Face source model's config.json, kept beside checkpoints/ (scripts/convert_hf.py
+# to-longctx writes it; a run started from it with init_from copies it into its workdir).
+HF_CONFIG_FILE = "hf_config.json"
 
 
 def _handlers() -> dict:
@@ -148,6 +156,7 @@ class Checkpointer:
             logging.getLogger(logger).addFilter(_ORBAX_FAILURE_LOGS)
         _drop_reports_of_abandoned_io()
         self._saving: int | None = None  # the step of the save in flight
+        self._init_from_changes: list[str] = []  # what this run changes from init_from's model
         self._failed: errors.RunError | None = None
         self._check_model_shape()
 
@@ -164,12 +173,7 @@ class Checkpointer:
         step = self.manager.latest_step()
         if step is None:
             if self.config.checkpoint.init_from:
-                directory, step = _resolve_init_from(self.config.checkpoint.init_from)
-                where = f"checkpoint.init_from={self.config.checkpoint.init_from!r} (step {step})"
-                with _read_only_manager(directory) as manager:
-                    error = compat.model_shape_error(self.config, where, _read_or_explain(where, self._saved_config, manager, step))
-                if error:
-                    raise error
+                self._check_init_from()
             return
         try:
             saved = self._saved_config(self.manager, step)
@@ -181,6 +185,27 @@ class Checkpointer:
         changed = compat.section_differences(saved, self.config.to_dict(), "model", skip=compat.SHAPE_KEYS)
         if changed:
             _say("resuming with changed model settings (parameter shapes are the same): " + "; ".join(changed))
+
+    def _check_init_from(self) -> None:
+        """init_from's model must be this run's: the same shapes, and the same function (RoPE,
+        norm, mask: compat.INIT_FROM_KEYS) except what context extension changes on purpose or
+        checkpoint.init_from_allow names; those are kept for the start-up line."""
+        directory, step = _resolve_init_from(self.config.checkpoint.init_from)
+        where = f"checkpoint.init_from={self.config.checkpoint.init_from!r} (step {step})"
+        with _read_only_manager(directory) as manager:
+            saved = _read_or_explain(where, self._saved_config, manager, step)
+        error = compat.model_shape_error(self.config, where, saved)
+        if error:
+            raise error
+        allowed = compat.init_from_allowed(self.config)
+        listed, refused = compat.init_from_differences(saved, self.config.to_dict(), allowed)
+        if refused:
+            keys = ",".join(text.split(":")[0] for text in refused)
+            raise config_lib.ConfigError(
+                f"the model in {where} computes another function than this config's: {'; '.join(refused)}; "
+                f"set them as the checkpoint has, or pass --config.checkpoint.init_from_allow={keys} "
+                "if the change is meant.")
+        self._init_from_changes = listed
 
     # ------------------------------------------------------------------ restore
 
@@ -224,8 +249,11 @@ class Checkpointer:
         init_from = self.config.checkpoint.init_from
         if init_from:
             params, where = self._params_from(init_from, target)
+            carried = _carry_hf_config(init_from, self.workdir)
+            changed = (f"; changed from its model: {'; '.join(self._init_from_changes)}"
+                       if self._init_from_changes else "")
             return state.replace(params=params), make_data_iterator(), (
-                f"fresh start with parameters from {where} and a fresh optimizer state")
+                f"fresh start with parameters from {where} and a fresh optimizer state{changed}{carried}")
         return state, make_data_iterator(), "fresh start"
 
     def _read_step_info(self, step: int) -> dict:
@@ -399,6 +427,28 @@ def _read_or_explain(where: str, read, *args):
         raise
     except Exception as e:  # noqa: BLE001
         raise config_lib.ConfigError(f"{where} could not be read ({errors.first_line(e)}).") from e
+
+
+def run_directory(path: str):
+    """The directory that holds checkpoints/ for a workdir, its checkpoints/ directory or a step
+    directory (where a run keeps files beside its checkpoints, e.g. HF_CONFIG_FILE)."""
+    path = workdir_lib.resolve(path)
+    if (path / _STATE).is_dir() and path.name.isdigit():
+        path = path.parent
+    return path.parent if path.name == "checkpoints" and not (path / "checkpoints").is_dir() else path
+
+
+def _carry_hf_config(init_from: str, workdir) -> str:
+    """Copies the source model's config.json (HF_CONFIG_FILE) from beside init_from's checkpoints
+    into this run's workdir, so that exporting the run (`convert_hf.py to-hf`) keeps the fields
+    longctx does not know (bos/eos/pad token ids, ...). Returns a note for the start-up line."""
+    source = run_directory(init_from) / HF_CONFIG_FILE
+    target = workdir / HF_CONFIG_FILE
+    if not source.exists() or target.exists():
+        return ""
+    if jax.process_index() == 0:
+        target.write_text(source.read_text())
+    return f"; {HF_CONFIG_FILE} carried along for export"
 
 
 def _resolve_init_from(path: str) -> tuple[str, int]:

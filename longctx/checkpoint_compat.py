@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from longctx import rope
 from longctx.errors import ConfigError
 
 # Config keys that fix the shapes (or presence) of parameters: a difference is an error on resume.
@@ -89,3 +90,53 @@ def check_fits(config, where: str, saved_config: dict, saved_arrays: dict, targe
     if diffs:
         raise ConfigError(f"the train state in {where} does not fit this run's (optimizer or model "
                           f"settings changed?): " + "; ".join(diffs) + f". {_NEW_WORKDIR}")
+
+
+# ----------------------------------------------------------------------------- init_from
+
+# Config keys that, besides the shapes, define the function a model's parameters compute: a run
+# started (checkpoint.init_from) from parameters trained with other values trains another
+# function, e.g. a converted Llama read with the wrong rope_theta or without its window. A
+# difference is refused unless checkpoint.init_from_allow names the key. (model.rope_scaling is
+# one key: its type and the values that type reads.)
+INIT_FROM_KEYS = ("model.rope_theta", "model.rope_scaling", "model.norm_eps", "model.final_logits_soft_cap",
+                  "attention.causal", "attention.sliding_window", "attention.chunk_size",
+                  "attention.logits_soft_cap")
+# Changed on purpose by context extension (README "Extend a released model"): listed, never refused.
+_EXTENSION_KEYS = ("data.seq_len",)
+
+
+def _rope_scaling(config: dict) -> str:
+    """'none', or 'llama3(factor=8.0, ...)': the type and only the values it reads."""
+    scaling = (config.get("model") or {}).get("rope_scaling") or {"type": "none"}
+    kind = scaling.get("type", "none")
+    values = ", ".join(f"{k}={scaling.get(k)!r}" for k in rope.KEYS_BY_TYPE.get(kind, ()) if scaling.get(k) is not None)
+    return f"{kind}({values})" if values else kind
+
+
+def init_from_differences(saved: dict, current: dict, allowed) -> tuple[list[str], list[str]]:
+    """(changes to list, changes to refuse) between init_from's saved config and this run's.
+
+    Listed: the context-extension changes (data.seq_len; RoPE scaling added to a model that had
+    none) and the differences `allowed` names. Refused: every other INIT_FROM_KEYS difference."""
+    listed, refused = config_differences(saved, current, _EXTENSION_KEYS), []
+    for key in INIT_FROM_KEYS:
+        if key == "model.rope_scaling":
+            before, after = _rope_scaling(saved), _rope_scaling(current)
+            if before == after:
+                continue
+            text = f"{key}: checkpoint {before} vs config {after}"
+            extension = before == "none"
+        else:
+            (text,) = config_differences(saved, current, [key]) or (None,)
+            if text is None:
+                continue
+            extension = False
+        (listed if extension or key in allowed else refused).append(text)
+    return listed, refused
+
+
+def init_from_allowed(config) -> tuple[str, ...]:
+    """The keys of `checkpoint.init_from_allow` ("key,key"; absent from older configs)."""
+    text = config.checkpoint.get("init_from_allow") or ""
+    return tuple(k.strip() for k in text.split(",") if k.strip())

@@ -138,7 +138,18 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(c.max_to_keep >= 1, f"checkpoint.max_to_keep={c.max_to_keep} must be at least 1.")
     _require(c.keep_period is None or c.keep_period > 0,
              f"checkpoint.keep_period={c.keep_period} must be positive.")
+    _check_init_from_allow(config)
     return {mesh_lib.DP: dp, mesh_lib.FSDP: fsdp, mesh_lib.SP: sp}
+
+
+def _check_init_from_allow(config) -> None:
+    """checkpoint.init_from_allow names only keys that init_from compares."""
+    from longctx import checkpoint_compat
+
+    for key in checkpoint_compat.init_from_allowed(config):
+        _require(key in checkpoint_compat.INIT_FROM_KEYS,
+                 f"checkpoint.init_from_allow names {key!r}, which init_from does not compare; it takes "
+                 f"a comma-separated list of {', '.join(checkpoint_compat.INIT_FROM_KEYS)}.")
 
 
 def _check_rope_scaling(s) -> None:

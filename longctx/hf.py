@@ -47,6 +47,7 @@ import ml_dtypes
 import numpy as np
 
 from longctx import rope as rope_lib
+from longctx import staging
 from longctx.errors import ConfigError, MissingFileError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
@@ -193,6 +194,24 @@ def _unsupported_for_export(config) -> str | None:
     return next((what for bad, what in checks if bad), None)
 
 
+def _max_position_embeddings(hf_rope: dict | None, template: int | None, seq_len: int) -> int:
+    """config.json's max_position_embeddings for the exported RoPE.
+
+    YaRN: exactly round(factor x original_max_position_embeddings). transformers 4.4x-4.5x read
+    YaRN's factor back as max_position_embeddings / original_max_position_embeddings (ignoring
+    `factor`), and later versions warn when the two disagree; any other value (the template's, or
+    a longer training length) would make transformers compute other frequencies than the model
+    was trained with. Otherwise (llama3, linear, none) transformers does not derive the
+    frequencies from it: the longest of the template's, factor x original (llama3 wants it above
+    the original) and the training length."""
+    if hf_rope and hf_rope["rope_type"] == "yarn":
+        return int(round(hf_rope["factor"] * hf_rope["original_max_position_embeddings"]))
+    longest = max(int(template or 0), int(seq_len))
+    if hf_rope and "original_max_position_embeddings" in hf_rope:
+        longest = max(longest, int(round(hf_rope["factor"] * hf_rope["original_max_position_embeddings"])))
+    return longest
+
+
 def export_config(config, dtype: np.dtype, template: dict | None = None) -> dict:
     """A HF config.json for the longctx model in `config`. `template` (the source model's
     config.json) keeps the fields longctx does not know (token ids, max_position_embeddings)."""
@@ -208,13 +227,7 @@ def export_config(config, dtype: np.dtype, template: dict | None = None) -> dict
         (out.get("architectures") or ["LlamaForCausalLM"])[0])
     if arch not in ARCHITECTURES:
         arch = "LlamaForCausalLM"
-    scaling = m.get("rope_scaling")
-    hf_rope = rope_lib.to_hf(scaling)
-    max_positions = int(out.get("max_position_embeddings") or 0)
-    if hf_rope and "original_max_position_embeddings" in hf_rope:
-        # YaRN in transformers checks factor == max_position_embeddings / original; llama3 wants
-        # max_position_embeddings above the original.
-        max_positions = max(max_positions, int(round(hf_rope["factor"] * hf_rope["original_max_position_embeddings"])))
+    hf_rope = rope_lib.to_hf(m.get("rope_scaling"))
     out.update({
         "architectures": [arch], "model_type": ARCHITECTURES[arch],
         "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.mlp_dim,
@@ -222,7 +235,8 @@ def export_config(config, dtype: np.dtype, template: dict | None = None) -> dict
         "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
         "rms_norm_eps": m.norm_eps, "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False, "mlp_bias": False,
-        "max_position_embeddings": max(max_positions, config.data.seq_len),
+        "max_position_embeddings": _max_position_embeddings(hf_rope, out.get("max_position_embeddings"),
+                                                            config.data.seq_len),
         # The spelling of released Llama-3.1 checkpoints: transformers 4.x reads only this, 5.x both.
         "rope_theta": float(m.rope_theta), "rope_scaling": hf_rope,
         "torch_dtype": _DTYPE_NAMES[np.dtype(dtype)],
@@ -235,21 +249,30 @@ def export_config(config, dtype: np.dtype, template: dict | None = None) -> dict
 # ----------------------------------------------------------------------------- safetensors files
 
 
+def ignored_index(directory: str) -> bool:
+    """Whether `directory` holds both model.safetensors and an index (SafetensorsFiles reads the
+    former, as transformers does; the index is most likely another export's)."""
+    return all(os.path.isfile(os.path.join(directory, f)) for f in (SINGLE_FILE, INDEX_FILE))
+
+
 class SafetensorsFiles:
     """The tensors of a HF checkpoint directory (one file or an index of shards), memory-mapped."""
 
     def __init__(self, directory: str):
         self.directory = directory
         index, single = os.path.join(directory, INDEX_FILE), os.path.join(directory, SINGLE_FILE)
-        if os.path.isfile(index):
+        # transformers' precedence (`from_pretrained` of a local directory, 4.x and 5.x): the single
+        # model.safetensors first, the index only when there is none. A directory holding both
+        # (e.g. exports of different sizes written into one place) is read as transformers reads it.
+        if os.path.isfile(single):
+            files = [SINGLE_FILE]
+        elif os.path.isfile(index):
             try:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ConfigError(f"{index} is not a safetensors index ({type(e).__name__}: {e}).") from None
             files = sorted(set(weight_map.values()))
-        elif os.path.isfile(single):
-            files = [SINGLE_FILE]
         else:
             raise MissingFileError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE} (weights in "
                                    "pytorch_model.bin must be saved as safetensors first).")
@@ -422,16 +445,25 @@ def _shard_groups(tensors, itemsize: int, max_shard_bytes: int) -> list[list]:
 
 
 def write_hf(params, config, directory: str, *, dtype, template: dict | None = None,
-             max_shard_bytes: int = 5 << 30) -> list[str]:
+             max_shard_bytes: int = 5 << 30, overwrite: bool = False) -> list[str]:
     """Writes config.json and safetensors shards (with an index when there are several) that
-    `transformers` loads; returns the files written. One shard's tensors are on the host at a time."""
+    `transformers` loads; returns the files written. One shard's tensors are on the host at a time.
+
+    A non-empty `directory` is refused unless `overwrite`; the files are written into a sibling
+    directory that then replaces `directory` whole (longctx/staging.py), so no file of an older
+    export is left beside the new ones and a failed export leaves the old one as it was."""
     if jax.process_count() > 1:
         raise ConfigError("export to Hugging Face runs in one process (it gathers each tensor to the host).")
-    from safetensors.numpy import save_file
-
     dtype = np.dtype(dtype)
     hf_config = export_config(config, dtype, template)
-    os.makedirs(directory, exist_ok=True)
+    with staging.staged(directory, overwrite) as out:
+        return _write_files(params, config, out, dtype, hf_config, max_shard_bytes)
+
+
+def _write_files(params, config, directory: str, dtype: np.dtype, hf_config: dict,
+                 max_shard_bytes: int) -> list[str]:
+    from safetensors.numpy import save_file
+
     tensors = exported_tensors(params, config)
     groups = _shard_groups(tensors, dtype.itemsize, max_shard_bytes)
     names = ([SINGLE_FILE] if len(groups) == 1 else

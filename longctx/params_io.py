@@ -16,7 +16,6 @@ mesh gives them.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 
 import jax
@@ -25,6 +24,7 @@ import orbax.checkpoint as ocp
 
 import longctx
 from longctx import checkpoint as checkpoint_lib
+from longctx import staging
 from longctx.errors import ConfigError, first_line
 
 # The item names of a longctx checkpoint step (longctx/checkpoint.py).
@@ -32,27 +32,37 @@ STATE, CONFIG, METADATA = "state", "config", "metadata"
 
 
 def save(directory: str, config: ml_collections.ConfigDict, params, *, source: str,
-         overwrite: bool = False) -> str:
-    """Writes `params` (an nnx.State of jax.Arrays) as step 0 of `directory`/checkpoints."""
-    if os.path.exists(directory) and os.listdir(directory):
-        if not overwrite:
-            raise ConfigError(f"output directory {directory} is not empty; pass --overwrite to replace it.")
-        shutil.rmtree(directory)
-    checkpoints = os.path.join(os.path.abspath(directory), "checkpoints")
-    handlers = {STATE: ocp.StandardCheckpointHandler(), CONFIG: ocp.JsonCheckpointHandler(),
-                METADATA: ocp.JsonCheckpointHandler()}
-    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-    metadata = {"step": 0, "source": source, "parameters_only": True,
-                "process_count": jax.process_count(), "longctx_version": longctx.__version__,
-                "jax_version": jax.__version__, "saved_at_unix": time.time()}
-    with ocp.CheckpointManager(checkpoints, options=options, item_handlers=handlers) as manager:
-        manager.save(0, args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardSave({"params": params}),
-            CONFIG: ocp.args.JsonSave(config.to_dict()),
-            METADATA: ocp.args.JsonSave(metadata),
-        }))
-        manager.wait_until_finished()
-    return os.path.join(checkpoints, "0")
+         overwrite: bool = False, files: dict[str, str] | None = None) -> str:
+    """Writes `params` (an nnx.State of jax.Arrays) as step 0 of `directory`/checkpoints, and
+    `files` ({name: text}) beside checkpoints/. A non-empty `directory` is refused unless
+    `overwrite`; everything is written into a sibling directory that then replaces `directory`
+    (longctx/staging.py), so a save that fails leaves the old contents as they were."""
+    with staging.staged(directory, overwrite) as out:
+        checkpoints = os.path.join(out, "checkpoints")
+        handlers = {STATE: ocp.StandardCheckpointHandler(), CONFIG: ocp.JsonCheckpointHandler(),
+                    METADATA: ocp.JsonCheckpointHandler()}
+        options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+        metadata = {"step": 0, "source": source, "parameters_only": True,
+                    "process_count": jax.process_count(), "longctx_version": longctx.__version__,
+                    "jax_version": jax.__version__, "saved_at_unix": time.time()}
+        with ocp.CheckpointManager(checkpoints, options=options, item_handlers=handlers) as manager:
+            manager.save(0, args=ocp.args.Composite(**{
+                STATE: ocp.args.StandardSave({"params": params}),
+                CONFIG: ocp.args.JsonSave(config.to_dict()),
+                METADATA: ocp.args.JsonSave(metadata),
+            }))
+            manager.wait_until_finished()
+        for name, text in (files or {}).items():
+            with open(os.path.join(out, name), "w") as f:
+                f.write(text)
+    return os.path.join(os.path.abspath(directory), "checkpoints", "0")
+
+
+def hf_config_path(path: str) -> str:
+    """Where the source model's config.json is kept for a longctx checkpoint `path` (a converted
+    directory or a training workdir, its checkpoints/ or a step directory): beside checkpoints/
+    (`checkpoint.HF_CONFIG_FILE`, written by to-longctx and carried along init_from)."""
+    return str(checkpoint_lib.run_directory(path) / checkpoint_lib.HF_CONFIG_FILE)
 
 
 def read_config(path: str) -> tuple[ml_collections.ConfigDict, str, int]:

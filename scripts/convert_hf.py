@@ -21,7 +21,11 @@ config_overrides.txt (the --config.model.* flags that describe the model, as pri
 to-hf writes config.json (the rope_theta + rope_scaling spelling of released Llama-3.1
 checkpoints, which transformers 4 and 5 both read) and model.safetensors, or shards of at most
 --max-shard-mb with model.safetensors.index.json. Fields longctx does not know (token ids, ...)
-come from --hf-config (default: the checkpoint directory's hf_config.json).
+come from --hf-config (default: the hf_config.json beside the checkpoint's checkpoints/, which
+to-longctx writes and a training run started from it with checkpoint.init_from carries along).
+Both commands refuse a non-empty --out unless --overwrite is given, and write into a sibling
+directory that replaces --out only once complete: no older export's file is left beside the new
+ones, and a failed export leaves the old one intact.
 
 check-logits takes int token ids [batch, n] (or [n]) from a .npy, or an .npz with `tokens` and
 optionally `positions`, `segment_ids` (packed rows; positions restart per document), `logits`
@@ -42,9 +46,11 @@ import os  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from longctx import checkpoint as checkpoint_lib  # noqa: E402
 from longctx import hf  # noqa: E402
 from longctx import inference  # noqa: E402
 from longctx import params_io  # noqa: E402
+from longctx import staging  # noqa: E402
 from longctx.errors import ConfigError, MissingFileError  # noqa: E402
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "base.py")
@@ -88,6 +94,10 @@ def to_longctx(args) -> int:
         return 0
     if not args.out:
         raise ConfigError("to-longctx needs --out (or --print-config).")
+    staging.check_destination(args.out, args.overwrite, source=("--hf", args.hf))  # before minutes of reading
+    if hf.ignored_index(args.hf):
+        print(f"convert_hf: {args.hf} holds both {hf.SINGLE_FILE} and {hf.INDEX_FILE}; reading "
+              f"{hf.SINGLE_FILE}, as transformers does.")
     hf.apply_overrides(config, overrides)
     import jax
 
@@ -97,11 +107,9 @@ def to_longctx(args) -> int:
     runner = inference.make_runner(run_config, lambda abstract, shardings: hf.load_params(
         args.hf, config, abstract, shardings))
     step_dir = params_io.save(args.out, config, runner.params, source=os.path.abspath(args.hf),
-                              overwrite=args.overwrite)
-    with open(os.path.join(args.out, "hf_config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
-    with open(os.path.join(args.out, "config_overrides.txt"), "w") as f:
-        f.write(flags + "\n")
+                              overwrite=args.overwrite, files={
+                                  checkpoint_lib.HF_CONFIG_FILE: json.dumps(hf_config, indent=2),
+                                  "config_overrides.txt": flags + "\n"})
     print(f"convert_hf: wrote {step_dir} ({config.model.num_layers} layers, vocab {config.model.vocab_size}, "
           f"{args.param_dtype}); start a run from it with --config.checkpoint.init_from={args.out} and "
           f"these overrides (also in {args.out}/config_overrides.txt):\n{flags}")
@@ -114,7 +122,8 @@ def to_longctx(args) -> int:
 def to_hf(args) -> int:
     import jax
 
-    template_path = args.hf_config or os.path.join(args.checkpoint, "hf_config.json")
+    staging.check_destination(args.out, args.overwrite, source=("--checkpoint", args.checkpoint))  # before reading
+    template_path = args.hf_config or params_io.hf_config_path(args.checkpoint)
     template = None
     if os.path.isfile(template_path):
         with open(template_path) as f:
@@ -130,7 +139,7 @@ def to_hf(args) -> int:
     runner = inference.runner_from_checkpoint(args.checkpoint, {
         **parse_mesh(args.mesh), "data.global_batch_size": jax.device_count(), "attention.impl": "xla"})
     written = hf.write_hf(runner.params, runner.config, args.out, dtype=np_dtype, template=template,
-                          max_shard_bytes=int(args.max_shard_mb * (1 << 20)))
+                          max_shard_bytes=int(args.max_shard_mb * (1 << 20)), overwrite=args.overwrite)
     print(f"convert_hf: wrote {args.out}: {', '.join(written)} ({dtype})")
     return 0
 
@@ -215,7 +224,8 @@ def main(argv=None) -> int:
     a.add_argument("--param-dtype", default="float32", choices=_PARAM_DTYPES,
                    help="longctx parameter dtype (float32 master weights for training)")
     a.add_argument("--mesh", default="1,-1,1", help="DP,FSDP,SP mesh the weights are sharded over while converting")
-    a.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    a.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --out (the old contents are kept until the new ones are complete)")
 
     b = sub.add_parser("to-hf", help="longctx checkpoint -> HF config.json + safetensors")
     b.add_argument("--checkpoint", required=True, metavar="PATH",
@@ -225,6 +235,8 @@ def main(argv=None) -> int:
     b.add_argument("--hf-config", metavar="FILE", help="source config.json whose other fields to keep")
     b.add_argument("--max-shard-mb", type=float, default=5000.0, help="largest safetensors file")
     b.add_argument("--mesh", default="1,-1,1", help="DP,FSDP,SP mesh the parameters are restored onto")
+    b.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --out (the old export is kept until the new one is complete)")
 
     c = sub.add_parser("check-logits", help="run token ids through a longctx checkpoint, write/compare logits")
     c.add_argument("--checkpoint", required=True, metavar="PATH")

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from configs import base
+from longctx import config as config_lib
 from longctx import hf, inference, params_io
 from longctx.errors import ConfigError
 
@@ -45,6 +46,8 @@ def convert(hf_dir: str, out: str) -> str:
     config = converted_config(hf_dir)
     runner = inference.make_runner(config, lambda a, s: hf.load_params(hf_dir, config, a, s))
     params_io.save(out, config, runner.params, source=hf_dir)
+    with open(os.path.join(out, "hf_config.json"), "w") as f:  # (as to-longctx writes it)
+        json.dump(hf.read_config(hf_dir), f)
     return out
 
 
@@ -131,9 +134,78 @@ def test_llama3_scaling_exports_in_both_spellings_readers_understand(converted, 
     assert exported["rope_theta"] == 500_000.0
     assert exported["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
-    assert exported["max_position_embeddings"] > 256
+    # factor x original = 2,048 (the fixture's own value), above the 512 tokens the model ran at.
+    assert exported["max_position_embeddings"] == 2048
     source = hf.read_config(os.path.join(ASSETS, "llama3_scaling"))  # rope_parameters spelling
     assert hf.config_overrides(exported) == hf.config_overrides(source)
+
+
+EXPORT_GOLDEN = json.load(open(os.path.join(ASSETS, "rope_export_golden.json")))
+EXPORT_KEYS = ("hidden_size", "num_attention_heads", "head_dim", "rope_theta", "max_position_embeddings",
+               "rope_scaling")
+
+
+def spelled(source: dict, key: str) -> dict:
+    """A config.json with its rope type under `key`: "type" (older releases) or "rope_type"."""
+    scaling = dict(source["rope_scaling"])
+    scaling[key] = scaling.pop("rope_type")
+    return {**LLAMA31_8B, **source, "rope_scaling": scaling}
+
+
+def longctx_rotary(hf_config: dict):
+    """The frequencies longctx computes for a config.json (as converted)."""
+    from longctx import rope
+
+    config = base.get_config()
+    hf.apply_overrides(config, hf.config_overrides(hf_config))
+    return rope.from_model_config(config.model)
+
+
+def assert_same_rotary(got, reading: dict, what: str) -> None:
+    expected = np.asarray(reading["inv_freq"], np.float32)
+    assert got.inv_freq.shape == expected.shape, what
+    # tests/test_rope.py: equal, or 1 ulp where torch's float32 pow is not correctly rounded.
+    assert np.abs(got.inv_freq.view(np.int32) - expected.view(np.int32)).max() <= 1, what
+    assert got.attention_scaling == pytest.approx(reading["attention_scaling"], rel=1e-12, abs=0), what
+
+
+@pytest.mark.parametrize("kind", ["linear", "llama3", "yarn"])
+@pytest.mark.parametrize("spelling", ["type", "rope_type"])
+def test_rope_scaling_exports_what_transformers_reads_as_the_source(kind, spelling):
+    """Source config.json (either spelling) -> longctx, trained at seq_len -> exported config.json.
+    The exported RoPE fields are exactly the expected ones (YaRN: max_position_embeddings =
+    factor x original, whatever the template's or the training length), and every transformers
+    version in the fixture (5.x; 4.51, which reads YaRN's factor back from max_position_embeddings;
+    4.57) computes from the export the frequencies it computes from the source, and longctx's."""
+    case = EXPORT_GOLDEN["cases"][kind]
+    source = spelled(case["source"], spelling)
+    config = base.get_config()
+    hf.apply_overrides(config, hf.config_overrides(source))
+    hf.apply_overrides(config, {"data.seq_len": case["seq_len"]})
+    exported = hf.export_config(config, np.float32, template=source)
+    assert {k: exported[k] for k in EXPORT_KEYS} == case["exported"]
+    assert exported["bos_token_id"] == LLAMA31_8B["bos_token_id"]  # the template's other fields
+    ours = longctx_rotary(exported)
+    assert_same_rotary(ours, {"inv_freq": longctx_rotary(source).inv_freq.astype(np.float64).tolist(),
+                              "attention_scaling": longctx_rotary(source).attention_scaling}, "round trip")
+    assert set(EXPORT_GOLDEN["transformers"]) >= {"4.51.3", "5.24.0"}
+    for version, readings in EXPORT_GOLDEN["transformers"].items():
+        reading = readings[kind]
+        assert reading["exported"] == reading[f"source_{spelling}"], f"transformers {version}"
+        assert_same_rotary(ours, reading["exported"], f"transformers {version}")
+
+
+def test_yarn_export_as_written_before_is_read_differently_by_transformers_4():
+    """Why YaRN's max_position_embeddings must be factor x original: the export longctx wrote
+    before (the 32,768-token training length) is read by transformers 4.51 as factor 8, not 4."""
+    before = EXPORT_GOLDEN["written_before"]["yarn_written_before"]
+    fixed = EXPORT_GOLDEN["cases"]["yarn"]["exported"]
+    assert before["max_position_embeddings"] == 2 * fixed["max_position_embeddings"] == 32_768
+    readings = EXPORT_GOLDEN["transformers"]
+    assert readings["4.51.3"]["yarn_written_before"]["exported"] != readings["4.51.3"]["yarn"]["source_rope_type"]
+    assert readings["4.51.3"]["yarn_written_before"]["exported"]["attention_scaling"] == pytest.approx(
+        0.1 * np.log(8.0) + 1)
+    assert readings["5.24.0"]["yarn_written_before"]["exported"] == readings["5.24.0"]["yarn"]["source_rope_type"]
 
 
 def write_bf16_copy(source: str, out: str) -> None:
@@ -187,10 +259,166 @@ def test_init_from_accepts_a_converted_checkpoint(converted, tmp_path):
         finally:
             checkpointer.close()
     assert "fresh start with parameters from" in note
+    # The source's config.json comes along, so that exporting this run keeps its token ids.
+    assert note.endswith("; hf_config.json carried along for export"), note
+    os.makedirs(tmp_path / "run" / "checkpoints" / "7" / "state")  # (a step directory's shape)
+    for path in ("run", "run/checkpoints", "run/checkpoints/7"):  # what to-hf --checkpoint takes
+        assert params_io.hf_config_path(str(tmp_path / path)) == str(tmp_path / "run" / "hf_config.json")
+    carried = str(tmp_path / "run" / "hf_config.json")
+    assert json.load(open(carried)) == hf.read_config(os.path.join(ASSETS, "llama_tied"))
     source = dict(hf.iter_hf_tensors(os.path.join(ASSETS, "llama_tied")))
     np.testing.assert_array_equal(np.asarray(state.params["embed"][...]), source["model.embed_tokens.weight"])
     np.testing.assert_array_equal(np.asarray(state.params["blocks"]["w_down"][...])[1],
                                   source["model.layers.1.mlp.down_proj.weight"].T)
+
+
+@pytest.mark.parametrize("change, refused", [
+    ({"model.rope_theta": 500_000.0}, "model.rope_theta: checkpoint 10000.0 vs config 500000.0"),
+    ({"model.norm_eps": 1e-6}, "model.norm_eps: checkpoint 1e-05 vs config 1e-06"),
+    ({"attention.sliding_window": 99}, "attention.sliding_window: checkpoint None vs config 99"),
+    ({"attention.causal": False}, "attention.causal: checkpoint True vs config False"),
+])
+def test_init_from_refuses_a_model_that_computes_another_function(converted, tmp_path, change, refused):
+    """Same shapes, another function: refused before anything is compiled, in one sentence naming
+    the key and the flag that accepts it; accepted when checkpoint.init_from_allow names it."""
+    from longctx import checkpoint as checkpoint_lib
+
+    config = converted_config(os.path.join(ASSETS, "llama_untied"), **change)
+    config.checkpoint.init_from = converted["llama_untied"]
+    key = refused.split(":")[0]
+    with pytest.raises(ConfigError) as raised:
+        checkpoint_lib.Checkpointer(str(tmp_path / "run"), config)
+    message = str(raised.value)
+    assert refused in message and f"--config.checkpoint.init_from_allow={key} " in message
+    assert "\n" not in message and message.count(". ") == 0, message
+    config.checkpoint.init_from_allow = f"model.mlp_dim,{key}"  # (validate refuses the first)
+    with pytest.raises(ConfigError, match="init_from_allow names 'model.mlp_dim', which init_from does not compare"):
+        config_lib.validate(config)
+    config.checkpoint.init_from_allow = key
+    config_lib.validate(config)
+    checkpointer = checkpoint_lib.Checkpointer(str(tmp_path / "run"), config)
+    checkpointer.close()
+    assert checkpointer._init_from_changes == [refused]
+
+
+def test_init_from_lists_the_context_extension_and_refuses_other_scaling(converted, tmp_path):
+    """README's recipe: the converted model plus RoPE scaling and a longer seq_len starts, and the
+    start-up line lists both; changing the scaling a model already has is refused."""
+    from longctx import checkpoint as checkpoint_lib
+
+    extension = {"model.rope_scaling.type": "llama3", "model.rope_scaling.factor": 8.0,
+                 "model.rope_scaling.original_max_position": 512, "data.seq_len": 1024,
+                 "train.loss_chunk_size": 256}
+    config = converted_config(os.path.join(ASSETS, "llama_untied"), **extension)
+    config.checkpoint.init_from = converted["llama_untied"]
+    checkpointer = checkpoint_lib.Checkpointer(str(tmp_path / "run"), config)
+    checkpointer.close()
+    assert checkpointer._init_from_changes == [
+        "data.seq_len: checkpoint 512 vs config 1024",
+        "model.rope_scaling: checkpoint none vs config llama3(factor=8.0, low_freq_factor=1.0, "
+        "high_freq_factor=4.0, original_max_position=512)"]
+
+    config = converted_config(os.path.join(ASSETS, "llama3_scaling"), **{"model.rope_scaling.factor": 4.0})
+    config.checkpoint.init_from = converted["llama3_scaling"]
+    with pytest.raises(ConfigError, match=r"model\.rope_scaling: checkpoint llama3\(factor=8\.0, .*\) vs "
+                                          r"config llama3\(factor=4\.0, "):
+        checkpoint_lib.Checkpointer(str(tmp_path / "run2"), config)
+
+
+# ----------------------------------------------------------------------------- output directories
+
+
+def listing(directory) -> dict[str, bytes]:
+    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+
+
+def test_export_into_a_used_directory(converted, tmp_path, monkeypatch):
+    """A non-empty --out is refused; with overwrite it is replaced whole (no shard or index of the
+    older, sharded export stays beside the new model.safetensors); a failed export leaves the old
+    one as it was; files are 0644 whatever the umask."""
+    runner = inference.runner_from_checkpoint(converted["llama_untied"], RING)
+    out = str(tmp_path / "hf")
+    hf.write_hf(runner.params, runner.config, out, dtype=np.float32, max_shard_bytes=200_000)
+    sharded = listing(out)
+    assert hf.INDEX_FILE in sharded and len(sharded) > 3
+    with pytest.raises(ConfigError, match=rf"^--out={out} is not empty; pass --overwrite to replace it"):
+        hf.write_hf(runner.params, runner.config, out, dtype=np.float32)
+    assert listing(out) == sharded
+
+    from safetensors import numpy as safetensors_numpy
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors_numpy, "save_file", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            hf.write_hf(runner.params, runner.config, out, dtype=np.float32, overwrite=True)
+    assert listing(out) == sharded
+    assert os.listdir(tmp_path) == ["hf"]  # no partial directory left behind
+
+    old_umask = os.umask(0o077)
+    try:
+        written = hf.write_hf(runner.params, runner.config, out, dtype=np.float32, overwrite=True)
+    finally:
+        os.umask(old_umask)
+    assert sorted(written) == sorted(os.listdir(out)) == [hf.CONFIG_FILE, hf.SINGLE_FILE]
+    assert os.listdir(tmp_path) == ["hf"]
+    assert oct(os.stat(out).st_mode & 0o777) == oct(0o755)
+    assert {oct(os.stat(os.path.join(out, f)).st_mode & 0o777) for f in written} == {oct(0o644)}
+    source = dict(hf.iter_hf_tensors(os.path.join(ASSETS, "llama_untied")))
+    assert all(v.tobytes() == source[k].tobytes() for k, v in hf.iter_hf_tensors(out))
+
+
+def test_overwrite_never_deletes_what_the_export_reads(tmp_path):
+    from longctx import staging
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    for out in (tmp_path, tmp_path / "run"):
+        with pytest.raises(ConfigError, match=rf"^--out={out} holds --checkpoint={tmp_path}/run/checkpoints, "
+                                              r"which replacing it would delete; choose another --out\.$"):
+            staging.check_destination(str(out), True, source=("--checkpoint", str(tmp_path / "run/checkpoints")))
+    staging.check_destination(str(tmp_path / "run2"), True, source=("--checkpoint", str(tmp_path / "run")))
+
+
+def test_reader_prefers_model_safetensors_as_transformers_does(tmp_path):
+    """transformers' from_pretrained takes model.safetensors before model.safetensors.index.json;
+    so does longctx (here the index lists another export's shard, all zeros)."""
+    from safetensors.numpy import save_file
+
+    directory = copy_fixture(tmp_path)
+    tensors = dict(hf.iter_hf_tensors(directory))
+    save_file({k: np.zeros_like(v) for k, v in tensors.items()},
+              os.path.join(directory, "model-00001-of-00001.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, hf.INDEX_FILE), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}}, f)
+    again = dict(hf.iter_hf_tensors(directory))
+    assert sorted(again) == sorted(tensors)
+    assert all(again[k].tobytes() == v.tobytes() for k, v in tensors.items())
+    assert hf.ignored_index(directory)  # (to-longctx says so)
+
+
+def test_params_io_overwrite_keeps_the_old_directory_when_the_save_fails(converted, tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    out = shutil.copytree(converted["llama_tied"], str(tmp_path / "converted"))
+    before = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
+    config, _, _ = params_io.read_config(out)
+    with pytest.raises(ConfigError, match="is not empty; pass --overwrite"):
+        params_io.save(out, config, {}, source="x")
+
+    def save_fails(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save_fails)
+    with pytest.raises(OSError, match="No space left"):
+        params_io.save(out, config, {}, source="x", overwrite=True)
+    after = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
+    assert after == before and os.listdir(tmp_path) == ["converted"]
+    monkeypatch.undo()
+    runner = inference.runner_from_checkpoint(out, RING)  # still the converted model
+    source = dict(hf.iter_hf_tensors(os.path.join(ASSETS, "llama_tied")))
+    np.testing.assert_array_equal(np.asarray(runner.params["embed"][...]), source["model.embed_tokens.weight"])
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -214,6 +442,27 @@ def test_llama31_config_gives_the_extend_preset_model():
     # Llama-3-8B (8K, no scaling) differs only in the RoPE scaling the preset adds.
     llama3 = {k: v for k, v in LLAMA31_8B.items() if k != "rope_scaling"}
     assert hf.print_overrides(hf.config_overrides(llama3), base=preset) == "--config.model.rope_scaling.type=none"
+
+
+def test_extend_recipe_passes_the_init_from_check():
+    """README's recipe: Llama-3-8B converted with the default --config, then the
+    llama3_8b_extend_128k preset started from it: nothing refused, two changes listed."""
+    from longctx import checkpoint_compat as compat
+
+    llama3 = {k: v for k, v in LLAMA31_8B.items() if k != "rope_scaling"}
+    converted = base.get_config()
+    hf.apply_overrides(converted, hf.config_overrides(llama3))
+    preset = base.get_config("llama3_8b_extend_128k")
+    listed, refused = compat.init_from_differences(converted.to_dict(), preset.to_dict(), ())
+    assert refused == []
+    assert listed == ["data.seq_len: checkpoint 2048 vs config 131072",
+                      "model.rope_scaling: checkpoint none vs config llama3(factor=8.0, low_freq_factor=1.0, "
+                      "high_freq_factor=4.0, original_max_position=8192)"]
+    # Converted from Llama-3.1 (which has the scaling) but started without it: refused.
+    hf.apply_overrides(converted, hf.config_overrides(LLAMA31_8B))
+    listed, refused = compat.init_from_differences(converted.to_dict(), base.get_config("llama3_8b_128k").to_dict(), ())
+    assert refused == ["model.rope_scaling: checkpoint llama3(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, "
+                       "original_max_position=8192) vs config none"]
 
 
 def test_mistral_window_maps_exactly():
@@ -329,6 +578,11 @@ def test_command_line_convert_check_and_export(tmp_path):
     back = str(tmp_path / "back")
     exported = run_script("to-hf", f"--checkpoint={out}", f"--out={back}")
     assert exported.returncode == 0, exported.stderr
+    again = run_script("to-hf", f"--checkpoint={out}", f"--out={back}")  # refused before any work
+    assert again.returncode == 2
+    assert "Traceback" not in again.stderr and again.stderr.strip().splitlines()[-1] == (
+        f"longctx: --out={back} is not empty; pass --overwrite to replace it (the old contents are kept "
+        "until the new ones are complete).")
     assert hf.read_config(back)["torch_dtype"] == "float32"  # the source model's dtype
     for key, value in hf.iter_hf_tensors(hf_dir):
         assert dict(hf.iter_hf_tensors(back))[key].tobytes() == value.tobytes(), key

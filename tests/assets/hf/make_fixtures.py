@@ -15,6 +15,10 @@ The tests read what it writes with numpy and longctx only (no torch, no transfor
                       `LOGIT_STRIDE`-th position (row 1: each document run on its own, so its
                       positions restart as in longctx's packing); stored strided to keep the
                       fixture small, the positions still span the whole 512 tokens
+  rope_export_golden.json   what to-hf must write for linear / llama3 / YaRN models
+                      (EXPORT_CASES) and transformers' reading of the sources and the exports,
+                      per transformers version (`make_fixtures.py --rope-export-only` adds the
+                      readings of the installed version: run it with 5.x and with 4.51.3)
   rope_golden.json    inverse frequencies and the cos/sin scale ("attention_scaling") computed by
                       transformers' own rotary embedding for HF config.json excerpts in both
                       spellings (`rope_theta` + `rope_scaling`, and `rope_parameters`)
@@ -31,6 +35,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 
 import numpy as np
 import safetensors
@@ -103,6 +108,40 @@ ROPE_CASES = {
 }
 
 
+# What `convert_hf.py to-hf` must write for RoPE-scaled models (tests/test_hf.py exports each
+# `source` in both spellings of the rope type, `type` and `rope_type`, after training at `seq_len`,
+# and compares the exported fields with `exported`), and what transformers reads from both:
+# rope_export_golden.json holds, per transformers version, the inverse frequencies and cos/sin
+# scale of the source (both spellings) and of the export. "yarn_written_before" is the export
+# longctx wrote before YaRN's max_position_embeddings was fixed to factor x original: transformers
+# 4.4x-4.5x read YaRN's factor back as max_position_embeddings / original (8 here, not 4).
+_SHAPE = dict(hidden_size=64, num_attention_heads=4)
+EXPORT_CASES = {
+    "linear": dict(
+        seq_len=1024,
+        source=dict(**_SHAPE, rope_theta=10_000.0, max_position_embeddings=2048,
+                    rope_scaling=dict(rope_type="linear", factor=4.0)),
+        exported=dict(**_SHAPE, head_dim=16, rope_theta=10_000.0, max_position_embeddings=2048,
+                      rope_scaling=dict(rope_type="linear", factor=4.0))),
+    "llama3": dict(
+        seq_len=4096,
+        source=dict(**_SHAPE, rope_theta=500_000.0, max_position_embeddings=2048,
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=256)),
+        exported=dict(**_SHAPE, head_dim=16, rope_theta=500_000.0, max_position_embeddings=4096,
+                      rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0, original_max_position_embeddings=256))),
+    "yarn": dict(
+        seq_len=32_768,
+        source=dict(**_SHAPE, rope_theta=10_000.0, max_position_embeddings=16_384,
+                    rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096)),
+        exported=dict(**_SHAPE, head_dim=16, rope_theta=10_000.0, max_position_embeddings=16_384,
+                      rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096,
+                                        beta_fast=32.0, beta_slow=1.0, truncate=True))),
+}
+EXPORT_WRITTEN_BEFORE = {"yarn_written_before": dict(EXPORT_CASES["yarn"]["exported"], max_position_embeddings=32_768)}
+
+
 def make_inputs() -> dict:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, TINY["vocab_size"], (2, SEQ_LEN)).astype(np.int32)
@@ -151,7 +190,43 @@ def rope_golden() -> dict:
     return out
 
 
+def _reading(excerpt: dict) -> dict:
+    """What transformers computes from a config.json excerpt (as from_pretrained reads it)."""
+    rotary = LlamaRotaryEmbedding(LlamaConfig(**json.loads(json.dumps(excerpt))))
+    return {"inv_freq": rotary.inv_freq.double().tolist(), "attention_scaling": float(rotary.attention_scaling)}
+
+
+def _spelled(excerpt: dict, key: str) -> dict:
+    """The excerpt with its rope type under `key` ("type", the older spelling, or "rope_type")."""
+    scaling = dict(excerpt["rope_scaling"])
+    scaling[key] = scaling.pop("rope_type")
+    return {**excerpt, "rope_scaling": scaling}
+
+
+def rope_export_golden() -> None:
+    """Adds this transformers version's readings to rope_export_golden.json (run it with each
+    version to compare: 5.x and a 4.4x-4.5x, e.g. 4.51.3, whose YaRN factor comes from
+    max_position_embeddings)."""
+    path = os.path.join(HERE, "rope_export_golden.json")
+    golden = json.load(open(path)) if os.path.exists(path) else {}
+    golden["cases"] = EXPORT_CASES
+    golden["written_before"] = EXPORT_WRITTEN_BEFORE
+    readings = {}
+    for name, case in EXPORT_CASES.items():
+        readings[name] = {"source_" + key: _reading(_spelled(case["source"], key)) for key in ("type", "rope_type")}
+        readings[name]["exported"] = _reading(case["exported"])
+    for name, excerpt in EXPORT_WRITTEN_BEFORE.items():
+        readings[name] = {"exported": _reading(excerpt)}
+    golden.setdefault("transformers", {})[transformers.__version__] = readings
+    with open(path, "w") as f:
+        json.dump(golden, f, indent=1)
+    print(f"rope_export_golden.json: readings of transformers {transformers.__version__}")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--rope-export-only"]:
+        rope_export_golden()
+        return
     torch.manual_seed(0)
     inputs = make_inputs()
     np.savez(os.path.join(HERE, "inputs.npz"), **inputs)
@@ -176,6 +251,7 @@ def main() -> None:
     np.savez(os.path.join(HERE, "golden_logits.npz"), **golden)
     with open(os.path.join(HERE, "rope_golden.json"), "w") as f:
         json.dump(rope_golden(), f, indent=1)
+    rope_export_golden()
     versions = {"python": platform.python_version(), "torch": torch.__version__,
                 "transformers": transformers.__version__, "safetensors": safetensors.__version__,
                 "numpy": np.__version__}
