@@ -38,6 +38,7 @@ so that child processes (ablate.py's training runs) do the same.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import re
 import sys
@@ -45,7 +46,7 @@ import traceback
 from typing import Callable
 
 from longctx import devices
-from longctx.errors import ConfigError, LongctxError
+from longctx.errors import ConfigError, LongctxError, MissingFileError
 
 PREFIX = "longctx: "
 DEBUG_ENV = "LONGCTX_DEBUG"
@@ -154,12 +155,20 @@ def parse_absl_flags(argv: list[str]) -> list[str]:
     try:
         rest = flags.FLAGS(argv)
     except flags.Error as e:
+        error = config_load_error(argv)  # the config file raised TypeError/ValueError
+        if error is not None:
+            raise error from None
         raise ConfigError(f"{_flag_error_text(e)} (--helpshort lists the flags).") from None
     except (KeyError, AttributeError, OSError) as e:  # ml_collections: unknown --config.x.y key
-        error = config_file_error(argv) or unknown_override(argv)
+        error = config_file_error(argv) or config_load_error(argv) or unknown_override(argv)
         if error is not None:
             raise error from None
         raise ConfigError(f"cannot parse the command line: {one_line(e)}.") from e
+    except Exception:  # noqa: BLE001  (the config file raised: SyntaxError, NameError, ...)
+        error = config_load_error(argv)
+        if error is None:
+            raise
+        raise error from None
     error = config_file_error(argv)  # ml_collections defers a missing file's error to first use
     if error is not None:
         raise error
@@ -196,6 +205,56 @@ def config_file_error(argv: list[str]) -> ConfigError | None:
         if not os.path.isfile(path):
             return ConfigError(f"--{name}={spec}: config file {path} does not exist.")
     return None
+
+
+def config_load_error(argv: list[str]) -> ConfigError | None:
+    """The ConfigError of the first `--<config flag>=FILE[:ARG]` whose file does not load."""
+    for name, _ in _config_flags():
+        spec = _flag_value(argv, name)
+        if spec is not None and os.path.isfile(spec.split(":", 1)[0]):
+            try:
+                load_config_file(spec, flag=f"--{name}")
+            except ConfigError as e:
+                return e
+    return None
+
+
+def load_config_file(spec: str, flag: str = "--config"):
+    """`FILE[:ARG]` -> FILE's `get_config(ARG)` (what `--config=FILE:ARG` gives an absl script),
+    for scripts that take a config file by argparse. A missing file, or one that does not load
+    (a syntax error, a name error, any exception in `get_config`), is a ConfigError of one line
+    that names the flag and FILE:LINE; a ValueError from `get_config` is the config's own sentence
+    (configs/base.py: an unknown preset) and is kept as it is."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise MissingFileError(f"{flag}={spec}: config file {path} does not exist.")
+    try:
+        module_spec = importlib.util.spec_from_file_location("_longctx_config_file", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module.get_config(arg) if ":" in spec else module.get_config()
+    except ValueError as e:
+        raise ConfigError(one_line(e)) from None
+    except Exception as e:  # noqa: BLE001  (the user's file: whatever it raises is bad input)
+        where = _location_in(e, path)
+        text = e.msg if isinstance(e, SyntaxError) else next(iter(str(e).splitlines()), "")
+        raise ConfigError(f"{flag}={spec}: the config file does not load: {where}"
+                          f"{type(e).__name__}{': ' + text.strip() if text.strip() else ''}.") from None
+
+
+def _location_in(error: BaseException, path: str) -> str:
+    """"FILE:LINE: " where `error` arose in the config file `path` (the innermost of its lines in
+    the traceback; for a syntax error, the line it names), else ""."""
+    if isinstance(error, SyntaxError) and error.filename and error.lineno:
+        name = path if _same_file(error.filename, path) else error.filename
+        return f"{name}:{error.lineno}: "
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
+             if _same_file(frame.filename, path)]
+    return f"{path}:{lines[-1]}: " if lines else ""
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def unknown_override(argv: list[str]) -> ConfigError | None:

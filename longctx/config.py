@@ -98,7 +98,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         _require(a.sliding_window > 0, f"attention.sliding_window={a.sliding_window} must be positive.")
     if a.chunk_size is not None:
         _require(a.chunk_size > 0, f"attention.chunk_size={a.chunk_size} must be positive.")
-        _require(a.causal, "attention.chunk_size is chunked *causal* attention and needs attention.causal=True.")
+        _require(a.causal, "attention.chunk_size is chunked *causal* attention and needs attention.causal=True: "
+                 "set --config.attention.causal=True.")
     if a.logits_soft_cap is not None:
         _require(a.logits_soft_cap > 0, f"attention.logits_soft_cap={a.logits_soft_cap} must be positive.")
 
@@ -114,14 +115,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     mlp_chunk = m.get("mlp_chunk_size")
     _require(mlp_chunk is None or (mlp_chunk > 0 and (shard_len % mlp_chunk == 0 or shard_len <= mlp_chunk)),
              f"model.mlp_chunk_size={mlp_chunk} does not divide the per-device shard of "
-             f"{shard_len} tokens.")
+             f"{shard_len} tokens: set --config.model.mlp_chunk_size={_divisor_below(shard_len, mlp_chunk)}.")
     _require(shard_len % t.loss_chunk_size == 0,
              f"train.loss_chunk_size={t.loss_chunk_size} does not divide the per-device shard of "
-             f"{shard_len} tokens.")
+             f"{shard_len} tokens: set --config.train.loss_chunk_size="
+             f"{_divisor_below(shard_len, t.loss_chunk_size)}.")
 
     # Batch against data parallelism.
     _require(d.global_batch_size % (dp * fsdp) == 0,
-             f"data.global_batch_size={d.global_batch_size} is not divisible by dp*fsdp = {dp}*{fsdp} = {dp * fsdp}.")
+             f"data.global_batch_size={d.global_batch_size} is not divisible by dp*fsdp = {dp}*{fsdp} = {dp * fsdp}: "
+             f"set --config.data.global_batch_size={_multiple_above(d.global_batch_size, dp * fsdp)}.")
 
     # Optimiser and loop.
     _require(o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")
@@ -139,6 +142,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(c.keep_period is None or c.keep_period > 0,
              f"checkpoint.keep_period={c.keep_period} must be positive.")
     return {mesh_lib.DP: dp, mesh_lib.FSDP: fsdp, mesh_lib.SP: sp}
+
+
+def _divisor_below(n: int, limit: int) -> int:
+    """The largest divisor of `n` not above `limit`: the chunk that fits, closest to the one asked."""
+    return max(k for k in range(1, min(n, limit) + 1) if n % k == 0)
+
+
+def _multiple_above(n: int, factor: int) -> int:
+    """The smallest multiple of `factor` not below `n`."""
+    return -(-n // factor) * factor
 
 
 def _check_rope_scaling(s) -> None:

@@ -274,7 +274,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if metadata["vocab_size"] > config.model.vocab_size:
         raise config_lib.ConfigError(
             f"model.vocab_size={config.model.vocab_size} is smaller than the dataset's tokenizer "
-            f"vocabulary ({metadata['vocab_size']} in {data_dir}/metadata.json).")
+            f"vocabulary ({metadata['vocab_size']} in {data_dir}/metadata.json): "
+            f"set --config.model.vocab_size={metadata['vocab_size']}.")
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
 
     mesh = mesh_lib.make_mesh(config.mesh)

@@ -36,7 +36,6 @@ from longctx import cli
 cli.start()  # before jax is imported
 
 import argparse  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 
@@ -53,17 +52,9 @@ _HF_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float
 
 
 def load_config(spec: str):
-    """`configs/base.py[:preset]` -> its locked ConfigDict (what --config=... gives train.py)."""
-    path, _, arg = spec.partition(":")
-    if not os.path.isfile(path):
-        raise MissingFileError(f"--config={spec}: config file {path} does not exist.")
-    module_spec = importlib.util.spec_from_file_location("_longctx_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    try:
-        return module.get_config(arg)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    """`configs/base.py[:preset]` -> its locked ConfigDict (what --config=... gives train.py); a
+    file that is missing or does not load is one line naming it (and FILE:LINE)."""
+    return cli.load_config_file(spec, flag="--config")
 
 
 def parse_mesh(text: str) -> dict:
