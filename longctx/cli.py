@@ -32,7 +32,17 @@ Exit status:
 
 `--verbose` anywhere on a script's command line (removed before the script parses its flags) or
 `LONGCTX_DEBUG=1` in the environment also prints the traceback; `--verbose` sets LONGCTX_DEBUG=1
-so that child processes (ablate.py's training runs) do the same.
+so that child processes (ablate.py's training runs) do the same. Without it, third-party log
+lines (absl INFO/WARNING, C++ glog/TSL lines such as gloo's "Rank N is connected") are kept out
+of the output (`quiet_third_party_logs`, from `start`).
+
+`--validate_only` on any script's command line (also removed before the script parses its flags;
+`--validate-only` works too) checks the flags, the config and the files the command needs, as
+cheaply as it can, and stops before anything is trained, compiled, prepared or written: the script
+calls `validated(what)` at that point, which under the flag ends it with exit status 0 and one
+line, `longctx: --validate_only: <what>; nothing was run.` (and is a no-op otherwise). Bad input
+is reported exactly as in a real run (exit 2). The flag sets LONGCTX_VALIDATE_ONLY=1 for child
+processes (launch/local.py's, ablate.py's).
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ from longctx.errors import ConfigError, LongctxError, MissingFileError
 PREFIX = "longctx: "
 DEBUG_ENV = "LONGCTX_DEBUG"
 VERBOSE_FLAG = "--verbose"
+VALIDATE_ENV = "LONGCTX_VALIDATE_ONLY"
+VALIDATE_FLAGS = ("--validate_only", "--validate-only")
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -66,13 +78,46 @@ def one_line(text: str) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
+def validate_only() -> bool:
+    """True under `--validate_only` (this process's flag, or a parent's through the environment)."""
+    return os.environ.get(VALIDATE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+class _Validated(BaseException):
+    """Raised by `validated` to end a validate-only run; `run` prints it and exits 0. Not an
+    Exception, so that no `except Exception` between the check and `run` can swallow it."""
+
+
+def validated(what: str) -> None:
+    """The point where a script has checked everything it can without running: under
+    `--validate_only` the script ends here (exit 0, one line naming `what` was checked)."""
+    if validate_only():
+        raise _Validated(what)
+
+
 def take_verbose_flag(argv: list[str]) -> bool:
     """Removes every `--verbose` before a `--` from `argv` (in place); True if there was one."""
+    return _take_flags(argv, (VERBOSE_FLAG,))
+
+
+def take_validate_flag(argv: list[str]) -> bool:
+    """Removes every `--validate_only` before a `--` from `argv` (in place); True if there was one."""
+    return _take_flags(argv, VALIDATE_FLAGS)
+
+
+def _take_flags(argv: list[str], names: tuple[str, ...]) -> bool:
     end = argv.index("--") if "--" in argv else len(argv)
-    found = [i for i in range(1, end) if argv[i] == VERBOSE_FLAG]
+    found = [i for i in range(1, end) if argv[i] in names]
     for i in reversed(found):
         del argv[i]
     return bool(found)
+
+
+def _take_start_flags(argv: list[str]) -> None:
+    if take_verbose_flag(argv):
+        os.environ[DEBUG_ENV] = "1"
+    if take_validate_flag(argv):
+        os.environ[VALIDATE_ENV] = "1"
 
 
 def describe(error: BaseException) -> tuple[str, int]:
@@ -91,8 +136,7 @@ def start(cpu_devices: int | None = 8) -> None:
     """The bootstrap, first thing in every script: takes `--verbose` off the command line, makes
     an exception escaping from the script's imports one line, and with `cpu_devices` sets the
     virtual CPU device count (the default when LONGCTX_CPU_DEVICES is unset) before jax starts."""
-    if take_verbose_flag(sys.argv):
-        os.environ[DEBUG_ENV] = "1"
+    _take_start_flags(sys.argv)
     sys.excepthook = _excepthook
     if cpu_devices is not None:
         try:
@@ -104,12 +148,14 @@ def start(cpu_devices: int | None = 8) -> None:
 def run(main: Callable[[], int | None], argv: list[str] | None = None) -> None:
     """Runs `main()` and exits: its return value is the status, a failure is one line on stderr."""
     argv = sys.argv if argv is None else argv
-    if take_verbose_flag(argv):
-        os.environ[DEBUG_ENV] = "1"
+    _take_start_flags(argv)
     try:
         status = main()
     except SystemExit:
         raise
+    except _Validated as done:
+        print(f"{PREFIX}{VALIDATE_FLAGS[0]}: {done}; nothing was run.", flush=True)
+        status = 0
     except BaseException as e:  # noqa: BLE001  (KeyboardInterrupt included: one line too)
         status = report(e)
     sys.exit(status)

@@ -113,13 +113,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
              f"attention.block_size={a.block_size} does not divide the per-device shard of "
              f"data.seq_len/sp = {d.seq_len}/{sp} = {shard_len} tokens.")
     mlp_chunk = m.get("mlp_chunk_size")
-    _require(mlp_chunk is None or (mlp_chunk > 0 and (shard_len % mlp_chunk == 0 or shard_len <= mlp_chunk)),
-             f"model.mlp_chunk_size={mlp_chunk} does not divide the per-device shard of "
-             f"{shard_len} tokens: set --config.model.mlp_chunk_size={_divisor_below(shard_len, mlp_chunk)}.")
-    _require(shard_len % t.loss_chunk_size == 0,
-             f"train.loss_chunk_size={t.loss_chunk_size} does not divide the per-device shard of "
-             f"{shard_len} tokens: set --config.train.loss_chunk_size="
-             f"{_divisor_below(shard_len, t.loss_chunk_size)}.")
+    if mlp_chunk is not None:
+        _require(mlp_chunk > 0, f"model.mlp_chunk_size={mlp_chunk} must be positive (or None).")
+        if shard_len % mlp_chunk and shard_len > mlp_chunk:
+            raise ConfigError(f"model.mlp_chunk_size={mlp_chunk} does not divide the per-device shard "
+                              f"of {shard_len} tokens: set --config.model.mlp_chunk_size="
+                              f"{_divisor_below(shard_len, mlp_chunk)}.")
+    if shard_len % t.loss_chunk_size:
+        raise ConfigError(f"train.loss_chunk_size={t.loss_chunk_size} does not divide the per-device "
+                          f"shard of {shard_len} tokens: set --config.train.loss_chunk_size="
+                          f"{_divisor_below(shard_len, t.loss_chunk_size)}.")
 
     # Batch against data parallelism.
     _require(d.global_batch_size % (dp * fsdp) == 0,

@@ -71,11 +71,26 @@ def estimate(config, topology: str, breakdown: bool = True) -> aot.CompiledStep:
         raise ConfigError("libtpu is not installed, so TPU programs cannot be compiled here "
                           "(pip install -e '.[tpu]').")
     try:
+        check(config, topology)
+        cli.validated(f"config and topology {topology} are fine")
+        # A compile takes from seconds (tiny) to minutes (an 8B model at 131,072 tokens): say so
+        # before it starts, on stderr so that --json's stdout stays one JSON object.
+        print(f"estimate: compiling the train step for {topology}"
+              f"{' (and one layer of it, for the breakdown)' if breakdown else ''} ...",
+              file=sys.stderr, flush=True)
         return aot.compile_train_step(config, topology, breakdown=breakdown)
     except ConfigError as e:
         raise ConfigError(f"the config does not fit topology {topology}: {e}") from None
     except ValueError as e:  # aot: a topology libtpu does not know
         raise ConfigError(str(e)) from None
+
+
+def check(config, topology: str) -> None:
+    """What a compile for `topology` checks first, without compiling: the topology is known and
+    the config fits its device count (ConfigError / ValueError, one sentence)."""
+    devices = aot.topology_devices(topology)
+    config_lib.validate(config, num_devices=len(devices))
+    mesh_lib.make_mesh(config.mesh, devices=devices)
 
 
 def result_dict(config, result: aot.CompiledStep) -> dict:
@@ -286,7 +301,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     if _SWEEP.value:
-        sweep(config, _searches(), _SWEEP_MIN.value, _SWEEP_MAX.value, _SWEEP_OUT.value)
+        searches = _searches()
+        if cli.validate_only():
+            for topology, _, _ in searches:
+                aot.topology_devices(topology)  # ValueError (one sentence) for an unknown one
+            cli.validated(f"the sweep's {len(searches)} searches name known topologies")
+        sweep(config, searches, _SWEEP_MIN.value, _SWEEP_MAX.value, _SWEEP_OUT.value)
         return
     if not _TOPOLOGY.value:
         raise ConfigError("give --topology (e.g. v5p:4x4x4) or --sweep.")
