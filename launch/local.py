@@ -55,6 +55,10 @@ MAX_TOTAL_DEVICES = 1024
 
 PROG = "launch/local.py"
 
+# longctx.cli's --validate_only (this file imports nothing from longctx, so the names are repeated).
+VALIDATE_FLAGS = ("--validate_only", "--validate-only")
+VALIDATE_ENV = "LONGCTX_VALIDATE_ONLY"
+
 
 class LaunchError(Exception):
     """Bad input: printed as one sentence, exit status 2."""
@@ -82,8 +86,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="after a child fails, how long the others get between SIGTERM and SIGKILL")
     parser.add_argument("--stop-timeout", type=float, default=120.0, metavar="SECONDS",
                         help="after a forwarded SIGINT/SIGTERM, how long children get to save and exit")
+    parser.add_argument(*VALIDATE_FLAGS, dest="validate_only", action="store_true",
+                        help="check these flags, then run COMMAND once with --validate_only on P*D "
+                             "devices (no job is formed; also when COMMAND carries the flag)")
     args = parser.parse_args(own)
     args.command = command
+    args.validate_only = (args.validate_only or any(a in VALIDATE_FLAGS for a in command)
+                          or os.environ.get(VALIDATE_ENV, "").strip().lower() not in ("", "0", "false", "no"))
     validate(args)
     return args
 
@@ -173,6 +182,19 @@ def child_env(base: dict[str, str], port: int, num_processes: int, process_id: i
         PYTHONUNBUFFERED="1",
     )
     return env
+
+
+def validate_command(args: argparse.Namespace) -> int:
+    """--validate_only: the command checks itself once, alone, on the job's P*D devices (what its
+    config must fit); forming a job would only add the start-up of P processes. Its status."""
+    devices = args.num_processes * args.devices_per_process
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_") or k == "LONGCTX_DEBUG"}
+    env.update(LONGCTX_CPU_DEVICES=str(devices), JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    env[VALIDATE_ENV] = "1"
+    try:
+        return subprocess.run(args.command, env=env, stdin=subprocess.DEVNULL).returncode
+    except OSError as e:
+        raise LaunchError(f"cannot start {args.command[0]!r}: {e.strerror or e}.") from None
 
 
 def _pdeathsig_preexec(parent_pid: int):
@@ -378,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse_args(argv)
+        if args.validate_only:
+            return _exit_status(validate_command(args))
         port = choose_port(args.port)
     except LaunchError as e:
         sys.stderr.write(f"{PROG}: {e}\n")

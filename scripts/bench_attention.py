@@ -274,6 +274,7 @@ def main():
     ap.add_argument("--no-tpu-compile", dest="tpu_compile", action="store_false")
     bc.add_output_arguments(ap, "bench_attention", "rewrite the markdown section from --json without running")
     args = ap.parse_args()
+    cli.validated("the flags are fine")
     if args.render_only:
         import json
         result = json.load(open(args.json))

@@ -175,6 +175,7 @@ def main():
     cases = [c for c in args.cases.split(",") if c]
     if not set(cases) <= set(CASES):
         ap.error(f"--cases: choose from {', '.join(CASES)}")
+    cli.validated(f"the flags are fine ({len(cases)} case(s) on sp={args.sp})")
     for case in cases:
         x = make_inputs(case, args.batch, args.seq_len, args.seed)
         want = oracle(*x)

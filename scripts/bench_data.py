@@ -95,6 +95,7 @@ def main():
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "longctx"))
     p.add_argument("--out", default=bc.DOCS)
     args = p.parse_args()
+    cli.validated("the flags are fine")
 
     data_dir = prepare.prepare_stdlib(args.cache_dir, progress=True)
     meta = pipeline.load_metadata(data_dir)

@@ -166,6 +166,7 @@ def main():
                     help="keep the other series already in --json (recompute only these)")
     bc.add_output_arguments(ap, "bench_memory", "rewrite the markdown section from --json without compiling")
     args = ap.parse_args()
+    cli.validated("the flags are fine")
     if args.render_only:
         bc.write_section("bench_memory", markdown(json.load(open(args.json))), args.md)
         return

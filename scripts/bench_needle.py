@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=4, help="passkeys per (length, depth) cell")
     p.add_argument("--workdir", default="runs/needle_cpu")
     args = p.parse_args(argv)
+    cli.validated("the flags are fine")
     from absl import logging
 
     logging.set_verbosity(logging.ERROR)

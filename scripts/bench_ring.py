@@ -474,6 +474,7 @@ def main():
     bc.add_output_arguments(ap, "bench_ring", "rewrite the markdown section from --json without running")
     args = ap.parse_args()
     if args.render_only:
+        cli.validated(f"--render-only from {args.json}")
         result = json.load(open(args.json))
         result["targets"] = report.targets(result) + [report.check_line(result)]
         bc.write_json(args.json, result)
@@ -495,6 +496,7 @@ def main():
             ap.error(f"--peers {args.peers}: no maxtext package there")
         sys.path.insert(0, args.peers)  # this script only; longctx never imports peer code
     mesh = sp_mesh(ap, args.sp)
+    cli.validated(f"the flags are fine ({len(cases)} case(s) on sp={args.sp})")
     result = {"command": bc.command_line(), "machine": bc.machine(),
               "settings": {"cases": cases, "heads": HEADS, "head_dim": HEAD_DIM, "window": WINDOW,
                            "sp": args.sp, "block": args.block, "repeats": args.repeats,

@@ -158,6 +158,7 @@ def main():
     if not sps or any(sp < 1 or sp > jax.device_count() or args.seq_len % sp for sp in sps):
         ap.error(f"--sps {args.sps}: each must divide --seq-len and be at most "
                  f"{jax.device_count()} (the devices)")
+    cli.validated("the flags are fine")
     result = {"command": bc.command_line(), "machine": bc.machine(),
               "settings": {"seq_len": args.seq_len, "block": args.block,
                            "repeats": args.repeats, "target": args.target,

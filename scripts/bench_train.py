@@ -116,6 +116,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     bc.add_output_arguments(ap, "bench_train")
     args = ap.parse_args()
+    cli.validated("the flags are fine")
     shapes = SHAPES
     if args.quick:
         shapes, args.steps, args.seq_len, args.batch = [(1, 2, 4)], 1, 256, 2

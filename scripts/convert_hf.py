@@ -65,6 +65,22 @@ def parse_mesh(text: str) -> dict:
     return {"mesh.dp": dp, "mesh.fsdp": fsdp, "mesh.sp": sp}
 
 
+def check_arguments(args) -> str:
+    """--validate_only: each command's inputs read as far as their config (the HF config.json, the
+    checkpoint's saved config, the token file's existence), its flags parsed; no weights read."""
+    parse_mesh(args.mesh)
+    if args.command == "to-longctx":
+        hf.config_overrides(hf.read_config(args.hf), os.path.join(args.hf, hf.CONFIG_FILE))
+        load_config(args.config)
+        if not (args.out or args.print_config):
+            raise ConfigError("to-longctx needs --out (or --print-config).")
+        return f"{args.hf} can be converted"
+    params_io.read_config(args.checkpoint)
+    if args.command == "check-logits" and not os.path.isfile(args.tokens):
+        raise MissingFileError(f"--tokens={args.tokens} does not exist.")
+    return f"{args.checkpoint} holds a checkpoint for {args.command}"
+
+
 # ----------------------------------------------------------------------------- to-longctx
 
 
@@ -231,6 +247,8 @@ def main(argv=None) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.ERROR)  # Orbax's notes about read-only checkpoint directories
+    if cli.validate_only():
+        cli.validated(check_arguments(args))
     return {"to-longctx": to_longctx, "to-hf": to_hf, "check-logits": check_logits}[args.command](args)
 
 

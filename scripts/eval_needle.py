@@ -56,6 +56,7 @@ def main(argv=None) -> int:
         raise ConfigError("--samples and --depths must be at least 1.")
 
     config, _, step = params_io.read_config(args.workdir)
+    cli.validated(f"--workdir {args.workdir} holds a checkpoint (step {step})")
     overrides = {}
     if args.seq_len:
         overrides["data.seq_len"] = args.seq_len
