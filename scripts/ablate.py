@@ -1,7 +1,7 @@
 """Run a mask-type ablation grid and compare the variants.
 
-  python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks
-  python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks --dry-run
+  .venv/bin/python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks
+  .venv/bin/python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks --dry-run
 
 Writes DIR/ablation.md (final train/val loss, tokens/s, ring schedule efficiency, steps),
 DIR/ablation.png (loss curves) and DIR/position_loss.png (validation loss by token position).
@@ -49,7 +49,7 @@ def main() -> int:
     if args.dry_run:
         return 0
     rows = ablation.summarize(variants, args.workdir)
-    paths = ablation.write_report(rows, args.workdir, shlex.join(["python", *sys.argv]))
+    paths = ablation.write_report(rows, args.workdir, shlex.join([".venv/bin/python", *sys.argv]))
     print(ablation.markdown_table(rows))
     print("ablate: wrote " + ", ".join(paths.values()))
     return 0

@@ -1,7 +1,7 @@
 """bf16 accuracy of the ring against plain single-device splash: both on the same bf16 inputs,
 both measured against the dense float32 oracle (issue 12: the ring's error must be no larger).
 
-  python scripts/bench_bf16_error.py            # S = 4096, sp = 4, causal and 9 documents/row
+  .venv/bin/python scripts/bench_bf16_error.py            # S = 4096, sp = 4, causal and 9 documents/row
 
 Inputs: q, k, v and the output cotangent drawn float32 standard normal and rounded to bf16; 4
 heads of head_dim 64, so the softmax scale 1/8 is a power of two and scaling q is exact in

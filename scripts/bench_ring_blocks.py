@@ -1,10 +1,10 @@
 """The block size against the documents: bench_ring.py's rows at several blocks, with and without
 document skipping, every result checked.
 
-  python scripts/bench_ring_blocks.py                # blocks 512, 256, 128; causal, docs9 and
+  .venv/bin/python scripts/bench_ring_blocks.py                # blocks 512, 256, 128; causal, docs9 and
                                                      # docs_s32 at S = 8192; every impl x layout
                                                      # (16 minutes on 2 shared cores)
-  python scripts/bench_ring_blocks.py --render-only  # rewrite the markdown from the JSON
+  .venv/bin/python scripts/bench_ring_blocks.py --render-only  # rewrite the markdown from the JSON
 
 A block is computed whole or not at all, so skipping can drop only the blocks that hold no
 (query, key) pair of one document. With documents of mean length S/32 = 256 tokens at S = 8192,

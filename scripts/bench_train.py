@@ -1,7 +1,7 @@
 """Tokens/s of the demo model's train step across (dp, fsdp, sp) mesh shapes on CPU devices.
 
-  python scripts/bench_train.py                 # 8 virtual CPU devices, 5 mesh shapes
-  python scripts/bench_train.py --quick         # 2 shapes, 2 timed steps
+  .venv/bin/python scripts/bench_train.py                 # 8 virtual CPU devices, 5 mesh shapes
+  .venv/bin/python scripts/bench_train.py --quick         # 2 shapes, 2 timed steps
 
 The `tiny` preset (configs/base.py) with a global batch that every shape can split (8 rows of
 1,024 tokens); synthetic packed documents (random boundaries), already in the ring layout.

@@ -1,15 +1,15 @@
 """Hugging Face Llama / Mistral checkpoints -> longctx and back, and a logit check on the sharded model.
 
   # HF -> longctx: a directory that --config.checkpoint.init_from accepts; prints the overrides
-  python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --out=runs/llama3_8b_hf
-  python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --print-config   # overrides only
+  .venv/bin/python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --out=runs/llama3_8b_hf
+  .venv/bin/python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --print-config   # overrides only
 
   # longctx (a converted directory or a training workdir) -> HF config.json + safetensors shards
-  python scripts/convert_hf.py to-hf --checkpoint=runs/llama3_8b_extend --out=hf/llama3_8b_128k \\
+  .venv/bin/python scripts/convert_hf.py to-hf --checkpoint=runs/llama3_8b_extend --out=hf/llama3_8b_128k \\
       --dtype=bfloat16
 
   # token ids through a longctx checkpoint on the sharded model (ring over sp), logits out or compared
-  python scripts/convert_hf.py check-logits --checkpoint=runs/llama3_8b_hf --tokens=ids.npz \\
+  .venv/bin/python scripts/convert_hf.py check-logits --checkpoint=runs/llama3_8b_hf --tokens=ids.npz \\
       --mesh=1,2,4 --impl=xla --out=logits.npz
 
 to-longctx reads config.json and model.safetensors (or the shards of model.safetensors.index.json)

@@ -1,10 +1,10 @@
 """Tokenize text/jsonl/directory trees into ArrayRecord shards + metadata.json for longctx.
 
-  python scripts/prepare_data.py --input books/ notes.txt --glob '*.txt' --output data/mine
-  python scripts/prepare_data.py --input corpus.jsonl --text-field body --output data/j
-  python scripts/prepare_data.py --input corpus.jsonl --tokenizer sentencepiece:sp.model --output d
-  python scripts/prepare_data.py --input corpus.jsonl --train-sentencepiece 8000 --output d
-  python scripts/prepare_data.py --input corpus.jsonl --tokenizer hf:Meta-Llama-3-8B --output d
+  .venv/bin/python scripts/prepare_data.py --input books/ notes.txt --glob '*.txt' --output data/mine
+  .venv/bin/python scripts/prepare_data.py --input corpus.jsonl --text-field body --output data/j
+  .venv/bin/python scripts/prepare_data.py --input corpus.jsonl --tokenizer sentencepiece:sp.model --output d
+  .venv/bin/python scripts/prepare_data.py --input corpus.jsonl --train-sentencepiece 8000 --output d
+  .venv/bin/python scripts/prepare_data.py --input corpus.jsonl --tokenizer hf:Meta-Llama-3-8B --output d
 
 Plain files are one document each; `.jsonl` files give one document per line (field
 --text-field); directories are walked for files matching --glob. Plain files that are not text

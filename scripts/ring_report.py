@@ -1,9 +1,9 @@
 """Schedule report of the attention ring: blocks computed per (device, ring step), steps, efficiency.
 
-  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --layout zigzag
-  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \\
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --layout zigzag
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \\
       --sliding-window 4096 --layout contiguous --json
-  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --layout auto \\
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --layout auto \\
       --png docs/ring_causal.png
 
 Only ring steps with work on some device are run (and listed); efficiency is
@@ -16,10 +16,10 @@ share no document, so the layouts compare differently than for the mask alone) a
 layout "auto" picks on those rows, as a training run does on its first rows (data.layout_sample;
 `auto_layout`, and `auto_layout_by_the_mask` for the mask alone):
 
-  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --doc-lengths 4096
-  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --doc-lengths 4096
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \
       --doc-lengths 1000,3000,700,5000 --json          # lengths repeat to fill the row
-  python scripts/ring_report.py --seq-len 8192 --sp 4 --block 512 --causal --data data/mine \
+  .venv/bin/python scripts/ring_report.py --seq-len 8192 --sp 4 --block 512 --causal --data data/mine \
       --batches 4                                       # real packed rows from the pipeline
 
   kept_blocks      blocks holding a (query, key) pair the mask and the documents allow
