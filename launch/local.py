@@ -216,12 +216,26 @@ def _pdeathsig_preexec(parent_pid: int):
     return preexec
 
 
+# gloo (the CPU collectives) writes this from C++ to stdout for every communicator it connects,
+# a dozen lines per job and run, from its own threads (so possibly inside a line of the child's:
+# removed from the stream, not as whole lines). Kept with --verbose / LONGCTX_DEBUG=1.
+GLOO_NOISE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+                        rb"Expected number of connected peer ranks is : \d+\r?\n")
+
+
+def verbose(command: list[str]) -> bool:
+    """--verbose in the child's command (longctx.cli takes it) or LONGCTX_DEBUG in the environment."""
+    return "--verbose" in command or os.environ.get("LONGCTX_DEBUG", "").strip().lower() not in (
+        "", "0", "false", "no")
+
+
 class _Pump(threading.Thread):
     """Copies one child stream to ours, prefixing every line (and every \\r-terminated update)."""
 
-    def __init__(self, stream, out, prefix: bytes, lock: threading.Lock):
+    def __init__(self, stream, out, prefix: bytes, lock: threading.Lock, quiet: bool = True):
         super().__init__(daemon=True)
         self.stream, self.out, self.prefix, self.lock = stream, out, prefix, lock
+        self.quiet = quiet  # drop gloo's connection lines (GLOO_NOISE)
 
     def _emit(self, piece: bytes) -> None:
         with self.lock:
@@ -242,6 +256,8 @@ class _Pump(threading.Thread):
             if not chunk:
                 break
             pending += chunk
+            if self.quiet:
+                pending = GLOO_NOISE.sub(b"", pending)
             # Emit every complete piece; a trailing "\r" waits in case "\n" follows it.
             cut = max(pending.rfind(b"\n"), pending.rstrip(b"\r").rfind(b"\r"))
             if cut >= 0:
@@ -310,7 +326,7 @@ class Job:
                 raise LaunchError(f"cannot start {a.command[0]!r}: {e.strerror or e}.") from None
             self.procs.append(proc)
             for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                pump = _Pump(stream, out, f"[p{i}] ".encode(), self.lock)
+                pump = _Pump(stream, out, f"[p{i}] ".encode(), self.lock, quiet=not verbose(a.command))
                 pump.start()
                 self.pumps.append(pump)
 

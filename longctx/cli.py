@@ -49,14 +49,16 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
 import os
 import re
 import sys
 import traceback
+import warnings
 from typing import Callable
 
 from longctx import devices
-from longctx.errors import ConfigError, LongctxError, MissingFileError
+from longctx.errors import ConfigError, LongctxError, MissingFileError, RunError
 
 PREFIX = "longctx: "
 DEBUG_ENV = "LONGCTX_DEBUG"
@@ -138,11 +140,48 @@ def start(cpu_devices: int | None = 8) -> None:
     virtual CPU device count (the default when LONGCTX_CPU_DEVICES is unset) before jax starts."""
     _take_start_flags(sys.argv)
     sys.excepthook = _excepthook
+    quiet_third_party_logs()
     if cpu_devices is not None:
         try:
             devices.configure_cpu_devices(cpu_devices)
         except LongctxError as e:  # e.g. LONGCTX_CPU_DEVICES=abc
             sys.exit(report(e))
+
+
+# Code whose log records are longctx's own: the package and the repository around it (scripts/,
+# configs/); anything else is a library.
+_OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+class _ThirdPartyLogs(logging.Filter):
+    """Drops the log records below ERROR that libraries log through Python or absl logging
+    (Orbax's notes on read-only directories, tensorboardX's "NaN or Inf found in input tensor",
+    ...): what a run shows is longctx's own lines. `--verbose` (LONGCTX_DEBUG=1) keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        own = os.path.abspath(record.pathname).startswith(_OWN_CODE)
+        return own or record.levelno >= logging.ERROR or debug_enabled()
+
+
+_THIRD_PARTY_LOGS = _ThirdPartyLogs()
+
+
+def quiet_third_party_logs() -> None:
+    """Keeps library log lines out of a script's output unless --verbose (from `start`): Python and
+    absl log records (`_ThirdPartyLogs`, on absl's handler and on the handler Python uses when
+    there is none), Python warnings, and XLA/TSL's C++ INFO lines (TF_CPP_MIN_LOG_LEVEL=1, read
+    when jax loads). What the user set in the environment wins. gloo's "[Gloo] Rank N is connected"
+    lines are C++ writes to stdout: launch/local.py drops them from its children's output."""
+    if debug_enabled():
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    if not sys.warnoptions and not os.environ.get("PYTHONWARNINGS"):
+        warnings.simplefilter("ignore")
+    from absl import logging as absl_logging  # (light: no jax)
+
+    for handler in (absl_logging.get_absl_handler(), logging.lastResort):
+        if handler is not None and _THIRD_PARTY_LOGS not in handler.filters:
+            handler.addFilter(_THIRD_PARTY_LOGS)
 
 
 def run(main: Callable[[], int | None], argv: list[str] | None = None) -> None:
@@ -159,6 +198,49 @@ def run(main: Callable[[], int | None], argv: list[str] | None = None) -> None:
     except BaseException as e:  # noqa: BLE001  (KeyboardInterrupt included: one line too)
         status = report(e)
     sys.exit(status)
+
+
+# The longest error message one process hands the others (bytes of UTF-8; longer ones are cut).
+_AGREED_MESSAGE_BYTES = 2048
+
+
+def agreed(check: Callable[[], object]):
+    """`check()` on every process of a multi-process job, then agreement before anyone goes on.
+
+    Start-up checks that read this host's own files (the data directory, the workdir) can fail on
+    one process and pass on the others, which would then wait forever in their next collective
+    for a process that has exited. Here every process runs `check`, then all exchange the outcome
+    (one collective); if any failed, every process raises: the failing one its own error, the
+    others the same kind of error with its message, naming the process. Returns `check()`'s value.
+    `check` must not run collectives itself. (Imports jax: only after `start`.)
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return check()
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    value, error = None, None
+    try:
+        value = check()
+    except Exception as e:  # noqa: BLE001  (every failure is agreed on, then raised)
+        error = e
+    status = 0 if error is None else EXIT_BAD_INPUT if isinstance(error, ConfigError) else EXIT_FAILED
+    text = b"" if error is None else describe(error)[0].encode()[:_AGREED_MESSAGE_BYTES]
+    mine = np.zeros(_AGREED_MESSAGE_BYTES + 1, np.int32)
+    mine[0] = status
+    mine[1:1 + len(text)] = np.frombuffer(text, np.uint8)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    if error is not None:
+        raise error
+    failed = [i for i in range(len(everyone)) if everyone[i, 0]]
+    if not failed:
+        return value
+    first = failed[0]
+    message = bytes(everyone[first, 1:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
+    kind = ConfigError if everyone[first, 0] == EXIT_BAD_INPUT else RunError
+    raise kind(f"process {first} of {len(everyone)} stopped at start-up: {message}")
 
 
 def report(error: BaseException) -> int:

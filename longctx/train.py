@@ -271,6 +271,19 @@ def check_vocab(config, data_dir: str, metadata: dict) -> None:
             f"set --config.model.vocab_size={metadata['vocab_size']}.")
 
 
+def _local_inputs(config, workdir: str) -> str:
+    """The start-up checks that read this host's files (no collectives): the workdir is
+    writable, the dataset whole and within model.vocab_size. Returns the data directory."""
+    check_workdir(workdir)
+    try:
+        data_dir = data_lib.resolve_dataset(config)
+        metadata = data_lib.load_metadata(data_dir)
+    except (OSError, ValueError) as e:  # the data module's messages name the file or key
+        raise config_lib.ConfigError(str(e)) from None
+    check_vocab(config, data_dir, metadata)
+    return data_dir
+
+
 def _parents(path: str) -> list[str]:
     parents = []
     while os.path.dirname(path) != path:
@@ -308,13 +321,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     sizes = config_lib.validate(config)
     if cli.validate_only():
         cli.validated(check_inputs(config, workdir, sizes))
-    check_workdir(workdir)
-    try:
-        data_dir = data_lib.resolve_dataset(config)
-        metadata = data_lib.load_metadata(data_dir)
-    except (OSError, ValueError) as e:  # the data module's messages name the file or key
-        raise config_lib.ConfigError(str(e)) from None
-    check_vocab(config, data_dir, metadata)
+    # This host's files: a failure on one process is raised on all (cli.agreed), not left to
+    # hang the others in the first collective.
+    data_dir = cli.agreed(lambda: _local_inputs(config, workdir))
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
 
     mesh = mesh_lib.make_mesh(config.mesh)
