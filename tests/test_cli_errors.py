@@ -512,3 +512,84 @@ def test_first_use_corpus_preparation_says_so_once_and_where(tmp_path, monkeypat
     os.makedirs(final)
     open(os.path.join(final, prepare.METADATA), "w").close()
     assert prepare.prepare_stdlib(str(tmp_path)) == final and capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------------- issue 36, items 17 and 21: several processes
+
+ONE_HOST_LACKS_THE_DATA = '''
+import importlib.util
+import os
+
+_spec = importlib.util.spec_from_file_location("_base", {base!r})
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+
+
+def get_config(arg=None):
+    """tiny, whose data.path exists on process 0's "host" only (as when one host of a pod lacks
+    the dataset): the start-up check fails on one process of the two."""
+    c = _base.get_config("tiny")
+    c.data.path = {good!r} if os.environ.get("LONGCTX_PROCESS_ID") == "0" else {missing!r}
+    return c
+'''
+
+
+def _one_host_lacks_the_data(dataset, tmp_path):
+    config = tmp_path / "one_host.py"
+    missing = str(tmp_path / "not_on_this_host")
+    config.write_text(ONE_HOST_LACKS_THE_DATA.format(base=os.path.join(ROOT, "configs", "base.py"),
+                                                     good=str(dataset), missing=missing))
+    return [TRAIN, f"--config={config}", f"--workdir={tmp_path / 'w'}"], missing
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_start_up_error_on_one_process_reaches_the_other(dataset, tmp_path):
+    """Two processes of one job, started on their own (as on a pod: no launcher stops the
+    survivor): process 1 cannot find the data; both exit 2 within seconds, each with one line
+    (process 0 names process 1 and its reason), and stderr holds nothing else. Without the
+    agreement process 0 went on into its first collective and waited there for process 1."""
+    command, missing = _one_host_lacks_the_data(dataset, tmp_path)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_")}
+    procs = []
+    for i in range(2):
+        env_i = dict(env, LONGCTX_COORDINATOR=f"127.0.0.1:{port}", LONGCTX_NUM_PROCESSES="2",
+                     LONGCTX_PROCESS_ID=str(i), LONGCTX_CPU_DEVICES="4", JAX_PLATFORMS="cpu")
+        procs.append(subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env_i, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            results.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            proc.kill()
+    own = f"longctx: data.path={missing} does not exist."
+    assert results[1][0] == 2 and results[1][2].splitlines() == [own], results[1][2][-3000:]
+    assert results[0][0] == 2, results[0][2][-3000:]
+    assert results[0][2].splitlines() == [
+        f"longctx: process 1 of 2 stopped at start-up: data.path={missing} does not exist."]
+
+
+def test_a_multi_process_run_shows_no_third_party_log_lines(dataset, tmp_path):
+    """launch/local.py's job (the same start-up failure, so that gloo connects for the agreement
+    and nothing compiles): no "[Gloo] Rank N is connected" lines, and stderr holds only the
+    launcher's and longctx's own lines; with --verbose gloo's lines are there."""
+    command, missing = _one_host_lacks_the_data(dataset, tmp_path)
+    launch = [os.path.join(ROOT, "launch", "local.py"), "-n", "2", "-d", "4", "--", sys.executable]
+    quiet = run(*launch, *command, timeout=300)
+    assert quiet.returncode == 2, quiet.stderr[-3000:]
+    assert "[Gloo]" not in quiet.stdout + quiet.stderr, (quiet.stdout + quiet.stderr)[-3000:]
+    for line in quiet.stderr.splitlines():
+        assert re.match(r"(\[launch/local\.py\] |\[p[01]\] longctx: )", line), quiet.stderr[-3000:]
+    assert f"[p1] longctx: data.path={missing} does not exist." in quiet.stderr.splitlines()
+    loud = run(*launch, *command, "--verbose", timeout=300)
+    assert loud.returncode == 2 and re.search(r"\[Gloo\] Rank \d is connected to 1 peer ranks", loud.stdout)
