@@ -179,8 +179,18 @@ def quiet_third_party_logs() -> None:
         warnings.simplefilter("ignore")
     from absl import logging as absl_logging  # (light: no jax)
 
-    for handler in (absl_logging.get_absl_handler(), logging.lastResort):
-        if handler is not None and _THIRD_PARTY_LOGS not in handler.filters:
+    # absl's records (Orbax logs through absl) on their logger, whatever handler prints them;
+    # other libraries' records on the handlers: absl's (absl apps) or, until then, a filtered
+    # stand-in for the one Python's logging.warning() would install (absl's replaces it).
+    absl_logger = logging.getLogger("absl")
+    if _THIRD_PARTY_LOGS not in absl_logger.filters:
+        absl_logger.addFilter(_THIRD_PARTY_LOGS)
+    if not logging.root.handlers:
+        stand_in = logging.StreamHandler(sys.stderr)
+        stand_in.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+        logging.root.addHandler(stand_in)
+    for handler in (absl_logging.get_absl_handler(), *logging.root.handlers):
+        if _THIRD_PARTY_LOGS not in handler.filters:
             handler.addFilter(_THIRD_PARTY_LOGS)
 
 

@@ -593,3 +593,29 @@ def test_a_multi_process_run_shows_no_third_party_log_lines(dataset, tmp_path):
     assert f"[p1] longctx: data.path={missing} does not exist." in quiet.stderr.splitlines()
     loud = run(*launch, *command, "--verbose", timeout=300)
     assert loud.returncode == 2 and re.search(r"\[Gloo\] Rank \d is connected to 1 peer ranks", loud.stdout)
+
+
+LIBRARY_LOGS = '''
+import sys
+sys.path.insert(0, sys.argv[1])
+from longctx import cli
+cli.start(cpu_devices=None)
+from absl import logging
+from tensorboardX import summary
+summary.scalar("loss", float("nan"))  # tensorboardX: "NaN or Inf found in input tensor."
+logging.warning("a library's absl warning")  # (this file is outside longctx: a library)
+logging.error("a library's absl error")
+print("done")
+'''
+
+
+def test_library_log_lines_are_kept_out_unless_verbose(tmp_path):
+    script = tmp_path / "library_logs.py"
+    script.write_text(LIBRARY_LOGS)
+    quiet = run(script, ROOT)
+    assert quiet.returncode == 0 and quiet.stdout == "done\n"
+    assert quiet.stderr.splitlines() == ["ERROR:absl:a library's absl error"]  # errors stay
+    loud = run(script, ROOT, "--verbose")
+    assert loud.returncode == 0
+    assert "NaN or Inf found in input tensor." in loud.stderr
+    assert "WARNING:absl:a library's absl warning" in loud.stderr
