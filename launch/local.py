@@ -18,7 +18,10 @@ so the P processes form one `jax.distributed` job (gloo collectives) with P*D de
 
 Behaviour:
 - Every output line of child i is prefixed with `[p<i>] ` (stdout to stdout, stderr to stderr;
-  carriage-return progress-bar updates are prefixed too).
+  carriage-return progress-bar updates are prefixed too). gloo's "[Gloo] Rank N is connected to
+  M peer ranks" lines are dropped unless the command has --verbose or LONGCTX_DEBUG is set.
+- --validate_only (before `--`, or in the command): the command runs once, alone, with
+  --validate_only on P*D CPU devices (no job is formed), and its status is the launcher's.
 - If any child exits non-zero (or dies by a signal), the others get SIGTERM, then SIGKILL after
   --grace-period seconds, and the launcher exits non-zero (the first failing child's status).
 - SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every child (SIGHUP as
