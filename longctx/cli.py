@@ -33,8 +33,8 @@ Exit status:
 `--verbose` anywhere on a script's command line (removed before the script parses its flags) or
 `LONGCTX_DEBUG=1` in the environment also prints the traceback; `--verbose` sets LONGCTX_DEBUG=1
 so that child processes (ablate.py's training runs) do the same. Without it, third-party log
-lines (absl INFO/WARNING, C++ glog/TSL lines such as gloo's "Rank N is connected") are kept out
-of the output (`quiet_third_party_logs`, from `start`).
+lines (libraries' Python/absl log records below ERROR, Python warnings, XLA's C++ INFO lines) are
+kept out of the output (`quiet_third_party_logs`, from `start`; launch/local.py drops gloo's).
 
 `--validate_only` on any script's command line (also removed before the script parses its flags;
 `--validate-only` works too) checks the flags, the config and the files the command needs, as
@@ -148,9 +148,11 @@ def start(cpu_devices: int | None = 8) -> None:
             sys.exit(report(e))
 
 
-# Code whose log records are longctx's own: the package and the repository around it (scripts/,
-# configs/); anything else is a library.
-_OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# Code whose log records are longctx's own: the package and the repository's scripts and configs
+# (not the repository as a whole: `make` puts the libraries in its .venv/); anything else is a
+# library.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN_CODE = tuple(os.path.join(_REPO, d) + os.sep for d in ("longctx", "scripts", "configs", "benchmarks"))
 
 
 class _ThirdPartyLogs(logging.Filter):

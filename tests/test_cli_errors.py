@@ -619,3 +619,18 @@ def test_library_log_lines_are_kept_out_unless_verbose(tmp_path):
     assert loud.returncode == 0
     assert "NaN or Inf found in input tensor." in loud.stderr
     assert "WARNING:absl:a library's absl warning" in loud.stderr
+
+
+@pytest.mark.parametrize("where, kept", [
+    ("longctx/checkpoint.py", True), ("scripts/train.py", True),
+    (".venv/lib/python3.11/site-packages/orbax/checkpoint/x.py", False),  # `make`'s venv is in the repo
+    ("/usr/lib/python3/site-packages/tensorboardX/x2num.py", False),
+])
+def test_own_log_records_are_kept_and_libraries_warnings_dropped(where, kept, monkeypatch):
+    import logging
+
+    monkeypatch.setenv(cli.DEBUG_ENV, "0")
+    record = logging.LogRecord("absl", logging.WARNING, os.path.join(ROOT, where), 1, "x", None, None)
+    assert cli._ThirdPartyLogs().filter(record) is kept
+    record.levelno = logging.ERROR
+    assert cli._ThirdPartyLogs().filter(record) is True
