@@ -18,7 +18,10 @@ so the P processes form one `jax.distributed` job (gloo collectives) with P*D de
 
 Behaviour:
 - Every output line of child i is prefixed with `[p<i>] ` (stdout to stdout, stderr to stderr;
-  carriage-return progress-bar updates are prefixed too).
+  carriage-return progress-bar updates are prefixed too). gloo's "[Gloo] Rank N is connected to
+  M peer ranks" lines are dropped unless the command has --verbose or LONGCTX_DEBUG is set.
+- --validate_only (before `--`, or in the command): the command runs once, alone, with
+  --validate_only on P*D CPU devices (no job is formed), and its status is the launcher's.
 - If any child exits non-zero (or dies by a signal), the others get SIGTERM, then SIGKILL after
   --grace-period seconds, and the launcher exits non-zero (the first failing child's status).
 - SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every child (SIGHUP as
@@ -55,6 +58,10 @@ MAX_TOTAL_DEVICES = 1024
 
 PROG = "launch/local.py"
 
+# longctx.cli's --validate_only (this file imports nothing from longctx, so the names are repeated).
+VALIDATE_FLAGS = ("--validate_only", "--validate-only")
+VALIDATE_ENV = "LONGCTX_VALIDATE_ONLY"
+
 
 class LaunchError(Exception):
     """Bad input: printed as one sentence, exit status 2."""
@@ -82,8 +89,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="after a child fails, how long the others get between SIGTERM and SIGKILL")
     parser.add_argument("--stop-timeout", type=float, default=120.0, metavar="SECONDS",
                         help="after a forwarded SIGINT/SIGTERM, how long children get to save and exit")
+    parser.add_argument(*VALIDATE_FLAGS, dest="validate_only", action="store_true",
+                        help="check these flags, then run COMMAND once with --validate_only on P*D "
+                             "devices (no job is formed; also when COMMAND carries the flag)")
     args = parser.parse_args(own)
     args.command = command
+    args.validate_only = (args.validate_only or any(a in VALIDATE_FLAGS for a in command)
+                          or os.environ.get(VALIDATE_ENV, "").strip().lower() not in ("", "0", "false", "no"))
     validate(args)
     return args
 
@@ -175,6 +187,19 @@ def child_env(base: dict[str, str], port: int, num_processes: int, process_id: i
     return env
 
 
+def validate_command(args: argparse.Namespace) -> int:
+    """--validate_only: the command checks itself once, alone, on the job's P*D devices (what its
+    config must fit); forming a job would only add the start-up of P processes. Its status."""
+    devices = args.num_processes * args.devices_per_process
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_") or k == "LONGCTX_DEBUG"}
+    env.update(LONGCTX_CPU_DEVICES=str(devices), JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    env[VALIDATE_ENV] = "1"
+    try:
+        return subprocess.run(args.command, env=env, stdin=subprocess.DEVNULL).returncode
+    except OSError as e:
+        raise LaunchError(f"cannot start {args.command[0]!r}: {e.strerror or e}.") from None
+
+
 def _pdeathsig_preexec(parent_pid: int):
     """In the child before exec: die with the launcher, even if the launcher is SIGKILLed."""
     libc = None
@@ -194,12 +219,26 @@ def _pdeathsig_preexec(parent_pid: int):
     return preexec
 
 
+# gloo (the CPU collectives) writes this from C++ to stdout for every communicator it connects,
+# a dozen lines per job and run, from its own threads (so possibly inside a line of the child's:
+# removed from the stream, not as whole lines). Kept with --verbose / LONGCTX_DEBUG=1.
+GLOO_NOISE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+                        rb"Expected number of connected peer ranks is : \d+\r?\n")
+
+
+def verbose(command: list[str]) -> bool:
+    """--verbose in the child's command (longctx.cli takes it) or LONGCTX_DEBUG in the environment."""
+    return "--verbose" in command or os.environ.get("LONGCTX_DEBUG", "").strip().lower() not in (
+        "", "0", "false", "no")
+
+
 class _Pump(threading.Thread):
     """Copies one child stream to ours, prefixing every line (and every \\r-terminated update)."""
 
-    def __init__(self, stream, out, prefix: bytes, lock: threading.Lock):
+    def __init__(self, stream, out, prefix: bytes, lock: threading.Lock, quiet: bool = True):
         super().__init__(daemon=True)
         self.stream, self.out, self.prefix, self.lock = stream, out, prefix, lock
+        self.quiet = quiet  # drop gloo's connection lines (GLOO_NOISE)
 
     def _emit(self, piece: bytes) -> None:
         with self.lock:
@@ -220,6 +259,8 @@ class _Pump(threading.Thread):
             if not chunk:
                 break
             pending += chunk
+            if self.quiet:
+                pending = GLOO_NOISE.sub(b"", pending)
             # Emit every complete piece; a trailing "\r" waits in case "\n" follows it.
             cut = max(pending.rfind(b"\n"), pending.rstrip(b"\r").rfind(b"\r"))
             if cut >= 0:
@@ -288,7 +329,7 @@ class Job:
                 raise LaunchError(f"cannot start {a.command[0]!r}: {e.strerror or e}.") from None
             self.procs.append(proc)
             for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                pump = _Pump(stream, out, f"[p{i}] ".encode(), self.lock)
+                pump = _Pump(stream, out, f"[p{i}] ".encode(), self.lock, quiet=not verbose(a.command))
                 pump.start()
                 self.pumps.append(pump)
 
@@ -378,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse_args(argv)
+        if args.validate_only:
+            return _exit_status(validate_command(args))
         port = choose_port(args.port)
     except LaunchError as e:
         sys.stderr.write(f"{PROG}: {e}\n")

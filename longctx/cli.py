@@ -32,24 +32,39 @@ Exit status:
 
 `--verbose` anywhere on a script's command line (removed before the script parses its flags) or
 `LONGCTX_DEBUG=1` in the environment also prints the traceback; `--verbose` sets LONGCTX_DEBUG=1
-so that child processes (ablate.py's training runs) do the same.
+so that child processes (ablate.py's training runs) do the same. Without it, third-party log
+lines (libraries' Python/absl log records below ERROR, Python warnings, XLA's C++ INFO lines) are
+kept out of the output (`quiet_third_party_logs`, from `start`; launch/local.py drops gloo's).
+
+`--validate_only` on any script's command line (also removed before the script parses its flags;
+`--validate-only` works too) checks the flags, the config and the files the command needs, as
+cheaply as it can, and stops before anything is trained, compiled, prepared or written: the script
+calls `validated(what)` at that point, which under the flag ends it with exit status 0 and one
+line, `longctx: --validate_only: <what>; nothing was run.` (and is a no-op otherwise). Bad input
+is reported exactly as in a real run (exit 2). The flag sets LONGCTX_VALIDATE_ONLY=1 for child
+processes (launch/local.py's, ablate.py's).
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib.util
+import logging
 import os
 import re
 import sys
 import traceback
+import warnings
 from typing import Callable
 
 from longctx import devices
-from longctx.errors import ConfigError, LongctxError
+from longctx.errors import ConfigError, LongctxError, MissingFileError, RunError
 
 PREFIX = "longctx: "
 DEBUG_ENV = "LONGCTX_DEBUG"
 VERBOSE_FLAG = "--verbose"
+VALIDATE_ENV = "LONGCTX_VALIDATE_ONLY"
+VALIDATE_FLAGS = ("--validate_only", "--validate-only")
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -65,13 +80,46 @@ def one_line(text: str) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
+def validate_only() -> bool:
+    """True under `--validate_only` (this process's flag, or a parent's through the environment)."""
+    return os.environ.get(VALIDATE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+class _Validated(BaseException):
+    """Raised by `validated` to end a validate-only run; `run` prints it and exits 0. Not an
+    Exception, so that no `except Exception` between the check and `run` can swallow it."""
+
+
+def validated(what: str) -> None:
+    """The point where a script has checked everything it can without running: under
+    `--validate_only` the script ends here (exit 0, one line naming `what` was checked)."""
+    if validate_only():
+        raise _Validated(what)
+
+
 def take_verbose_flag(argv: list[str]) -> bool:
     """Removes every `--verbose` before a `--` from `argv` (in place); True if there was one."""
+    return _take_flags(argv, (VERBOSE_FLAG,))
+
+
+def take_validate_flag(argv: list[str]) -> bool:
+    """Removes every `--validate_only` before a `--` from `argv` (in place); True if there was one."""
+    return _take_flags(argv, VALIDATE_FLAGS)
+
+
+def _take_flags(argv: list[str], names: tuple[str, ...]) -> bool:
     end = argv.index("--") if "--" in argv else len(argv)
-    found = [i for i in range(1, end) if argv[i] == VERBOSE_FLAG]
+    found = [i for i in range(1, end) if argv[i] in names]
     for i in reversed(found):
         del argv[i]
     return bool(found)
+
+
+def _take_start_flags(argv: list[str]) -> None:
+    if take_verbose_flag(argv):
+        os.environ[DEBUG_ENV] = "1"
+    if take_validate_flag(argv):
+        os.environ[VALIDATE_ENV] = "1"
 
 
 def describe(error: BaseException) -> tuple[str, int]:
@@ -90,9 +138,9 @@ def start(cpu_devices: int | None = 8) -> None:
     """The bootstrap, first thing in every script: takes `--verbose` off the command line, makes
     an exception escaping from the script's imports one line, and with `cpu_devices` sets the
     virtual CPU device count (the default when LONGCTX_CPU_DEVICES is unset) before jax starts."""
-    if take_verbose_flag(sys.argv):
-        os.environ[DEBUG_ENV] = "1"
+    _take_start_flags(sys.argv)
     sys.excepthook = _excepthook
+    quiet_third_party_logs()
     if cpu_devices is not None:
         try:
             devices.configure_cpu_devices(cpu_devices)
@@ -100,18 +148,111 @@ def start(cpu_devices: int | None = 8) -> None:
             sys.exit(report(e))
 
 
+# Code whose log records are longctx's own: the package and the repository's scripts and configs
+# (not the repository as a whole: `make` puts the libraries in its .venv/); anything else is a
+# library.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN_CODE = tuple(os.path.join(_REPO, d) + os.sep for d in ("longctx", "scripts", "configs", "benchmarks"))
+
+
+class _ThirdPartyLogs(logging.Filter):
+    """Drops the log records below ERROR that libraries log through Python or absl logging
+    (Orbax's notes on read-only directories, tensorboardX's "NaN or Inf found in input tensor",
+    ...): what a run shows is longctx's own lines. `--verbose` (LONGCTX_DEBUG=1) keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        own = os.path.abspath(record.pathname).startswith(_OWN_CODE)
+        return own or record.levelno >= logging.ERROR or debug_enabled()
+
+
+_THIRD_PARTY_LOGS = _ThirdPartyLogs()
+
+
+def quiet_third_party_logs() -> None:
+    """Keeps library log lines out of a script's output unless --verbose (from `start`): Python and
+    absl log records (`_ThirdPartyLogs`, on absl's handler and on the handler Python uses when
+    there is none), Python warnings, and XLA/TSL's C++ INFO lines (TF_CPP_MIN_LOG_LEVEL=1, read
+    when jax loads). What the user set in the environment wins. gloo's "[Gloo] Rank N is connected"
+    lines are C++ writes to stdout: launch/local.py drops them from its children's output."""
+    if debug_enabled():
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    if not sys.warnoptions and not os.environ.get("PYTHONWARNINGS"):
+        warnings.simplefilter("ignore")
+    from absl import logging as absl_logging  # (light: no jax)
+
+    # absl's records (Orbax logs through absl) on their logger, whatever handler prints them;
+    # other libraries' records on the handlers: absl's (absl apps) or, until then, a filtered
+    # stand-in for the one Python's logging.warning() would install (absl's replaces it).
+    absl_logger = logging.getLogger("absl")
+    if _THIRD_PARTY_LOGS not in absl_logger.filters:
+        absl_logger.addFilter(_THIRD_PARTY_LOGS)
+    if not logging.root.handlers:
+        stand_in = logging.StreamHandler(sys.stderr)
+        stand_in.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+        logging.root.addHandler(stand_in)
+    for handler in (absl_logging.get_absl_handler(), *logging.root.handlers):
+        if _THIRD_PARTY_LOGS not in handler.filters:
+            handler.addFilter(_THIRD_PARTY_LOGS)
+
+
 def run(main: Callable[[], int | None], argv: list[str] | None = None) -> None:
     """Runs `main()` and exits: its return value is the status, a failure is one line on stderr."""
     argv = sys.argv if argv is None else argv
-    if take_verbose_flag(argv):
-        os.environ[DEBUG_ENV] = "1"
+    _take_start_flags(argv)
     try:
         status = main()
     except SystemExit:
         raise
+    except _Validated as done:
+        print(f"{PREFIX}{VALIDATE_FLAGS[0]}: {done}; nothing was run.", flush=True)
+        status = 0
     except BaseException as e:  # noqa: BLE001  (KeyboardInterrupt included: one line too)
         status = report(e)
     sys.exit(status)
+
+
+# The longest error message one process hands the others (bytes of UTF-8; longer ones are cut).
+_AGREED_MESSAGE_BYTES = 2048
+
+
+def agreed(check: Callable[[], object]):
+    """`check()` on every process of a multi-process job, then agreement before anyone goes on.
+
+    Start-up checks that read this host's own files (the data directory, the workdir) can fail on
+    one process and pass on the others, which would then wait forever in their next collective
+    for a process that has exited. Here every process runs `check`, then all exchange the outcome
+    (one collective); if any failed, every process raises: the failing one its own error, the
+    others the same kind of error with its message, naming the process. Returns `check()`'s value.
+    `check` must not run collectives itself. (Imports jax: only after `start`.)
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return check()
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    value, error = None, None
+    try:
+        value = check()
+    except Exception as e:  # noqa: BLE001  (every failure is agreed on, then raised)
+        error = e
+    status = 0 if error is None else EXIT_BAD_INPUT if isinstance(error, ConfigError) else EXIT_FAILED
+    text = b"" if error is None else describe(error)[0].encode()[:_AGREED_MESSAGE_BYTES]
+    mine = np.zeros(_AGREED_MESSAGE_BYTES + 1, np.int32)
+    mine[0] = status
+    mine[1:1 + len(text)] = np.frombuffer(text, np.uint8)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    if error is not None:
+        raise error
+    failed = [i for i in range(len(everyone)) if everyone[i, 0]]
+    if not failed:
+        return value
+    first = failed[0]
+    message = bytes(everyone[first, 1:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
+    kind = ConfigError if everyone[first, 0] == EXIT_BAD_INPUT else RunError
+    raise kind(f"process {first} of {len(everyone)} stopped at start-up: {message}")
 
 
 def report(error: BaseException) -> int:
@@ -154,12 +295,20 @@ def parse_absl_flags(argv: list[str]) -> list[str]:
     try:
         rest = flags.FLAGS(argv)
     except flags.Error as e:
+        error = config_load_error(argv)  # the config file raised TypeError/ValueError
+        if error is not None:
+            raise error from None
         raise ConfigError(f"{_flag_error_text(e)} (--helpshort lists the flags).") from None
     except (KeyError, AttributeError, OSError) as e:  # ml_collections: unknown --config.x.y key
-        error = config_file_error(argv) or unknown_override(argv)
+        error = config_file_error(argv) or config_load_error(argv) or unknown_override(argv)
         if error is not None:
             raise error from None
         raise ConfigError(f"cannot parse the command line: {one_line(e)}.") from e
+    except Exception:  # noqa: BLE001  (the config file raised: SyntaxError, NameError, ...)
+        error = config_load_error(argv)
+        if error is None:
+            raise
+        raise error from None
     error = config_file_error(argv)  # ml_collections defers a missing file's error to first use
     if error is not None:
         raise error
@@ -196,6 +345,56 @@ def config_file_error(argv: list[str]) -> ConfigError | None:
         if not os.path.isfile(path):
             return ConfigError(f"--{name}={spec}: config file {path} does not exist.")
     return None
+
+
+def config_load_error(argv: list[str]) -> ConfigError | None:
+    """The ConfigError of the first `--<config flag>=FILE[:ARG]` whose file does not load."""
+    for name, _ in _config_flags():
+        spec = _flag_value(argv, name)
+        if spec is not None and os.path.isfile(spec.split(":", 1)[0]):
+            try:
+                load_config_file(spec, flag=f"--{name}")
+            except ConfigError as e:
+                return e
+    return None
+
+
+def load_config_file(spec: str, flag: str = "--config"):
+    """`FILE[:ARG]` -> FILE's `get_config(ARG)` (what `--config=FILE:ARG` gives an absl script),
+    for scripts that take a config file by argparse. A missing file, or one that does not load
+    (a syntax error, a name error, any exception in `get_config`), is a ConfigError of one line
+    that names the flag and FILE:LINE; a ValueError from `get_config` is the config's own sentence
+    (configs/base.py: an unknown preset) and is kept as it is."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise MissingFileError(f"{flag}={spec}: config file {path} does not exist.")
+    try:
+        module_spec = importlib.util.spec_from_file_location("_longctx_config_file", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module.get_config(arg) if ":" in spec else module.get_config()
+    except ValueError as e:
+        raise ConfigError(one_line(e)) from None
+    except Exception as e:  # noqa: BLE001  (the user's file: whatever it raises is bad input)
+        where = _location_in(e, path)
+        text = e.msg if isinstance(e, SyntaxError) else next(iter(str(e).splitlines()), "")
+        raise ConfigError(f"{flag}={spec}: the config file does not load: {where}"
+                          f"{type(e).__name__}{': ' + text.strip() if text.strip() else ''}.") from None
+
+
+def _location_in(error: BaseException, path: str) -> str:
+    """"FILE:LINE: " where `error` arose in the config file `path` (the innermost of its lines in
+    the traceback; for a syntax error, the line it names), else ""."""
+    if isinstance(error, SyntaxError) and error.filename and error.lineno:
+        name = path if _same_file(error.filename, path) else error.filename
+        return f"{name}:{error.lineno}: "
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
+             if _same_file(frame.filename, path)]
+    return f"{path}:{lines[-1]}: " if lines else ""
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def unknown_override(argv: list[str]) -> ConfigError | None:

@@ -98,7 +98,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         _require(a.sliding_window > 0, f"attention.sliding_window={a.sliding_window} must be positive.")
     if a.chunk_size is not None:
         _require(a.chunk_size > 0, f"attention.chunk_size={a.chunk_size} must be positive.")
-        _require(a.causal, "attention.chunk_size is chunked *causal* attention and needs attention.causal=True.")
+        _require(a.causal, "attention.chunk_size is chunked *causal* attention and needs attention.causal=True: "
+                 "set --config.attention.causal=True.")
     if a.logits_soft_cap is not None:
         _require(a.logits_soft_cap > 0, f"attention.logits_soft_cap={a.logits_soft_cap} must be positive.")
 
@@ -112,16 +113,21 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
              f"attention.block_size={a.block_size} does not divide the per-device shard of "
              f"data.seq_len/sp = {d.seq_len}/{sp} = {shard_len} tokens.")
     mlp_chunk = m.get("mlp_chunk_size")
-    _require(mlp_chunk is None or (mlp_chunk > 0 and (shard_len % mlp_chunk == 0 or shard_len <= mlp_chunk)),
-             f"model.mlp_chunk_size={mlp_chunk} does not divide the per-device shard of "
-             f"{shard_len} tokens.")
-    _require(shard_len % t.loss_chunk_size == 0,
-             f"train.loss_chunk_size={t.loss_chunk_size} does not divide the per-device shard of "
-             f"{shard_len} tokens.")
+    if mlp_chunk is not None:
+        _require(mlp_chunk > 0, f"model.mlp_chunk_size={mlp_chunk} must be positive (or None).")
+        if shard_len % mlp_chunk and shard_len > mlp_chunk:
+            raise ConfigError(f"model.mlp_chunk_size={mlp_chunk} does not divide the per-device shard "
+                              f"of {shard_len} tokens: set --config.model.mlp_chunk_size="
+                              f"{_divisor_below(shard_len, mlp_chunk)}.")
+    if shard_len % t.loss_chunk_size:
+        raise ConfigError(f"train.loss_chunk_size={t.loss_chunk_size} does not divide the per-device "
+                          f"shard of {shard_len} tokens: set --config.train.loss_chunk_size="
+                          f"{_divisor_below(shard_len, t.loss_chunk_size)}.")
 
     # Batch against data parallelism.
     _require(d.global_batch_size % (dp * fsdp) == 0,
-             f"data.global_batch_size={d.global_batch_size} is not divisible by dp*fsdp = {dp}*{fsdp} = {dp * fsdp}.")
+             f"data.global_batch_size={d.global_batch_size} is not divisible by dp*fsdp = {dp}*{fsdp} = {dp * fsdp}: "
+             f"set --config.data.global_batch_size={_multiple_above(d.global_batch_size, dp * fsdp)}.")
 
     # Optimiser and loop.
     _require(o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")
@@ -150,6 +156,16 @@ def _check_init_from_allow(config) -> None:
         _require(key in checkpoint_compat.INIT_FROM_KEYS,
                  f"checkpoint.init_from_allow names {key!r}, which init_from does not compare; it takes "
                  f"a comma-separated list of {', '.join(checkpoint_compat.INIT_FROM_KEYS)}.")
+
+
+def _divisor_below(n: int, limit: int) -> int:
+    """The largest divisor of `n` not above `limit`: the chunk that fits, closest to the one asked."""
+    return max(k for k in range(1, min(n, limit) + 1) if n % k == 0)
+
+
+def _multiple_above(n: int, factor: int) -> int:
+    """The smallest multiple of `factor` not below `n`."""
+    return -(-n // factor) * factor
 
 
 def _check_rope_scaling(s) -> None:

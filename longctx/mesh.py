@@ -187,11 +187,25 @@ def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
             )
         sizes[unknown[0]] = per_slice // known
     elif known != per_slice:
+        where = f"the {per_slice} devices" + (" per slice" if num_slices > 1 else "")
         raise ValueError(
             f"mesh: dp*fsdp*sp = {sizes[DP]}*{sizes[FSDP]}*{sizes[SP]} = {known} does not match "
-            f"the {per_slice} devices per slice available."
+            f"{where}{_mesh_fix(sizes, per_slice)}."
         )
     return sizes
+
+
+def _mesh_fix(sizes: dict[str, int], per_slice: int) -> str:
+    """": set --config.mesh.<axis>=<n>" for the axes that alone can make the mesh fit, the ring
+    (sp, usually the size the user chose on purpose) last; "" when no single axis can."""
+    fixes = []
+    for axis in (DP, FSDP, SP):
+        others = math.prod(s for a, s in sizes.items() if a != axis)
+        if per_slice % others == 0:
+            fixes.append(f"--config.mesh.{axis}={per_slice // others}")
+    if not fixes:
+        return ""
+    return f": set {fixes[0]}" + (f" (or {' or '.join(fixes[1:])})" if fixes[1:] else "")
 
 
 def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import signal
 import time
 from typing import Any, Callable
@@ -23,6 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from longctx import checkpoint as checkpoint_lib
+from longctx import cli
 from longctx import config as config_lib
 from longctx import data as data_lib
 from longctx import errors
@@ -261,20 +263,67 @@ def check_workdir(workdir: str) -> None:
         raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {why}.")
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Trains (resuming if `workdir` holds a checkpoint) and returns the last logged metrics."""
-    mesh_lib.maybe_initialize_distributed(config.distributed)
-    sizes = config_lib.validate(config)
+def check_vocab(config, data_dir: str, metadata: dict) -> None:
+    if metadata["vocab_size"] > config.model.vocab_size:
+        raise config_lib.ConfigError(
+            f"model.vocab_size={config.model.vocab_size} is smaller than the dataset's tokenizer "
+            f"vocabulary ({metadata['vocab_size']} in {data_dir}/metadata.json): "
+            f"set --config.model.vocab_size={metadata['vocab_size']}.")
+
+
+def _local_inputs(config, workdir: str) -> str:
+    """The start-up checks that read this host's files (no collectives): the workdir is
+    writable, the dataset whole and within model.vocab_size. Returns the data directory."""
     check_workdir(workdir)
     try:
         data_dir = data_lib.resolve_dataset(config)
         metadata = data_lib.load_metadata(data_dir)
     except (OSError, ValueError) as e:  # the data module's messages name the file or key
         raise config_lib.ConfigError(str(e)) from None
-    if metadata["vocab_size"] > config.model.vocab_size:
-        raise config_lib.ConfigError(
-            f"model.vocab_size={config.model.vocab_size} is smaller than the dataset's tokenizer "
-            f"vocabulary ({metadata['vocab_size']} in {data_dir}/metadata.json).")
+    check_vocab(config, data_dir, metadata)
+    return data_dir
+
+
+def _parents(path: str) -> list[str]:
+    parents = []
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        parents.append(path)
+    return parents
+
+
+def check_inputs(config, workdir: str, sizes: dict) -> str:
+    """`--validate_only`'s checks past `config_lib.validate`, none of which writes anything: the
+    workdir can be created, the dataset (data.path, or the embedded corpus when it is prepared
+    already) is whole and fits model.vocab_size. Returns what was checked, in words."""
+    if not workdir_lib.is_remote(workdir):
+        here = os.path.abspath(workdir)
+        for path in [here] + _parents(here):
+            if os.path.isfile(path):
+                raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {path} is a "
+                                             "file, not a directory.")
+    if config.data.path:
+        try:
+            data_dir = data_lib.resolve_dataset(config)
+            check_vocab(config, data_dir, data_lib.load_metadata(data_dir))
+        except (OSError, ValueError) as e:
+            raise config_lib.ConfigError(str(e)) from None
+        data = f"data {data_dir}"
+    else:
+        data = "the embedded corpus (prepared on first use)"
+    mesh = " x ".join(f"{ax}={n}" for ax, n in sizes.items())
+    return f"config, mesh {mesh}, workdir {workdir} and {data} are fine"
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains (resuming if `workdir` holds a checkpoint) and returns the last logged metrics."""
+    mesh_lib.maybe_initialize_distributed(config.distributed)
+    sizes = config_lib.validate(config)
+    if cli.validate_only():
+        cli.validated(check_inputs(config, workdir, sizes))
+    # This host's files: a failure on one process is raised on all (cli.agreed), not left to
+    # hang the others in the first collective.
+    data_dir = cli.agreed(lambda: _local_inputs(config, workdir))
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
 
     mesh = mesh_lib.make_mesh(config.mesh)

@@ -1,7 +1,7 @@
 """Run a mask-type ablation grid and compare the variants.
 
-  python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks
-  python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks --dry-run
+  .venv/bin/python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks
+  .venv/bin/python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks --dry-run
 
 Writes DIR/ablation.md (final train/val loss, tokens/s, ring schedule efficiency, steps),
 DIR/ablation.png (loss curves) and DIR/position_loss.png (validation loss by token position).
@@ -16,7 +16,25 @@ from longctx import cli
 
 cli.start(cpu_devices=None)  # the training runs it starts set up their own devices
 
-from longctx import ablation  # noqa: E402
+from longctx import ablation, devices  # noqa: E402
+from longctx.errors import ConfigError  # noqa: E402
+
+
+def validate_grid(grid: str) -> str:
+    """--validate_only: every variant's config checked as its training run would check it (on the
+    devices the runs would see), none started."""
+    devices.configure_cpu_devices()  # what each run's cli.start() sets up
+    import jax
+
+    from longctx import config as config_lib
+
+    _, variants = ablation.load_grid(grid)
+    for variant in variants:
+        try:
+            config_lib.validate(variant.config, num_devices=jax.device_count())
+        except ConfigError as e:
+            raise ConfigError(f"grid variant {variant.name!r}: {e}") from None
+    return f"the {len(variants)} variants of {grid} are fine"
 
 
 def main() -> int:
@@ -25,11 +43,13 @@ def main() -> int:
     parser.add_argument("--workdir", required=True, help="one sub-directory per variant goes here")
     parser.add_argument("--dry-run", action="store_true", help="print the commands (for a cluster) and stop")
     args = parser.parse_args()
+    if cli.validate_only():
+        cli.validated(validate_grid(args.grid))
     variants = ablation.run_grid(args.grid, args.workdir, dry_run=args.dry_run)
     if args.dry_run:
         return 0
     rows = ablation.summarize(variants, args.workdir)
-    paths = ablation.write_report(rows, args.workdir, shlex.join(["python", *sys.argv]))
+    paths = ablation.write_report(rows, args.workdir, shlex.join([".venv/bin/python", *sys.argv]))
     print(ablation.markdown_table(rows))
     print("ablate: wrote " + ", ".join(paths.values()))
     return 0

@@ -1,7 +1,7 @@
 """Forward+backward time of ring_attention on CPU devices, and its compile time against sp.
 
-  python scripts/bench_attention.py                # the full grid (~15 min on 2 cores)
-  python scripts/bench_attention.py --quick        # one small point per variant
+  .venv/bin/python scripts/bench_attention.py                # the full grid (~15 min on 2 cores)
+  .venv/bin/python scripts/bench_attention.py --quick        # one small point per variant
 
 For each mask (causal, causal sliding window, chunked causal), sequence length S and ring size
 sp, times jit(value_and_grad) of sum(w * attention(q, k, v)) over q, k, v for:
@@ -274,6 +274,7 @@ def main():
     ap.add_argument("--no-tpu-compile", dest="tpu_compile", action="store_false")
     bc.add_output_arguments(ap, "bench_attention", "rewrite the markdown section from --json without running")
     args = ap.parse_args()
+    cli.validated("the flags are fine")
     if args.render_only:
         import json
         result = json.load(open(args.json))

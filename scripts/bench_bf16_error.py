@@ -1,7 +1,7 @@
 """bf16 accuracy of the ring against plain single-device splash: both on the same bf16 inputs,
 both measured against the dense float32 oracle (issue 12: the ring's error must be no larger).
 
-  python scripts/bench_bf16_error.py            # S = 4096, sp = 4, causal and 9 documents/row
+  .venv/bin/python scripts/bench_bf16_error.py            # S = 4096, sp = 4, causal and 9 documents/row
 
 Inputs: q, k, v and the output cotangent drawn float32 standard normal and rounded to bf16; 4
 heads of head_dim 64, so the softmax scale 1/8 is a power of two and scaling q is exact in
@@ -175,6 +175,7 @@ def main():
     cases = [c for c in args.cases.split(",") if c]
     if not set(cases) <= set(CASES):
         ap.error(f"--cases: choose from {', '.join(CASES)}")
+    cli.validated(f"the flags are fine ({len(cases)} case(s) on sp={args.sp})")
     for case in cases:
         x = make_inputs(case, args.batch, args.seq_len, args.seed)
         want = oracle(*x)

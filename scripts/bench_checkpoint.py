@@ -70,6 +70,7 @@ def main():
     parser.add_argument("--workdir", default="", help="where to save (default: a fresh temporary directory)")
     parser.add_argument("--out", default=bc.DOCS, help="where the .json and .md go")
     args = parser.parse_args()
+    cli.validated("the flags are fine")
 
     from absl import logging as absl_logging
 

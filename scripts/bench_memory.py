@@ -1,8 +1,8 @@
 """Per-device memory of the compiled train step as the sequence grows with sp, and with sp fixed.
 
-  python scripts/bench_memory.py                      # TPU (v5p:2x2x4, ahead of time) + CPU
-  python scripts/bench_memory.py --quick              # sp 2 and 4 only, shorter sequences
-  python scripts/bench_memory.py --no-tpu             # CPU (XLA path) only
+  .venv/bin/python scripts/bench_memory.py                      # TPU (v5p:2x2x4, ahead of time) + CPU
+  .venv/bin/python scripts/bench_memory.py --quick              # sp 2 and 4 only, shorter sequences
+  .venv/bin/python scripts/bench_memory.py --no-tpu             # CPU (XLA path) only
 
 Nothing runs: each point compiles one train step (model, ring attention, optimizer) and reads
 XLA's `memory_analysis()` for one device — for ring-splash on a TPU topology through libtpu
@@ -166,6 +166,7 @@ def main():
                     help="keep the other series already in --json (recompute only these)")
     bc.add_output_arguments(ap, "bench_memory", "rewrite the markdown section from --json without compiling")
     args = ap.parse_args()
+    cli.validated("the flags are fine")
     if args.render_only:
         bc.write_section("bench_memory", markdown(json.load(open(args.json))), args.md)
         return

@@ -1,8 +1,8 @@
 """Passkey retrieval measured on CPU: docs/bench_needle.{json,md} and the heatmap docs/needle_cpu.png.
 
-  python scripts/bench_needle.py                          # both parts (~25 min on 2 cores)
-  python scripts/bench_needle.py --part=synthetic --seeds=0,1,2,3
-  python scripts/bench_needle.py --part=text --steps=2000 --workdir=runs/needle_cpu
+  .venv/bin/python scripts/bench_needle.py                          # both parts (~25 min on 2 cores)
+  .venv/bin/python scripts/bench_needle.py --part=synthetic --seeds=0,1,2,3
+  .venv/bin/python scripts/bench_needle.py --part=text --steps=2000 --workdir=runs/needle_cpu
 
 synthetic: tests/test_needle.py's retrieval run (the tiny model, 128-token rows over the 1x2x4
 mesh, ring over sp=4) for several training seeds: accuracy with the needle on another ring shard
@@ -28,6 +28,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+import bench_common as bc  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from longctx import hf, inference, needle, train  # noqa: E402
 from longctx.data import prepare  # noqa: E402
 
@@ -177,6 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=4, help="passkeys per (length, depth) cell")
     p.add_argument("--workdir", default="runs/needle_cpu")
     args = p.parse_args(argv)
+    cli.validated("the flags are fine")
     from absl import logging
 
     logging.set_verbosity(logging.ERROR)
@@ -188,9 +190,7 @@ def main(argv=None) -> int:
         os.rmdir(os.path.join(DOCS, "needle_cpu"))
     if args.part in ("all", "text"):
         text = run_text(args.workdir, args.steps, args.docs, args.samples)
-    import sys
-
-    write_docs(synthetic, grid, text, "python scripts/bench_needle.py " + " ".join(sys.argv[1:]))
+    write_docs(synthetic, grid, text, bc.command_line())
     print(f"bench_needle: wrote {DOCS}/bench_needle.md")
     return 0
 

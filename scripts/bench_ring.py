@@ -1,11 +1,11 @@
 """The ring on the same work as issue 12's table: fwd+bwd time of every longctx impl x layout,
 with and without document skipping, optionally beside other JAX rings, every result checked.
 
-  python scripts/bench_ring.py --peers /tmp/peers      # the table: S = 2048, 8192, with peers
+  .venv/bin/python scripts/bench_ring.py --peers /tmp/peers      # the table: S = 2048, 8192, with peers
                                                        # (13 min on 2 shared cores)
-  python scripts/bench_ring.py                         # the same without peers
-  python scripts/bench_ring.py --quick                 # S = 2048, one run, no peers
-  python scripts/bench_ring.py --render-only           # rewrite the markdown from the JSON
+  .venv/bin/python scripts/bench_ring.py                         # the same without peers
+  .venv/bin/python scripts/bench_ring.py --quick                 # S = 2048, one run, no peers
+  .venv/bin/python scripts/bench_ring.py --render-only           # rewrite the markdown from the JSON
 
 Cases (sp = 4, 4 heads x head_dim 64, block 512 at most L = S/sp, and at most L/2 for zigzag,
 whose shard is two halves from opposite ends of the sequence: a block across both would be
@@ -66,6 +66,7 @@ import bench_ring_report as report  # noqa: E402
 from longctx import layout as layout_lib  # noqa: E402
 from longctx import masks  # noqa: E402
 from longctx.ops import tables  # noqa: E402
+from longctx.errors import MissingFileError  # noqa: E402
 from longctx.ops import reference_attention, ring_attention  # noqa: E402
 
 HEADS, HEAD_DIM = 4, 64
@@ -474,6 +475,7 @@ def main():
     bc.add_output_arguments(ap, "bench_ring", "rewrite the markdown section from --json without running")
     args = ap.parse_args()
     if args.render_only:
+        cli.validated(f"--render-only from {args.json}")
         result = json.load(open(args.json))
         result["targets"] = report.targets(result) + [report.check_line(result)]
         bc.write_json(args.json, result)
@@ -492,9 +494,11 @@ def main():
     if args.peers:
         args.peers = os.path.abspath(args.peers)
         if not os.path.isdir(os.path.join(args.peers, "maxtext")):
-            ap.error(f"--peers {args.peers}: no maxtext package there")
+            raise MissingFileError(f"--peers {args.peers}: no maxtext package there (pip install --target "
+                                   f"{args.peers} maxtext ringattention).")
         sys.path.insert(0, args.peers)  # this script only; longctx never imports peer code
     mesh = sp_mesh(ap, args.sp)
+    cli.validated(f"the flags are fine ({len(cases)} case(s) on sp={args.sp})")
     result = {"command": bc.command_line(), "machine": bc.machine(),
               "settings": {"cases": cases, "heads": HEADS, "head_dim": HEAD_DIM, "window": WINDOW,
                            "sp": args.sp, "block": args.block, "repeats": args.repeats,

@@ -1,10 +1,10 @@
 """The block size against the documents: bench_ring.py's rows at several blocks, with and without
 document skipping, every result checked.
 
-  python scripts/bench_ring_blocks.py                # blocks 512, 256, 128; causal, docs9 and
+  .venv/bin/python scripts/bench_ring_blocks.py                # blocks 512, 256, 128; causal, docs9 and
                                                      # docs_s32 at S = 8192; every impl x layout
                                                      # (16 minutes on 2 shared cores)
-  python scripts/bench_ring_blocks.py --render-only  # rewrite the markdown from the JSON
+  .venv/bin/python scripts/bench_ring_blocks.py --render-only  # rewrite the markdown from the JSON
 
 A block is computed whole or not at all, so skipping can drop only the blocks that hold no
 (query, key) pair of one document. With documents of mean length S/32 = 256 tokens at S = 8192,
@@ -97,6 +97,7 @@ def main():
                             "rewrite the markdown section from --json without running")
     args = ap.parse_args()
     if args.render_only:
+        cli.validated(f"--render-only from {args.json}")
         text = markdown(json.load(open(args.json)))
         bc.write_section("bench_ring_blocks", text, args.md)
         print(text)
@@ -105,6 +106,7 @@ def main():
     cases = br.selection(ap, args)
     args.peers = None  # run_row's: the peers are bench_ring.py's business
     mesh = br.sp_mesh(ap, args.sp)
+    cli.validated(f"the flags are fine ({len(cases)} case(s) x {len(blocks)} block(s) on sp={args.sp})")
     result = {"command": bc.command_line(), "machine": bc.machine(),
               "settings": {"blocks": blocks, "cases": cases, "seq_len": args.seq_len, "sp": args.sp,
                            "repeats": args.repeats, "check_up_to": args.check_up_to,

@@ -2,9 +2,9 @@
 scale with blocks, so that the speedup of document skipping can be read against what the blocks
 alone allow (issue 12's target: at least 4x on documents of mean length S/32 at S = 8192).
 
-  python scripts/bench_ring_overhead.py               # splash and xla, contiguous, S = 8192,
+  .venv/bin/python scripts/bench_ring_overhead.py               # splash and xla, contiguous, S = 8192,
                                                       # sp = 4 and sp = 1 (about two minutes)
-  python scripts/bench_ring_overhead.py --one-core    # pinned to one core: CPU time = wall
+  .venv/bin/python scripts/bench_ring_overhead.py --one-core    # pinned to one core: CPU time = wall
 
 Inputs: bench_ring.py's docs_s32 case (causal; documents of mean length S/32). Per impl and sp,
 four variants of the same ring, each jit(forward + vjp over q, k, v):
@@ -158,6 +158,7 @@ def main():
     if not sps or any(sp < 1 or sp > jax.device_count() or args.seq_len % sp for sp in sps):
         ap.error(f"--sps {args.sps}: each must divide --seq-len and be at most "
                  f"{jax.device_count()} (the devices)")
+    cli.validated("the flags are fine")
     result = {"command": bc.command_line(), "machine": bc.machine(),
               "settings": {"seq_len": args.seq_len, "block": args.block,
                            "repeats": args.repeats, "target": args.target,

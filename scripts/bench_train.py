@@ -1,7 +1,7 @@
 """Tokens/s of the demo model's train step across (dp, fsdp, sp) mesh shapes on CPU devices.
 
-  python scripts/bench_train.py                 # 8 virtual CPU devices, 5 mesh shapes
-  python scripts/bench_train.py --quick         # 2 shapes, 2 timed steps
+  .venv/bin/python scripts/bench_train.py                 # 8 virtual CPU devices, 5 mesh shapes
+  .venv/bin/python scripts/bench_train.py --quick         # 2 shapes, 2 timed steps
 
 The `tiny` preset (configs/base.py) with a global batch that every shape can split (8 rows of
 1,024 tokens); synthetic packed documents (random boundaries), already in the ring layout.
@@ -116,6 +116,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     bc.add_output_arguments(ap, "bench_train")
     args = ap.parse_args()
+    cli.validated("the flags are fine")
     shapes = SHAPES
     if args.quick:
         shapes, args.steps, args.seq_len, args.batch = [(1, 2, 4)], 1, 256, 2

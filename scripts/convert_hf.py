@@ -1,15 +1,15 @@
 """Hugging Face Llama / Mistral checkpoints -> longctx and back, and a logit check on the sharded model.
 
   # HF -> longctx: a directory that --config.checkpoint.init_from accepts; prints the overrides
-  python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --out=runs/llama3_8b_hf
-  python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --print-config   # overrides only
+  .venv/bin/python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --out=runs/llama3_8b_hf
+  .venv/bin/python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --print-config   # overrides only
 
   # longctx (a converted directory or a training workdir) -> HF config.json + safetensors shards
-  python scripts/convert_hf.py to-hf --checkpoint=runs/llama3_8b_extend --out=hf/llama3_8b_128k \\
+  .venv/bin/python scripts/convert_hf.py to-hf --checkpoint=runs/llama3_8b_extend --out=hf/llama3_8b_128k \\
       --dtype=bfloat16
 
   # token ids through a longctx checkpoint on the sharded model (ring over sp), logits out or compared
-  python scripts/convert_hf.py check-logits --checkpoint=runs/llama3_8b_hf --tokens=ids.npz \\
+  .venv/bin/python scripts/convert_hf.py check-logits --checkpoint=runs/llama3_8b_hf --tokens=ids.npz \\
       --mesh=1,2,4 --impl=xla --out=logits.npz
 
 to-longctx reads config.json and model.safetensors (or the shards of model.safetensors.index.json)
@@ -40,7 +40,6 @@ from longctx import cli
 cli.start()  # before jax is imported
 
 import argparse  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 
@@ -59,17 +58,9 @@ _HF_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float
 
 
 def load_config(spec: str):
-    """`configs/base.py[:preset]` -> its locked ConfigDict (what --config=... gives train.py)."""
-    path, _, arg = spec.partition(":")
-    if not os.path.isfile(path):
-        raise MissingFileError(f"--config={spec}: config file {path} does not exist.")
-    module_spec = importlib.util.spec_from_file_location("_longctx_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    try:
-        return module.get_config(arg)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    """`configs/base.py[:preset]` -> its locked ConfigDict (what --config=... gives train.py); a
+    file that is missing or does not load is one line naming it (and FILE:LINE)."""
+    return cli.load_config_file(spec, flag="--config")
 
 
 def parse_mesh(text: str) -> dict:
@@ -78,6 +69,22 @@ def parse_mesh(text: str) -> dict:
     except ValueError:
         raise ConfigError(f"--mesh={text!r} must be three integers DP,FSDP,SP (one may be -1).") from None
     return {"mesh.dp": dp, "mesh.fsdp": fsdp, "mesh.sp": sp}
+
+
+def check_arguments(args) -> str:
+    """--validate_only: each command's inputs read as far as their config (the HF config.json, the
+    checkpoint's saved config, the token file's existence), its flags parsed; no weights read."""
+    parse_mesh(args.mesh)
+    if args.command == "to-longctx":
+        hf.config_overrides(hf.read_config(args.hf), os.path.join(args.hf, hf.CONFIG_FILE))
+        load_config(args.config)
+        if not (args.out or args.print_config):
+            raise ConfigError("to-longctx needs --out (or --print-config).")
+        return f"{args.hf} can be converted"
+    params_io.read_config(args.checkpoint)
+    if args.command == "check-logits" and not os.path.isfile(args.tokens):
+        raise MissingFileError(f"--tokens={args.tokens} does not exist.")
+    return f"{args.checkpoint} holds a checkpoint for {args.command}"
 
 
 # ----------------------------------------------------------------------------- to-longctx
@@ -252,6 +259,8 @@ def main(argv=None) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.ERROR)  # Orbax's notes about read-only checkpoint directories
+    if cli.validate_only():
+        cli.validated(check_arguments(args))
     return {"to-longctx": to_longctx, "to-hf": to_hf, "check-logits": check_logits}[args.command](args)
 
 

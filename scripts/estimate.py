@@ -1,9 +1,9 @@
 """Will it fit? Compiles the whole train step ahead of time for a TPU topology and reports memory.
 
-  python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --topology=v5p:4x4x4
-  python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --topology=v5e:8x8 \\
+  .venv/bin/python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --topology=v5p:4x4x4
+  .venv/bin/python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --topology=v5e:8x8 \\
       --config.mesh.sp=32 --config.model.remat_policy=nothing_saveable
-  python scripts/estimate.py --config=configs/base.py:tiny --topology=v5p:2x2x2 --json
+  .venv/bin/python scripts/estimate.py --config=configs/base.py:tiny --topology=v5p:2x2x2 --json
 
 Runs on any machine with `libtpu` installed (the [tpu] extra): the model, the ring-splash Mosaic
 kernels and the optimizer go through the real TPU compiler for the named topology (v4, v5e, v5p,
@@ -15,7 +15,7 @@ most bytes saved first. `--json` prints the same as one JSON object. Exit status
 fit, 2 bad input (one line on stderr, `longctx: ...`).
 
 Sweep: the longest sequence that fits, per chip type and sp (docs/fit_llama3_8b.md + .json):
-  python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --sweep \
+  .venv/bin/python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --sweep \
       --sweep_topologies=v5p:4x4x4,v6e:16x16,v5e:16x16 --sweep_sp=16,32
 For each topology and sp the mesh is dp=1, fsdp=N/sp, sp with one sequence per fsdp rank
 (global batch = fsdp: every chip holds one L = S/sp token shard); L doubles (or halves) from
@@ -71,11 +71,26 @@ def estimate(config, topology: str, breakdown: bool = True) -> aot.CompiledStep:
         raise ConfigError("libtpu is not installed, so TPU programs cannot be compiled here "
                           "(pip install -e '.[tpu]').")
     try:
+        check(config, topology)
+        cli.validated(f"config and topology {topology} are fine")
+        # A compile takes from seconds (tiny) to minutes (an 8B model at 131,072 tokens): say so
+        # before it starts, on stderr so that --json's stdout stays one JSON object.
+        print(f"estimate: compiling the train step for {topology}"
+              f"{' (and one layer of it, for the breakdown)' if breakdown else ''} ...",
+              file=sys.stderr, flush=True)
         return aot.compile_train_step(config, topology, breakdown=breakdown)
     except ConfigError as e:
         raise ConfigError(f"the config does not fit topology {topology}: {e}") from None
     except ValueError as e:  # aot: a topology libtpu does not know
         raise ConfigError(str(e)) from None
+
+
+def check(config, topology: str) -> None:
+    """What a compile for `topology` checks first, without compiling: the topology is known and
+    the config fits its device count (ConfigError / ValueError, one sentence)."""
+    devices = aot.topology_devices(topology)
+    config_lib.validate(config, num_devices=len(devices))
+    mesh_lib.make_mesh(config.mesh, devices=devices)
 
 
 def result_dict(config, result: aot.CompiledStep) -> dict:
@@ -286,7 +301,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     if _SWEEP.value:
-        sweep(config, _searches(), _SWEEP_MIN.value, _SWEEP_MAX.value, _SWEEP_OUT.value)
+        searches = _searches()
+        if cli.validate_only():
+            for topology, _, _ in searches:
+                aot.topology_devices(topology)  # ValueError (one sentence) for an unknown one
+            cli.validated(f"the sweep's {len(searches)} searches name known topologies")
+        sweep(config, searches, _SWEEP_MIN.value, _SWEEP_MAX.value, _SWEEP_OUT.value)
         return
     if not _TOPOLOGY.value:
         raise ConfigError("give --topology (e.g. v5p:4x4x4) or --sweep.")

@@ -1,7 +1,7 @@
 """Passkey retrieval (needle in a haystack) of a trained or converted model: needle.json + needle.png.
 
-  python scripts/eval_needle.py --workdir=runs/demo
-  python scripts/eval_needle.py --workdir=runs/llama3_8b_extend --lengths=16384,32768,65536,131072 \\
+  .venv/bin/python scripts/eval_needle.py --workdir=runs/demo
+  .venv/bin/python scripts/eval_needle.py --workdir=runs/llama3_8b_extend --lengths=16384,32768,65536,131072 \\
       --samples=8 --out=runs/llama3_8b_extend/needle_final
 
 Builds haystacks from the validation split of the run's dataset (data.path in its saved config,
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
         raise ConfigError("--samples and --depths must be at least 1.")
 
     config, _, step = params_io.read_config(args.workdir)
+    cli.validated(f"--workdir {args.workdir} holds a checkpoint (step {step})")
     overrides = {}
     if args.seq_len:
         overrides["data.seq_len"] = args.seq_len

@@ -1,10 +1,10 @@
 """Tokenize text/jsonl/directory trees into ArrayRecord shards + metadata.json for longctx.
 
-  python scripts/prepare_data.py --input books/ notes.txt --glob '*.txt' --output data/mine
-  python scripts/prepare_data.py --input corpus.jsonl --text-field body --output data/j
-  python scripts/prepare_data.py --input corpus.jsonl --tokenizer sentencepiece:sp.model --output d
-  python scripts/prepare_data.py --input corpus.jsonl --train-sentencepiece 8000 --output d
-  python scripts/prepare_data.py --input corpus.jsonl --tokenizer hf:Meta-Llama-3-8B --output d
+  .venv/bin/python scripts/prepare_data.py --input books/ notes.txt --glob '*.txt' --output data/mine
+  .venv/bin/python scripts/prepare_data.py --input corpus.jsonl --text-field body --output data/j
+  .venv/bin/python scripts/prepare_data.py --input corpus.jsonl --tokenizer sentencepiece:sp.model --output d
+  .venv/bin/python scripts/prepare_data.py --input corpus.jsonl --train-sentencepiece 8000 --output d
+  .venv/bin/python scripts/prepare_data.py --input corpus.jsonl --tokenizer hf:Meta-Llama-3-8B --output d
 
 Plain files are one document each; `.jsonl` files give one document per line (field
 --text-field); directories are walked for files matching --glob. Plain files that are not text
@@ -18,6 +18,7 @@ metadata.json).
 """
 
 import argparse
+import os
 import sys
 
 from longctx import cli
@@ -25,6 +26,27 @@ from longctx import cli
 cli.start(cpu_devices=None)  # no jax here
 
 from longctx.data import prepare  # noqa: E402
+from longctx.errors import ConfigError  # noqa: E402
+
+
+def check_arguments(args) -> str:
+    """--validate_only: the inputs exist, the output may be written, the tokenizer loads (nothing
+    is read past the directory listing, nothing is written)."""
+    from longctx.data import tokenizer as tokenizer_lib
+
+    sources = prepare.list_sources(args.input, args.glob)
+    if not 0.0 <= args.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction={args.val_fraction} must be in [0, 1).")
+    output = os.path.abspath(args.output)
+    if os.path.isfile(output):
+        raise ConfigError(f"--output {output} exists and is not a longctx dataset directory; "
+                          "choose another --output.")
+    if os.path.isdir(output) and os.listdir(output) and not args.overwrite:
+        raise ConfigError(f"--output {output} already holds a dataset; pass --overwrite to "
+                          "replace it, or choose another --output.")
+    if not args.train_sentencepiece:
+        tokenizer_lib.load_tokenizer(args.tokenizer)
+    return f"{len(sources)} input file(s), --output {args.output}, tokenizer {args.tokenizer}"
 
 
 def main(argv=None) -> int:
@@ -48,6 +70,8 @@ def main(argv=None) -> int:
                    help="start a new ArrayRecord file after this many MiB of token ids")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if cli.validate_only():
+        cli.validated(check_arguments(args))
     meta = prepare.prepare(
         args.input, args.output, overwrite=args.overwrite, tokenizer=args.tokenizer,
         text_field=args.text_field, encoding=args.encoding, glob=args.glob,

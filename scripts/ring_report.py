@@ -1,9 +1,9 @@
 """Schedule report of the attention ring: blocks computed per (device, ring step), steps, efficiency.
 
-  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --layout zigzag
-  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \\
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --layout zigzag
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \\
       --sliding-window 4096 --layout contiguous --json
-  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --layout auto \\
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --layout auto \\
       --png docs/ring_causal.png
 
 Only ring steps with work on some device are run (and listed); efficiency is
@@ -16,10 +16,10 @@ share no document, so the layouts compare differently than for the mask alone) a
 layout "auto" picks on those rows, as a training run does on its first rows (data.layout_sample;
 `auto_layout`, and `auto_layout_by_the_mask` for the mask alone):
 
-  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --doc-lengths 4096
-  python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --doc-lengths 4096
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \
       --doc-lengths 1000,3000,700,5000 --json          # lengths repeat to fill the row
-  python scripts/ring_report.py --seq-len 8192 --sp 4 --block 512 --causal --data data/mine \
+  .venv/bin/python scripts/ring_report.py --seq-len 8192 --sp 4 --block 512 --causal --data data/mine \
       --batches 4                                       # real packed rows from the pipeline
 
   kept_blocks      blocks holding a (query, key) pair the mask and the documents allow
@@ -105,6 +105,7 @@ def _documents_report(a, mask_kw) -> int:
     by_mask = masks.resolve_layout("auto", a.seq_len, a.sp, block_size=a.block, **mask_kw)
     report = {}
     for layout in ("contiguous", "zigzag", "striped"):
+        _say_when_large(a, layout)
         try:
             sched = tables.document_schedule(spec, layout, a.seq_len, a.sp, a.block, ids)
         except ValueError as e:  # e.g. zigzag needs seq_len divisible by 2*sp
@@ -141,6 +142,45 @@ def _documents_report(a, mask_kw) -> int:
     return 0
 
 
+# Block rows per sequence from which the schedule takes long enough to say so first (seconds at
+# 256, 131,072 tokens at block 512; minutes at 2,048): the tables grow with its square.
+LARGE_BLOCK_ROWS = 256
+
+
+def _say_when_large(a, layout) -> None:
+    """One line on stderr before a schedule that takes a while (stdout keeps the report, --json's
+    one object included)."""
+    rows = a.seq_len // max(1, a.block)
+    if rows >= LARGE_BLOCK_ROWS:
+        print(f"ring_report: working out the {layout} schedule of {rows:,} x {rows:,} blocks over "
+              f"{a.sp} devices ...", file=sys.stderr, flush=True)
+
+
+def _check_arguments(a) -> str:
+    """--validate_only: what the report would refuse, checked without working out a schedule."""
+    from longctx import layout as layout_lib
+
+    if a.layout is None and not (a.doc_lengths or a.data):
+        raise ConfigError("--layout is required (or give documents: --doc-lengths or --data).")
+    if a.layout not in (None, "auto") + layout_lib.LAYOUTS:
+        raise ConfigError(f"--layout={a.layout!r} is not one of {layout_lib.LAYOUTS + ('auto',)}.")
+    try:
+        layout_lib.permutation("contiguous" if a.layout in (None, "auto") else a.layout,
+                               a.seq_len, a.sp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if a.block < 1 or (a.seq_len // a.sp) % a.block:
+        raise ConfigError(f"block_size={a.block} does not divide the shard length "
+                          f"{a.seq_len // a.sp} (seq_len={a.seq_len} / num_shards={a.sp})")
+    if a.doc_lengths:
+        _doc_rows(a)  # positive lengths
+    if a.data:
+        from longctx.data import pipeline
+
+        pipeline.load_metadata(a.data)
+    return f"a ring of {a.sp} devices over {a.seq_len:,} tokens in blocks of {a.block}"
+
+
 def _describe(mask_kw) -> str:
     return ", ".join(f"{k}={v}" for k, v in mask_kw.items() if v) or "full"
 
@@ -167,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--png", default=None, help="write the device x step heatmap here")
     a = p.parse_args(argv)
     mask_kw = dict(causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
+    if cli.validate_only():
+        cli.validated(_check_arguments(a))
     if a.doc_lengths or a.data:
         try:
             return _documents_report(a, mask_kw)
@@ -175,6 +217,7 @@ def main(argv=None) -> int:
     if a.layout is None:
         raise ConfigError("--layout is required (or give documents: --doc-lengths or --data).")
     try:
+        _say_when_large(a, a.layout)
         layout = masks.resolve_layout(a.layout, a.seq_len, a.sp, **mask_kw)
         sched = ops.ring_schedule(a.seq_len, a.sp, a.block, layout, **mask_kw)
     except ValueError as e:  # masks' messages name the argument

@@ -1,7 +1,7 @@
 """Train a longctx model: flags -> config -> longctx.train.train_and_evaluate.
 
-  python scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
-  python scripts/train.py --config=configs/base.py:tiny --workdir=runs/x --config.model.num_layers=4
+  .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
+  .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/x --config.model.num_layers=4
 
 Off TPU, set LONGCTX_CPU_DEVICES=N (default 8 when no accelerator is found) to run on N virtual
 CPU devices. A failure prints one line (`longctx: ...`; exit status 2 for bad input, 1 for a run

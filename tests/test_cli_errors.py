@@ -2,6 +2,7 @@
 exact one-line message on stderr, its exit status (2 bad input, 1 a failed run, see longctx/cli.py),
 no traceback (unless LONGCTX_DEBUG=1 or --verbose), and nothing already saved lost."""
 
+import glob
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ WORDS = "the of and to in is was for on that with as by at from long context rin
 
 
 def run(*args, env=None, timeout=180):
-    full_env = {k: v for k, v in os.environ.items() if k != cli.DEBUG_ENV}
+    full_env = {k: v for k, v in os.environ.items() if k not in (cli.DEBUG_ENV, cli.VALIDATE_ENV)}
     full_env.update(env or {})
     return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
@@ -299,3 +300,337 @@ def test_verbose_is_taken_off_the_command_line_before_the_script_sees_it(capsys,
     err = capsys.readouterr().err
     assert "Traceback" in err and err.endswith("longctx: stop.\n")
     assert os.environ[cli.DEBUG_ENV] == "1"  # children (ablate's runs) show tracebacks too
+
+
+# ----------------------------------------------------------------------------- issue 36, item 17: a config file that does not load
+
+
+def test_config_file_with_a_syntax_error_is_one_line_naming_file_and_line(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import ml_collections\n\ndef get_config(arg=None):\n    c = ml_collections.ConfigDict(\n"
+                   "    return c\n")
+    r = run(TRAIN, f"--config={bad}:tiny", f"--workdir={tmp_path / 'w'}")
+    assert r.returncode == 2
+    assert the_line(r) == (f"longctx: --config={bad}:tiny: the config file does not load: {bad}:4: "
+                           "SyntaxError: '(' was never closed.")
+    assert not (tmp_path / "w").exists()
+
+
+def test_config_file_raising_a_type_error_is_one_line_naming_file_and_line(tmp_path):
+    """ml_collections re-raises a TypeError from get_config inside absl's flag error, with the
+    traceback in its text: still one line, at the config file's line."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import ml_collections\n\ndef get_config(arg=None):\n    return ml_collections.ConfigDict(\n"
+                   "        dict(a=1) + 2)\n")
+    r = run(TRAIN, f"--config={bad}", f"--workdir={tmp_path / 'w'}")
+    assert r.returncode == 2
+    assert the_line(r) == (f"longctx: --config={bad}: the config file does not load: {bad}:5: "
+                           "TypeError: unsupported operand type(s) for +: 'dict' and 'int'.")
+
+
+@pytest.mark.parametrize("body, line, error", [
+    ("x = undefined_name\n", 2, "NameError: name 'undefined_name' is not defined"),
+    ("def get_config(arg=None):\n    return 1 / 0\n", 3, "ZeroDivisionError: division by zero"),
+    ("def get_config(arg=None):\n    return [1][\n", 3, "SyntaxError: '[' was never closed"),
+])
+def test_config_file_that_does_not_load_names_file_and_line_for_argparse_scripts(tmp_path, body, line,
+                                                                                  error):
+    """cli.load_config_file, what scripts/convert_hf.py's --config goes through."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\n" + body)
+    with pytest.raises(ConfigError) as e:
+        cli.load_config_file(f"{bad}:tiny")
+    assert str(e.value) == f"--config={bad}:tiny: the config file does not load: {bad}:{line}: {error}."
+    with pytest.raises(ConfigError, match=r"^configs/base\.py: unknown preset 'tinyy'"):
+        cli.load_config_file("configs/base.py:tinyy")  # the config's own sentence, as it was
+
+
+# ----------------------------------------------------------------------------- issue 36, item 19: the fix, said
+
+
+def _suggested_fix(message: str) -> dict:
+    """{key: value} of the `set --config.KEY=VALUE` a message suggests first."""
+    m = re.search(r": set --config\.([\w.]+)=(\w+)", message)
+    assert m, message
+    return {m.group(1): int(m.group(2)) if m.group(2).isdigit() else m.group(2) == "True"}
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"mesh.sp": 8}, "mesh: dp*fsdp*sp = 1*2*8 = 16 does not match the 8 devices: set "
+                     "--config.mesh.fsdp=1 (or --config.mesh.sp=4)."),
+    ({"mesh.dp": 3}, "mesh: dp*fsdp*sp = 3*2*4 = 24 does not match the 8 devices: set --config.mesh.dp=1."),
+    ({"mesh.fsdp": 1, "mesh.sp": 8}, "train.loss_chunk_size=256 does not divide the per-device shard "
+                                     "of 128 tokens: set --config.train.loss_chunk_size=128."),
+    ({"train.loss_chunk_size": 384}, "train.loss_chunk_size=384 does not divide the per-device shard "
+                                     "of 256 tokens: set --config.train.loss_chunk_size=256."),
+    ({"model.mlp_chunk_size": 96}, "model.mlp_chunk_size=96 does not divide the per-device shard of "
+                                   "256 tokens: set --config.model.mlp_chunk_size=64."),
+    ({"data.global_batch_size": 3}, "data.global_batch_size=3 is not divisible by dp*fsdp = 1*2 = 2: "
+                                    "set --config.data.global_batch_size=4."),
+    ({"attention.causal": False, "attention.chunk_size": 128},
+     "attention.chunk_size is chunked *causal* attention and needs attention.causal=True: set "
+     "--config.attention.causal=True."),
+])
+def test_an_error_with_one_obvious_fix_says_it_and_the_fix_works(overrides, expected):
+    from longctx import config as config_lib
+
+    config = base.get_config("tiny")
+    config.unlock()
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        config[section][name] = value
+    with pytest.raises(ConfigError) as e:
+        config_lib.validate(config, num_devices=8)
+    assert str(e.value) == expected
+    # Doing what the messages say gives a config that runs (the mesh's fix can uncover the shard's:
+    # README's override example met both).
+    for _ in range(3):
+        try:
+            config_lib.validate(config, num_devices=8)
+            break
+        except ConfigError as error:
+            for key, value in _suggested_fix(str(error)).items():
+                section, name = key.split(".")
+                config[section][name] = value
+    else:
+        pytest.fail("the suggested fixes did not lead to a config that validates")
+
+
+def test_vocab_too_small_for_the_dataset_says_the_size_to_set(dataset, tmp_path):
+    common = ("--config=configs/base.py:tiny", f"--config.data.path={dataset}")
+    r = run(TRAIN, *common, "--config.model.vocab_size=100", f"--workdir={tmp_path / 'w'}")
+    assert r.returncode == 2
+    vocab = json.loads((dataset / "metadata.json").read_text())["vocab_size"]
+    assert the_line(r) == (f"longctx: model.vocab_size=100 is smaller than the dataset's tokenizer "
+                           f"vocabulary ({vocab} in {dataset}/metadata.json): set "
+                           f"--config.model.vocab_size={vocab}.")
+    fixed = run(TRAIN, *common, f"--config.model.vocab_size={vocab}", f"--workdir={tmp_path / 'w'}",
+                "--validate_only")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- issue 36, item 18: --validate_only
+
+
+def test_validated_ends_a_validate_only_run_with_one_line_and_status_0(capsys, monkeypatch):
+    monkeypatch.setenv(cli.VALIDATE_ENV, "0")  # restored afterwards (run sets it)
+    ran = []
+
+    def main():
+        cli.validated("the flags are fine")
+        ran.append(True)
+        return 3
+
+    with pytest.raises(SystemExit) as exit_:  # without the flag: validated() does nothing
+        cli.run(main, argv=["script"])
+    assert exit_.value.code == 3 and ran == [True]
+    with pytest.raises(SystemExit) as exit_:
+        cli.run(main, argv=["script", "--validate_only"])
+    assert exit_.value.code == 0 and ran == [True]
+    assert capsys.readouterr().out.endswith(
+        "longctx: --validate_only: the flags are fine; nothing was run.\n")
+
+
+def test_every_script_stops_at_validated_under_validate_only():
+    """Each script with a main checks what it can and stops (cli.validated); scripts/train.py's
+    point is inside longctx.train.train_and_evaluate."""
+    scripts = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.py"))) + [os.path.join(ROOT, "launch", "local.py")]
+    missing = []
+    for path in scripts:
+        text = open(path).read()
+        if "cli.run" not in text and "__main__" not in text:
+            continue  # a library of the scripts (bench_common, bench_ring_report)
+        if not re.search(r"cli\.validated\(|validate_command\(", text):
+            missing.append(os.path.relpath(path, ROOT))
+    assert missing == ["scripts/train.py"]
+    assert "cli.validated(check_inputs(" in open(os.path.join(ROOT, "longctx", "train.py")).read()
+
+
+def test_train_validate_only_checks_and_writes_nothing(dataset, tmp_path):
+    ok = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'w'}",
+             f"--config.data.path={dataset}", "--validate_only")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert ok.stdout.strip().splitlines() == [
+        f"longctx: --validate_only: config, mesh dp=1 x fsdp=2 x sp=4, workdir {tmp_path / 'w'} and "
+        f"data {dataset} are fine; nothing was run."]
+    assert not (tmp_path / "w").exists()
+    blocker = tmp_path / "wfile"
+    blocker.write_text("x")
+    bad = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={blocker / 'below'}", "--validate_only")
+    assert bad.returncode == 2
+    assert the_line(bad) == (f"longctx: workdir '{blocker / 'below'}' is not writable: {blocker} is a "
+                             "file, not a directory.")
+
+
+# ----------------------------------------------------------------------------- issue 36, item 20: long waits say so
+
+
+def test_ring_report_says_it_is_working_before_a_large_schedule():
+    large = run("scripts/ring_report.py", "--seq-len", "131072", "--sp", "8", "--block", "512",
+                "--causal", "--layout", "zigzag", "--json")
+    assert large.returncode == 0, large.stderr[-2000:]
+    assert large.stderr.splitlines() == [
+        "ring_report: working out the zigzag schedule of 256 x 256 blocks over 8 devices ..."]
+    assert json.loads(large.stdout)["steps"] == 8  # stdout is still the one JSON object
+    small = run("scripts/ring_report.py", "--seq-len", "4096", "--sp", "4", "--block", "512",
+                "--causal", "--layout", "zigzag", "--json")
+    assert small.returncode == 0 and small.stderr == ""
+
+
+def test_estimate_says_what_it_compiles_before_the_compile_starts():
+    from longctx import aot
+
+    if not aot.libtpu_available():
+        pytest.skip("libtpu is not installed (the [tpu] extra)")
+    env = {k: v for k, v in os.environ.items() if k != cli.DEBUG_ENV}
+    proc = subprocess.Popen([sys.executable, "scripts/estimate.py", "--config=configs/base.py:tiny",
+                             "--topology=v5p:2x2x2", "--json"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()
+        assert first == "estimate: compiling the train step for v5p:2x2x2 (and one layer of it, for the breakdown) ...\n"
+        assert proc.poll() is None  # said while the compile runs, not after
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_first_use_corpus_preparation_says_so_once_and_where(tmp_path, monkeypatch, capsys):
+    """The line comes before the (half-minute) preparation starts; a prepared corpus is silent."""
+    said = []
+
+    def write_dataset(inputs, out_dir, **kwargs):
+        said.append(capsys.readouterr().err)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(prepare, "write_dataset", write_dataset)
+    with pytest.raises(RuntimeError, match="stop here"):
+        prepare.prepare_stdlib(str(tmp_path))
+    final = os.path.join(str(tmp_path), prepare.stdlib_cache_name())
+    assert said == [f"preparing the embedded corpus (the Python standard library in {prepare.stdlib_root()}) "
+                    f"once, into {final}; later runs reuse it ...\n"]
+    os.makedirs(final)
+    open(os.path.join(final, prepare.METADATA), "w").close()
+    assert prepare.prepare_stdlib(str(tmp_path)) == final and capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------------- issue 36, items 17 and 21: several processes
+
+ONE_HOST_LACKS_THE_DATA = '''
+import importlib.util
+import os
+
+_spec = importlib.util.spec_from_file_location("_base", {base!r})
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+
+
+def get_config(arg=None):
+    """tiny, whose data.path exists on process 0's "host" only (as when one host of a pod lacks
+    the dataset): the start-up check fails on one process of the two."""
+    c = _base.get_config("tiny")
+    c.data.path = {good!r} if os.environ.get("LONGCTX_PROCESS_ID") == "0" else {missing!r}
+    return c
+'''
+
+
+def _one_host_lacks_the_data(dataset, tmp_path):
+    config = tmp_path / "one_host.py"
+    missing = str(tmp_path / "not_on_this_host")
+    config.write_text(ONE_HOST_LACKS_THE_DATA.format(base=os.path.join(ROOT, "configs", "base.py"),
+                                                     good=str(dataset), missing=missing))
+    return [TRAIN, f"--config={config}", f"--workdir={tmp_path / 'w'}"], missing
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_start_up_error_on_one_process_reaches_the_other(dataset, tmp_path):
+    """Two processes of one job, started on their own (as on a pod: no launcher stops the
+    survivor): process 1 cannot find the data; both exit 2 within seconds, each with one line
+    (process 0 names process 1 and its reason), and stderr holds nothing else. Without the
+    agreement process 0 went on into its first collective and waited there for process 1."""
+    command, missing = _one_host_lacks_the_data(dataset, tmp_path)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_")}
+    procs = []
+    for i in range(2):
+        env_i = dict(env, LONGCTX_COORDINATOR=f"127.0.0.1:{port}", LONGCTX_NUM_PROCESSES="2",
+                     LONGCTX_PROCESS_ID=str(i), LONGCTX_CPU_DEVICES="4", JAX_PLATFORMS="cpu")
+        procs.append(subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env_i, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            results.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            proc.kill()
+    own = f"longctx: data.path={missing} does not exist."
+    assert results[1][0] == 2 and results[1][2].splitlines() == [own], results[1][2][-3000:]
+    assert results[0][0] == 2, results[0][2][-3000:]
+    assert results[0][2].splitlines() == [
+        f"longctx: process 1 of 2 stopped at start-up: data.path={missing} does not exist."]
+
+
+def test_a_multi_process_run_shows_no_third_party_log_lines(dataset, tmp_path):
+    """launch/local.py's job (the same start-up failure, so that gloo connects for the agreement
+    and nothing compiles): no "[Gloo] Rank N is connected" lines, and stderr holds only the
+    launcher's and longctx's own lines; with --verbose gloo's lines are there."""
+    command, missing = _one_host_lacks_the_data(dataset, tmp_path)
+    launch = [os.path.join(ROOT, "launch", "local.py"), "-n", "2", "-d", "4", "--", sys.executable]
+    quiet = run(*launch, *command, timeout=300)
+    assert quiet.returncode == 2, quiet.stderr[-3000:]
+    assert "[Gloo]" not in quiet.stdout + quiet.stderr, (quiet.stdout + quiet.stderr)[-3000:]
+    for line in quiet.stderr.splitlines():
+        assert re.match(r"(\[launch/local\.py\] |\[p[01]\] longctx: )", line), quiet.stderr[-3000:]
+    assert f"[p1] longctx: data.path={missing} does not exist." in quiet.stderr.splitlines()
+    loud = run(*launch, *command, "--verbose", timeout=300)
+    assert loud.returncode == 2 and re.search(r"\[Gloo\] Rank \d is connected to 1 peer ranks", loud.stdout)
+
+
+LIBRARY_LOGS = '''
+import sys
+sys.path.insert(0, sys.argv[1])
+from longctx import cli
+cli.start(cpu_devices=None)
+from absl import logging
+from tensorboardX import summary
+summary.scalar("loss", float("nan"))  # tensorboardX: "NaN or Inf found in input tensor."
+logging.warning("a library's absl warning")  # (this file is outside longctx: a library)
+logging.error("a library's absl error")
+print("done")
+'''
+
+
+def test_library_log_lines_are_kept_out_unless_verbose(tmp_path):
+    script = tmp_path / "library_logs.py"
+    script.write_text(LIBRARY_LOGS)
+    quiet = run(script, ROOT)
+    assert quiet.returncode == 0 and quiet.stdout == "done\n"
+    assert quiet.stderr.splitlines() == ["ERROR:absl:a library's absl error"]  # errors stay
+    loud = run(script, ROOT, "--verbose")
+    assert loud.returncode == 0
+    assert "NaN or Inf found in input tensor." in loud.stderr
+    assert "WARNING:absl:a library's absl warning" in loud.stderr
+
+
+@pytest.mark.parametrize("where, kept", [
+    ("longctx/checkpoint.py", True), ("scripts/train.py", True),
+    (".venv/lib/python3.11/site-packages/orbax/checkpoint/x.py", False),  # `make`'s venv is in the repo
+    ("/usr/lib/python3/site-packages/tensorboardX/x2num.py", False),
+])
+def test_own_log_records_are_kept_and_libraries_warnings_dropped(where, kept, monkeypatch):
+    import logging
+
+    monkeypatch.setenv(cli.DEBUG_ENV, "0")
+    record = logging.LogRecord("absl", logging.WARNING, os.path.join(ROOT, where), 1, "x", None, None)
+    assert cli._ThirdPartyLogs().filter(record) is kept
+    record.levelno = logging.ERROR
+    assert cli._ThirdPartyLogs().filter(record) is True

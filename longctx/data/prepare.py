@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import sysconfig
 import tempfile
 from typing import Iterator, Sequence
@@ -371,6 +372,10 @@ def prepare_stdlib(cache_dir: str, progress: bool = False) -> str:
     final = os.path.join(os.path.abspath(cache_dir), stdlib_cache_name())
     if os.path.exists(os.path.join(final, METADATA)):
         return final
+    # Half a minute or more of tokenizing on a first run: say what it is before it starts (on
+    # stderr, where progress goes: stdout is the caller's, and "longctx: " there is an error's).
+    print(f"preparing the embedded corpus (the Python standard library in {stdlib_root()}) once, "
+          f"into {final}; later runs reuse it ...", file=sys.stderr, flush=True)
     os.makedirs(cache_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp-", dir=os.path.dirname(final))
     try:
