@@ -10,6 +10,7 @@ import math
 
 import ml_collections
 
+from longctx import blocks
 from longctx import mesh as mesh_lib
 from longctx.errors import ConfigError  # noqa: F401  (re-exported: callers use config.ConfigError)
 
@@ -111,6 +112,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(shard_len % a.block_size == 0,
              f"attention.block_size={a.block_size} does not divide the per-device shard of "
              f"data.seq_len/sp = {d.seq_len}/{sp} = {shard_len} tokens.")
+    _check_splash_block(a.block_size, shard_len, a.impl, a.layout)
     mlp_chunk = m.get("mlp_chunk_size")
     _require(mlp_chunk is None or (mlp_chunk > 0 and (shard_len % mlp_chunk == 0 or shard_len <= mlp_chunk)),
              f"model.mlp_chunk_size={mlp_chunk} does not divide the per-device shard of "
@@ -139,6 +141,18 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(c.keep_period is None or c.keep_period > 0,
              f"checkpoint.keep_period={c.keep_period} must be positive.")
     return {mesh_lib.DP: dp, mesh_lib.FSDP: fsdp, mesh_lib.SP: sp}
+
+
+def _check_splash_block(block: int, shard_len: int, impl: str, layout: str) -> None:
+    """The kernel's own rule on blocks (longctx/blocks.py), with the block to use where one fits."""
+    problem = blocks.block_problem(block, shard_len, impl)
+    if problem is None:
+        return
+    fit = blocks.fit_block(max(block, blocks.SPLASH_BLOCK_MULTIPLE), shard_len, impl, layout)
+    fix = (f"set --config.attention.block_size={fit}" if fit else
+           f"the {shard_len}-token shards hold no such block: use --config.attention.impl=xla or a "
+           "longer data.seq_len")
+    raise ConfigError(f"attention.block_size={block} {problem}; {fix}.")
 
 
 def _check_rope_scaling(s) -> None:
