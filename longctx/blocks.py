@@ -53,11 +53,14 @@ def fit_block(largest: int, shard_len: int, impl: str, layout: str) -> int | Non
     return None
 
 
+SMALLEST_PADDING_BLOCK = 16  # below it, padding saved is a few tokens and the block tables grow
+
+
 def padded_length(n: int, sp: int, impl: str, layout: str, largest: int,
-                  smallest: int = 1) -> tuple[int, int]:
+                  smallest: int | None = None) -> tuple[int, int]:
     """(seq_len, block): the shortest sequence length >= n whose sp shards of whole blocks the ring
     accepts, with blocks from `largest` (at least the impl's multiple) down to `smallest` tokens
-    (halving), and the largest such
+    (halving; default SMALLEST_PADDING_BLOCK), and the largest such
     block at that length.
 
     A block b needs seq_len to be a multiple of sp * b (twice that for zigzag, whose shards are
@@ -65,7 +68,7 @@ def padded_length(n: int, sp: int, impl: str, layout: str, largest: int,
     halves = 2 if layout in ("zigzag", "auto") else 1
     best = None
     block = max(largest, block_multiple(impl))
-    while block >= max(block_multiple(impl), smallest, 1):
+    while block >= max(block_multiple(impl), smallest or SMALLEST_PADDING_BLOCK, 1):
         if block % block_multiple(impl) == 0:
             unit = sp * block * halves
             seq_len = max(unit, math.ceil(n / unit) * unit)

@@ -148,7 +148,10 @@ def _check_splash_block(block: int, shard_len: int, impl: str, layout: str) -> N
     problem = blocks.block_problem(block, shard_len, impl)
     if problem is None:
         return
-    fit = blocks.fit_block(max(block, blocks.SPLASH_BLOCK_MULTIPLE), shard_len, impl, layout)
+    largest = max(block, blocks.SPLASH_BLOCK_MULTIPLE)
+    # One inside each zigzag half where there is one, else one the ring accepts (dividing the shard).
+    fit = (blocks.fit_block(largest, shard_len, impl, layout)
+           or blocks.fit_block(largest, shard_len, impl, "contiguous"))
     fix = (f"set --config.attention.block_size={fit}" if fit else
            f"the {shard_len}-token shards hold no such block: use --config.attention.impl=xla or a "
            "longer data.seq_len")

@@ -189,7 +189,7 @@ def check_logits(args) -> int:
     # block at that length; or the length --block-size needs.
     largest = args.block_size or config.attention.block_size
     seq_len, block = blocks.padded_length(n, sp, impl, layout, largest,
-                                          smallest=args.block_size or 1)
+                                          smallest=args.block_size or None)
     overrides = {**mesh, "attention.layout": layout, "attention.block_size": block, "attention.impl": impl,
                  "data.seq_len": seq_len, "data.global_batch_size": -(-b // ways) * ways,
                  "train.loss_chunk_size": seq_len // sp, "model.dtype": args.dtype}
