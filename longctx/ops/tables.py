@@ -146,6 +146,20 @@ def ring_schedule(seq_len: int, num_shards: int, block_size: int | None = None,
     return schedule_from_classes(block_classes(spec, layout, seq_len, num_shards, block, block))
 
 
+def one_document_steps_visited(seq_len: int, num_shards: int, block_size: int, layout: str,
+                               causal: bool = False, sliding_window=None, chunk_size=None) -> int:
+    """Ring steps K/V travel through on rows of one document each, segment ids on (a training
+    run's ring). They are the mask's run steps, except for a chunked mask: its chunks count from
+    each document's start, so the ring runs the causal window a chunk spans and prunes by the
+    chunks' ids; it stops after the last step with a chunk's blocks only where its steps are one
+    run (zigzag, 131,072 tokens, sp=8, chunks of 8,192: 1 step has work, 3 are visited)."""
+    if chunk_size is None:
+        return len(ring_schedule(seq_len, num_shards, block_size, layout, causal, sliding_window).run_steps)
+    spec = make_mask_spec(causal, sliding_window, chunk_size)
+    return len(document_schedule(spec, layout, seq_len, num_shards, block_size,
+                                 np.ones((1, seq_len), np.int32), count_kept=False).visited_steps)
+
+
 def ring_schedule_efficiency(seq_len, num_shards, block_size=None, layout="contiguous",
                              causal=False, sliding_window=None, chunk_size=None) -> float:
     return ring_schedule(seq_len, num_shards, block_size, layout, causal, sliding_window,
