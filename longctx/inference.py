@@ -1,8 +1,10 @@
 """Forward passes outside the training loop, on the sharded model exactly as in training.
 
-Rows come in natural order (`tokens`, and optionally `positions` and `segment_ids`, int [b, n]);
-they are padded to a sequence length the ring accepts, permuted into the run's sp layout (as the
-data pipeline does), placed batch over (dp, fsdp) and sequence over sp, and run through
+Rows come in natural order (`tokens`, and optionally `positions` and `segment_ids`, int [b, n],
+checked by `check_rows`: segment ids without positions get in-document positions, as packed
+training rows have them); they are padded to a sequence length the ring accepts (and with empty
+rows to a multiple of dp x fsdp, dropped from the output), permuted into the run's sp layout (as
+the data pipeline does), placed batch over (dp, fsdp) and sequence over sp, and run through
 `longctx.model.Decoder` under the run's mesh. Logits are computed only at the positions asked
 for (all of them for a logit check, a passkey's few tokens for a retrieval test), so the
 [b, S, vocab] array of a long sequence is never formed unless requested.
@@ -54,10 +56,10 @@ class Runner:
         rows = check_rows(rows, self.config.model.vocab_size)
         b, n = rows["tokens"].shape
         where = np.asarray(where)
-        if where.shape[0] != b or not np.issubdtype(where.dtype, np.integer) or (
+        if where.ndim != 2 or where.shape[0] != b or not np.issubdtype(where.dtype, np.integer) or (
                 where.size and (where.min() < 0 or where.max() >= n)):
-            raise ConfigError(f"logit positions of shape {list(where.shape)} must be integers in "
-                              f"[0, {n}) for each of the {b} rows.")
+            raise ConfigError(f"logit positions of shape {list(where.shape)} must be [{b}, p] "
+                              f"integers in [0, {n}), p of them for each of the {b} rows.")
         self._check_chunks(rows)
         ways = int(self.mesh.shape[mesh_lib.DP] * self.mesh.shape[mesh_lib.FSDP])
         padded = -b % ways  # rows of padding, so that every (dp, fsdp) device holds whole rows

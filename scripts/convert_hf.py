@@ -24,11 +24,13 @@ checkpoints, which transformers 4 and 5 both read) and model.safetensors, or sha
 come from --hf-config (default: the checkpoint directory's hf_config.json).
 
 check-logits takes int token ids [batch, n] (or [n]) from a .npy, or an .npz with `tokens` and
-optionally `positions`, `segment_ids` (packed rows; positions restart per document), `logits`
-(expected values) and `positions_index` (the positions `logits` are given at, the same for every
-row; default all). Rows are padded to a length the ring accepts, laid out as in training and run
-on the --mesh; the logits are written to --out and, when expected ones are given, compared:
-it prints the max |difference| and exits 1 if it exceeds --tolerance.
+optionally `positions`, `segment_ids` (packed rows; positions default to restarting per document),
+`logits` (expected values) and `positions_index` (the positions `logits` are given at, the same
+for every row; default all). Rows are padded to the shortest length the ring accepts with the
+checkpoint's attention impl (or --impl; splash's blocks are multiples of 128, longctx/blocks.py),
+padded with empty rows to a multiple of the mesh's dp x fsdp, laid out as in training and run on
+the --mesh; the logits of the real rows are written to --out and, when expected ones are given,
+compared: it prints the max |difference| and exits 1 if it exceeds --tolerance.
 """
 
 from longctx import cli

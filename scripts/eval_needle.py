@@ -17,7 +17,8 @@ decoding reproduces all of its tokens.
 
 The text is tokenized with the model's tokenizer: --tokenizer, else the dataset's for a run
 trained on one (data.path), else for a converted model the tokenizer.json in --workdir or in
-the Hugging Face directory it was converted from, else (a run on the embedded corpus) bytes.
+the Hugging Face directory it was converted from, else the filler dataset's (bytes for the
+embedded corpus, a run's default data).
 Filler stored with another tokenizer is decoded and encoded again. Writes needle.json (accuracy
 per length x depth, and the tokenizer and data used) and the heatmap needle.png to --out
 (default: the workdir) and prints the accuracy per length.
@@ -89,22 +90,23 @@ def _dataset(args, config) -> str:
     return data_lib.resolve_dataset(config)
 
 
-def _model_tokenizer(args, config, directory: str, step: int, data_tokenizer: str) -> tuple[str, str]:
-    """(tokenizer spec, where it came from): see the module docstring."""
+def _model_tokenizer(args, config, directory: str, step: int, data_dir: str) -> tuple[str, str | None, str]:
+    """(tokenizer spec, the directory its relative paths are in, where it came from): see the
+    module docstring."""
     if args.tokenizer:
-        return args.tokenizer, "--tokenizer"
-    if config.data.path and not args.data:
-        return data_tokenizer, f"the run's dataset {config.data.path}"
+        return args.tokenizer, None, "--tokenizer"
+    if config.data.path and os.path.isdir(config.data.path):  # the run's dataset: what it learned
+        return (data_lib.load_metadata(config.data.path)["tokenizer"], config.data.path,
+                f"the run's dataset {config.data.path}")
     spec, converted = _converted_tokenizer(args.workdir, directory, step)
     if spec:
-        return spec, "the converted model's Hugging Face directory"
+        return spec, None, "the converted model's Hugging Face directory"
     if converted:
         raise ConfigError(f"--workdir={args.workdir} holds a converted Hugging Face model and no "
                           f"{tokenizer_lib.HF_TOKENIZER_FILE} was found beside it or in the directory "
                           "it was converted from; pass --tokenizer=hf:DIR (the model's tokenizer).")
-    if args.data:
-        return data_tokenizer, f"--data={args.data}"
-    return data_tokenizer, "the embedded corpus (the run's data)"
+    origin = f"--data={args.data}" if args.data else "the embedded corpus (the run's data)"
+    return data_lib.load_metadata(data_dir)["tokenizer"], data_dir, origin
 
 
 def _mesh_overrides(args, config) -> dict:
@@ -168,15 +170,17 @@ def main(argv=None) -> int:
                           f"the model runs at; pass --seq-len={max(args.lengths)} as well.")
     data_dir = _dataset(args, config)
     meta = data_lib.load_metadata(data_dir)
-    spec, origin = _model_tokenizer(args, config, directory, step, meta["tokenizer"])
-    tokenizer = tokenizer_lib.load_tokenizer(spec, data_dir if spec == meta["tokenizer"] else None)
+    spec, spec_dir, origin = _model_tokenizer(args, config, directory, step, data_dir)
+    tokenizer = tokenizer_lib.load_tokenizer(spec, spec_dir)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError(f"the tokenizer {tokenizer.name} ({origin}) has {tokenizer.vocab_size} ids, more "
                           f"than the {config.model.vocab_size} of the model in --workdir={args.workdir}; "
                           "pass --tokenizer=SPEC, the tokenizer the model was trained with.")
     runner = inference.runner_from_checkpoint(args.workdir, overrides)
     data_tokenizer, documents = needle.validation_documents(runner.config, data_dir)
-    retokenized = spec != meta["tokenizer"]
+    # The dataset's ids are the model's when they name the same tokenizer file (or both bytes).
+    retokenized = not (spec == meta["tokenizer"] and (spec == "byte" or spec_dir is not None and
+                                                      os.path.realpath(spec_dir) == os.path.realpath(data_dir)))
     if retokenized:  # the dataset's ids are another tokenizer's: through text into the model's
         documents = needle.retokenized(documents, data_tokenizer, tokenizer)
     depths = tuple(float(d) for d in np.round(np.linspace(0.0, 1.0, args.depths), 3)) if args.depths > 1 else (0.5,)
