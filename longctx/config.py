@@ -10,6 +10,7 @@ import math
 
 import ml_collections
 
+from longctx import blocks
 from longctx import mesh as mesh_lib
 from longctx.errors import ConfigError  # noqa: F401  (re-exported: callers use config.ConfigError)
 
@@ -112,6 +113,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(shard_len % a.block_size == 0,
              f"attention.block_size={a.block_size} does not divide the per-device shard of "
              f"data.seq_len/sp = {d.seq_len}/{sp} = {shard_len} tokens.")
+    _check_splash_block(a.block_size, shard_len, a.impl, a.layout)
     mlp_chunk = m.get("mlp_chunk_size")
     if mlp_chunk is not None:
         _require(mlp_chunk > 0, f"model.mlp_chunk_size={mlp_chunk} must be positive (or None).")
@@ -166,6 +168,21 @@ def _divisor_below(n: int, limit: int) -> int:
 def _multiple_above(n: int, factor: int) -> int:
     """The smallest multiple of `factor` not below `n`."""
     return -(-n // factor) * factor
+
+
+def _check_splash_block(block: int, shard_len: int, impl: str, layout: str) -> None:
+    """The kernel's own rule on blocks (longctx/blocks.py), with the block to use where one fits."""
+    problem = blocks.block_problem(block, shard_len, impl)
+    if problem is None:
+        return
+    largest = max(block, blocks.SPLASH_BLOCK_MULTIPLE)
+    # One inside each zigzag half where there is one, else one the ring accepts (dividing the shard).
+    fit = (blocks.fit_block(largest, shard_len, impl, layout)
+           or blocks.fit_block(largest, shard_len, impl, "contiguous"))
+    fix = (f"set --config.attention.block_size={fit}" if fit else
+           f"the {shard_len}-token shards hold no such block: use --config.attention.impl=xla or a "
+           "longer data.seq_len")
+    raise ConfigError(f"attention.block_size={block} {problem}; {fix}.")
 
 
 def _check_rope_scaling(s) -> None:

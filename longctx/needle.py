@@ -93,6 +93,13 @@ def filler_tokens(documents, tokenizer, limit: int) -> np.ndarray:
     return np.concatenate(parts)[:limit]
 
 
+def retokenized(documents, source, target):
+    """Documents stored as `source`'s ids, as `target`'s (through their text): a dataset prepared
+    with another tokenizer than the model's still gives it filler text."""
+    for doc in documents:
+        yield target.encode_document(source.decode(np.asarray(doc)).encode())
+
+
 def answer_correct(runner, haystacks: Sequence[Haystack]) -> np.ndarray:
     """bool [len(haystacks)]: greedy exact match of each passkey, batched by the run's batch size."""
     batch_size = runner.config.data.global_batch_size

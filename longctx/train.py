@@ -32,6 +32,7 @@ from longctx import flops as flops_lib
 from longctx import mesh as mesh_lib
 from longctx import ops
 from longctx import workdir as workdir_lib
+from longctx.ops import tables
 from longctx.metrics import MetricsWindow, MetricsWriter
 from longctx.model import Decoder, model_nll, weight_decay_mask
 
@@ -395,6 +396,10 @@ def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str, docu
         "layout_chosen_on": (None if a.layout != "auto" else "the mask" if documents is None
                              else f"the documents of {len(documents)} sampled rows"),
         "ring_steps_run": int(len(schedule.run_steps)),
+        # K/V hops, which can exceed the steps with work where chunks count per document.
+        "ring_steps_visited": (tables.one_document_steps_visited(
+            config.data.seq_len, mesh.shape[mesh_lib.SP], a.block_size, layout, **config_lib.mask_kwargs(a))
+            if a.use_segment_ids else int(len(schedule.run_steps))),
         "ring_schedule_efficiency": float(schedule.efficiency),
         "params": config_lib.num_params_estimate(config),
         "tokens_per_step": config.data.global_batch_size * config.data.seq_len,

@@ -28,11 +28,13 @@ directory that replaces --out only once complete: no older export's file is left
 ones, and a failed export leaves the old one intact.
 
 check-logits takes int token ids [batch, n] (or [n]) from a .npy, or an .npz with `tokens` and
-optionally `positions`, `segment_ids` (packed rows; positions restart per document), `logits`
-(expected values) and `positions_index` (the positions `logits` are given at, the same for every
-row; default all). Rows are padded to a length the ring accepts, laid out as in training and run
-on the --mesh; the logits are written to --out and, when expected ones are given, compared:
-it prints the max |difference| and exits 1 if it exceeds --tolerance.
+optionally `positions`, `segment_ids` (packed rows; positions default to restarting per document),
+`logits` (expected values) and `positions_index` (the positions `logits` are given at, the same
+for every row; default all). Rows are padded to the shortest length the ring accepts with the
+checkpoint's attention impl (or --impl; splash's blocks are multiples of 128, longctx/blocks.py),
+padded with empty rows to a multiple of the mesh's dp x fsdp, laid out as in training and run on
+the --mesh; the logits of the real rows are written to --out and, when expected ones are given,
+compared: it prints the max |difference| and exits 1 if it exceeds --tolerance.
 """
 
 from longctx import cli
@@ -164,50 +166,63 @@ def _read_tokens(path: str) -> dict:
     rows = {"tokens": loaded} if isinstance(loaded, np.ndarray) else {k: loaded[k] for k in loaded.files}
     if "tokens" not in rows:
         raise ConfigError(f"--tokens={path} has no array named 'tokens'.")
-    for key in ("tokens", "positions", "segment_ids"):
-        if key in rows:
-            rows[key] = np.atleast_2d(np.asarray(rows[key])).astype(np.int32)
     return rows
 
 
+def _logit_positions(rows: dict, n: int, source: str) -> np.ndarray:
+    """`positions_index` (the same for every row; default all n), checked."""
+    where = np.asarray(rows.get("positions_index", np.arange(n)))
+    if where.ndim != 1 or not np.issubdtype(where.dtype, np.integer) or (
+            where.size and (where.min() < 0 or where.max() >= n)):
+        raise ConfigError(f"{source}: 'positions_index' must be a list of integer positions in [0, {n}).")
+    return where
+
+
 def check_logits(args) -> int:
-    rows = _read_tokens(args.tokens)
-    b, n = rows["tokens"].shape
-    config, _, _ = params_io.read_config(args.checkpoint)
-    mesh = parse_mesh(args.mesh)
     import jax
 
+    from longctx import blocks
     from longctx import mesh as mesh_lib
 
-    sizes = mesh_lib.resolve_mesh_shape(
-        {"dp": mesh["mesh.dp"], "fsdp": mesh["mesh.fsdp"], "sp": mesh["mesh.sp"], "dcn_dp": 1,
-         "dcn_fsdp": 1, "dcn_sp": 1}, jax.device_count())
-    sp = sizes["sp"]
+    config, _, _ = params_io.read_config(args.checkpoint)
+    source = f"--tokens={args.tokens}"
+    given = _read_tokens(args.tokens)
+    rows = inference.check_rows(given, config.model.vocab_size, source)
+    b, n = rows["tokens"].shape
+    where_1d = _logit_positions(given, n, source)
+    mesh = parse_mesh(args.mesh)
+    try:
+        sizes = mesh_lib.resolve_mesh_shape(
+            {"dp": mesh["mesh.dp"], "fsdp": mesh["mesh.fsdp"], "sp": mesh["mesh.sp"], "dcn_dp": 1,
+             "dcn_fsdp": 1, "dcn_sp": 1}, jax.device_count())
+    except ValueError as e:
+        raise ConfigError(f"--mesh={args.mesh}: {e}") from None
+    sp, ways = sizes["sp"], sizes["dp"] * sizes["fsdp"]
+    impl = args.impl or config.attention.impl
     layout = config.attention.layout if config.attention.layout != "auto" else "zigzag"
-    block = min(config.attention.block_size, args.block_size or config.attention.block_size)
-    seq_len = inference.ring_seq_len(n, sp, block, layout)
-    if not args.block_size:  # the largest block that does not pad the rows much further
-        while block > 16 and inference.ring_seq_len(n, sp, block // 2, layout) < seq_len:
-            block //= 2
-            seq_len = inference.ring_seq_len(n, sp, block, layout)
-    overrides = {**mesh, "attention.layout": layout, "attention.block_size": block,
-                 "data.seq_len": seq_len, "data.global_batch_size": b, "train.loss_chunk_size": seq_len // sp,
-                 "model.dtype": args.dtype}
-    if args.impl:
-        overrides["attention.impl"] = args.impl
+    if args.block_size and (args.block_size < 1 or args.block_size % blocks.block_multiple(impl)):
+        raise ConfigError(f"--block-size={args.block_size} must be a positive multiple of "
+                          f"{blocks.block_multiple(impl)} for attention impl {impl!r}.")
+    # The rows' shortest padding that some block (splash: 128 or more) fits, with the largest
+    # block at that length; or the length --block-size needs.
+    largest = args.block_size or config.attention.block_size
+    seq_len, block = blocks.padded_length(n, sp, impl, layout, largest,
+                                          smallest=args.block_size or None)
+    overrides = {**mesh, "attention.layout": layout, "attention.block_size": block, "attention.impl": impl,
+                 "data.seq_len": seq_len, "data.global_batch_size": -(-b // ways) * ways,
+                 "train.loss_chunk_size": seq_len // sp, "model.dtype": args.dtype}
     runner = inference.runner_from_checkpoint(args.checkpoint, overrides)
-    where_1d = rows.get("positions_index", np.arange(n))
-    logits = runner.logits_at(rows, np.tile(np.asarray(where_1d), (b, 1)))
+    logits = runner.logits_at(rows, np.tile(where_1d, (b, 1)))
     print(f"convert_hf: logits [{b}, {len(where_1d)}, {logits.shape[-1]}] from {args.checkpoint} on mesh "
-          f"{dict(runner.mesh.shape)}, layout {runner.layout}, attention impl {runner.config.attention.impl}, "
-          f"{n} tokens per row padded to {seq_len}")
+          f"{dict(runner.mesh.shape)}, layout {runner.layout}, attention impl {runner.config.attention.impl} "
+          f"(block {runner.config.attention.block_size}), {n} tokens per row padded to {seq_len}")
     if args.out:
-        np.savez(args.out, logits=logits, positions_index=np.asarray(where_1d))
+        np.savez(args.out, logits=logits, positions_index=where_1d)
         print(f"convert_hf: wrote {args.out}")
-    if "logits" in rows:
-        expected = np.asarray(rows["logits"], np.float32)
+    if "logits" in given:
+        expected = np.asarray(given["logits"], np.float32)
         if expected.shape != logits.shape:
-            raise ConfigError(f"--tokens={args.tokens}: 'logits' has shape {list(expected.shape)}, "
+            raise ConfigError(f"{source}: 'logits' has shape {list(expected.shape)}, "
                               f"the model gives {list(logits.shape)}.")
         diff = float(np.max(np.abs(logits - expected)))
         ok = diff <= args.tolerance

@@ -14,6 +14,7 @@ only thing that hides the needle). The thresholds (>= 0.75, <= 0.25) hold for ev
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -145,3 +146,50 @@ def test_training_hook_and_eval_script(tmp_path):
     result = json.load(open(os.path.join(out, "needle.json")))
     assert result["step"] == 2 and result["depths"] == [0.0, 0.5, 1.0] and result["layout"] == "zigzag"
     assert os.path.isfile(os.path.join(out, "needle.png"))
+
+
+def run_eval_needle(*args):
+    env = {**os.environ, "LONGCTX_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "eval_needle.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+
+
+@pytest.mark.slow
+def test_eval_needle_reads_a_converted_model_with_its_own_tokenizer(tmp_path):
+    """A Hugging Face model converted with convert_hf.py (whose saved config names no dataset):
+    the haystacks are tokenized with the tokenizer.json of the directory it came from, the
+    embedded corpus's byte ids decoded and encoded again, and needle.json says so. Without a
+    tokenizer to be found, one sentence asks for --tokenizer (the byte ids of the embedded
+    corpus would be read as the model's own ids)."""
+    from tests.test_hf_tokenizer import build_tokenizer
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(os.path.join(REPO, "tests", "assets", "hf", "llama3_scaling"), hf_dir)
+    build_tokenizer(hf_dir, config={"bos_token": "<s>", "eos_token": "</s>"})
+    converted = tmp_path / "converted"
+    env = {**os.environ, "LONGCTX_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), "to-longctx",
+                           f"--hf={hf_dir}", f"--out={converted}"], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    small = ["--seq-len=256", "--lengths=256", "--depths=2", "--samples=1", "--mesh=1,2,4", "--impl=xla"]
+
+    done = run_eval_needle(f"--workdir={converted}", f"--out={tmp_path / 'eval'}", *small)
+    assert done.returncode == 0, done.stderr
+    result = json.load(open(tmp_path / "eval" / "needle.json"))
+    assert result["tokenizer"] == f"hf:{hf_dir}" and result["tokenizer_name"] == "hf:tokenizer.json"
+    assert result["tokenizer_from"] == "the converted model's Hugging Face directory"
+    assert result["data_tokenizer"] == "byte" and result["filler_retokenized"] is True
+
+    os.remove(hf_dir / "tokenizer.json")
+    done = run_eval_needle(f"--workdir={converted}", *small)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"longctx: --workdir={converted} holds a converted Hugging Face model and no tokenizer.json was "
+        "found beside it or in the directory it was converted from; pass --tokenizer=hf:DIR (the "
+        "model's tokenizer).")
+
+    done = run_eval_needle(f"--workdir={converted}", "--seq-len=256", "--lengths=512")
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        "longctx: --lengths=512 is longer than the 256-token sequences the model runs at; pass "
+        "--seq-len=512 as well.")

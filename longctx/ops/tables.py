@@ -44,7 +44,8 @@ import numpy as np
 from jax import lax
 
 from longctx import layout as layout_lib
-from longctx.masks import MaskSpec, default_block_size, make_mask_spec
+from longctx.masks import (MaskSpec, default_block_size, document_chunk_ids, make_mask_spec,
+                           within_chunk_window)
 
 def block_runs(layout: str, seq_len: int, num_shards: int, block: int):
     """Each block of `block` local indices as runs of evenly spaced global positions, the same
@@ -143,6 +144,20 @@ def ring_schedule(seq_len: int, num_shards: int, block_size: int | None = None,
         raise ValueError(f"block_size={block_size} does not divide the shard length "
                          f"{shard_len} (seq_len={seq_len} / num_shards={num_shards})")
     return schedule_from_classes(block_classes(spec, layout, seq_len, num_shards, block, block))
+
+
+def one_document_steps_visited(seq_len: int, num_shards: int, block_size: int, layout: str,
+                               causal: bool = False, sliding_window=None, chunk_size=None) -> int:
+    """Ring steps K/V travel through on rows of one document each, segment ids on (a training
+    run's ring). They are the mask's run steps, except for a chunked mask: its chunks count from
+    each document's start, so the ring runs the causal window a chunk spans and prunes by the
+    chunks' ids; it stops after the last step with a chunk's blocks only where its steps are one
+    run (zigzag, 131,072 tokens, sp=8, chunks of 8,192: 1 step has work, 3 are visited)."""
+    if chunk_size is None:
+        return len(ring_schedule(seq_len, num_shards, block_size, layout, causal, sliding_window).run_steps)
+    spec = make_mask_spec(causal, sliding_window, chunk_size)
+    return len(document_schedule(spec, layout, seq_len, num_shards, block_size,
+                                 np.ones((1, seq_len), np.int32), count_kept=False).visited_steps)
 
 
 def ring_schedule_efficiency(seq_len, num_shards, block_size=None, layout="contiguous",
@@ -411,15 +426,22 @@ class DocumentSchedule:
 
 
 def document_schedule(spec: MaskSpec, layout: str, seq_len: int, num_shards: int, block: int,
-                      segment_ids: np.ndarray, *, count_kept: bool = True) -> DocumentSchedule:
+                      segment_ids: np.ndarray, *, count_kept: bool = True,
+                      positions: np.ndarray | None = None) -> DocumentSchedule:
     """The ring's schedule for natural-order rows of packed documents `segment_ids` [rows, S]
     (0 = padding), computed on the host with the same functions the ring runs on device. A step
     runs when some device has a live block in it. The ring skips a device's kernel, not the
     step (K/V still travel), except after the last step that runs, where it stops (when the
     static run steps are one run: ring._steps_to_visit; `visited_steps`).
     count_kept=False leaves kept_blocks None: what the ring computes, without the element-wise
-    count of which blocks are needed (minutes at 128K tokens; a second without it)."""
+    count of which blocks are needed (minutes at 128K tokens; a second without it).
+    A chunked mask counts chunks from each document's start, as the ring does with documents:
+    the ids become the documents' chunks (from `positions`, default in-document) and the static
+    mask the causal window a chunk spans (masks.document_chunk_ids, masks.within_chunk_window)."""
     ids = np.asarray(segment_ids, np.int32)
+    if spec.chunk is not None:
+        ids = document_chunk_ids(ids, spec.chunk, positions)
+        spec = within_chunk_window(spec)
     sp, shard = num_shards, seq_len // num_shards
     tb = ring_tables(spec, layout, seq_len, sp, block, block)
     pos = layout_lib.shard_positions(layout, seq_len, sp)
