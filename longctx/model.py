@@ -163,7 +163,17 @@ def _mlp_in_chunks(y, w, chunk_size: int | None):
     chunks = jnp.moveaxis(y.reshape(b, sp, n_chunks, chunk_size, d), 2, 0)
     spec = mesh_lib.logical_to_spec((None, "activation_batch", "activation_length", None, None))
     chunks = jax.lax.with_sharding_constraint(chunks, spec)
-    out = jax.lax.map(jax.checkpoint(lambda c: _swiglu(c, w)), chunks)
+    # The weights enter the map in float32 and are cast back inside each chunk (exactly: they are
+    # compute-dtype values), so the map's backward sums their gradients over the chunks in float32;
+    # closed over in bf16, every chunk's contribution would be added in bf16 (token_nll does the
+    # same for the unembedding).
+    mlp = {name: w[name] for name in ("w_gate", "w_up", "w_down")}
+    w32 = {name: value.astype(jnp.float32) for name, value in mlp.items()}
+
+    def chunk_swiglu(c):
+        return _swiglu(c, {name: value.astype(mlp[name].dtype) for name, value in w32.items()})
+
+    out = jax.lax.map(jax.checkpoint(chunk_swiglu), chunks)
     return jnp.moveaxis(jax.lax.with_sharding_constraint(out, spec), 0, 2).reshape(b, seq_len, d)
 
 
@@ -219,7 +229,12 @@ class Decoder(nnx.Module):
         self.config = config
         self.layout = layout  # the concrete sequence layout the data pipeline used
         param = functools.partial(_param, rngs, dtype=jnp.dtype(m.param_dtype))
-        self.embed = param((m.vocab_size, m.d_model), ("vocab", "embed"), 1.0)
+        # Untied, the table is only looked up (unit scale, as Llama/MaxText). Tied, it is also the
+        # output projection: logits = h . embed[v] with h RMS-normalised, so at unit scale they
+        # would start with std ~sqrt(d_model) (an initial NLL of ~100 at d=128, not ln(vocab));
+        # it is drawn at the scale the untied output projection has.
+        self.embed = param((m.vocab_size, m.d_model), ("vocab", "embed"),
+                           m.d_model ** -0.5 if m.tie_embeddings else 1.0)
 
         @nnx.split_rngs(splits=m.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -237,7 +252,10 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens, positions, segment_ids):
         m, config = self.config.model, self.config
-        x = self.embed[...].astype(jnp.dtype(m.dtype))[tokens]
+        # Look up in the stored (float32) table, then cast the rows: the lookup's backward
+        # scatter-adds every occurrence of a token into that token's row, and a low-precision copy
+        # of the table would make that sum a bf16 one (a frequent token's row lost most of it).
+        x = self.embed[...][tokens].astype(jnp.dtype(m.dtype))
         for spec in mesh_lib.embedding_lookup_reshards():  # ends at _EMBED_ACTIVATION
             x = jax.lax.with_sharding_constraint(x, spec)
         if not config.attention.use_segment_ids:
