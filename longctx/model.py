@@ -19,9 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from longctx import attention as attention_lib
+from longctx import layout as layout_lib
 from longctx import mesh as mesh_lib
 from longctx import rope as rope_lib
 
@@ -250,7 +252,17 @@ class Decoder(nnx.Module):
         """[d, v] output projection (the transposed embedding when tied)."""
         return self.embed[...].T if self.unembed is None else self.unembed[...]
 
+    def row_positions(self, shape):
+        """[b, S] int32: each token's position in its packed row (0..S-1), in the layout order the
+        batch comes in (the layout's permutation: layout slot i holds row position perm[i])."""
+        sp = jax.sharding.get_abstract_mesh().shape.get(mesh_lib.SP, 1)
+        perm = layout_lib.permutation(self.layout, shape[1], sp).astype(np.int32)
+        return _constrain(jnp.broadcast_to(jnp.asarray(perm), shape), attention_lib.TOKEN_ACTIVATION)
+
     def __call__(self, tokens, positions, segment_ids):
+        """Final hidden states [b, S, d] of layout-ordered `tokens` with their in-document
+        `positions` and `segment_ids` (ignored when attention.use_segment_ids is off: row
+        positions then, and no document mask)."""
         m, config = self.config.model, self.config
         # Look up in the stored (float32) table, then cast the rows: the lookup's backward
         # scatter-adds every occurrence of a token into that token's row, and a low-precision copy
@@ -259,7 +271,11 @@ class Decoder(nnx.Module):
         for spec in mesh_lib.embedding_lookup_reshards():  # ends at _EMBED_ACTIVATION
             x = jax.lax.with_sharding_constraint(x, spec)
         if not config.attention.use_segment_ids:
-            segment_ids = None  # the "no document masking" ablation: attend across documents
+            # The "no document masking" ablation: the row is one sequence, attended across
+            # documents, so RoPE must see row positions; the in-document positions the batch
+            # carries would put earlier documents' keys at wrong distances. (Chunked attention
+            # without segment ids already counts its chunks from the row's start.)
+            segment_ids, positions = None, self.row_positions(tokens.shape)
 
         graphdef, stacked = nnx.split(self.blocks)
 
