@@ -19,9 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from longctx import attention as attention_lib
+from longctx import layout as layout_lib
 from longctx import mesh as mesh_lib
 from longctx import rope as rope_lib
 
@@ -163,7 +165,17 @@ def _mlp_in_chunks(y, w, chunk_size: int | None):
     chunks = jnp.moveaxis(y.reshape(b, sp, n_chunks, chunk_size, d), 2, 0)
     spec = mesh_lib.logical_to_spec((None, "activation_batch", "activation_length", None, None))
     chunks = jax.lax.with_sharding_constraint(chunks, spec)
-    out = jax.lax.map(jax.checkpoint(lambda c: _swiglu(c, w)), chunks)
+    # The weights enter the map in float32 and are cast back inside each chunk (exactly: they are
+    # compute-dtype values), so the map's backward sums their gradients over the chunks in float32;
+    # closed over in bf16, every chunk's contribution would be added in bf16 (token_nll does the
+    # same for the unembedding).
+    mlp = {name: w[name] for name in ("w_gate", "w_up", "w_down")}
+    w32 = {name: value.astype(jnp.float32) for name, value in mlp.items()}
+
+    def chunk_swiglu(c):
+        return _swiglu(c, {name: value.astype(mlp[name].dtype) for name, value in w32.items()})
+
+    out = jax.lax.map(jax.checkpoint(chunk_swiglu), chunks)
     return jnp.moveaxis(jax.lax.with_sharding_constraint(out, spec), 0, 2).reshape(b, seq_len, d)
 
 
@@ -219,7 +231,12 @@ class Decoder(nnx.Module):
         self.config = config
         self.layout = layout  # the concrete sequence layout the data pipeline used
         param = functools.partial(_param, rngs, dtype=jnp.dtype(m.param_dtype))
-        self.embed = param((m.vocab_size, m.d_model), ("vocab", "embed"), 1.0)
+        # Untied, the table is only looked up (unit scale, as Llama/MaxText). Tied, it is also the
+        # output projection: logits = h . embed[v] with h RMS-normalised, so at unit scale they
+        # would start with std ~sqrt(d_model) (an initial NLL of ~100 at d=128, not ln(vocab));
+        # it is drawn at the scale the untied output projection has.
+        self.embed = param((m.vocab_size, m.d_model), ("vocab", "embed"),
+                           m.d_model ** -0.5 if m.tie_embeddings else 1.0)
 
         @nnx.split_rngs(splits=m.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -235,13 +252,30 @@ class Decoder(nnx.Module):
         """[d, v] output projection (the transposed embedding when tied)."""
         return self.embed[...].T if self.unembed is None else self.unembed[...]
 
+    def row_positions(self, shape):
+        """[b, S] int32: each token's position in its packed row (0..S-1), in the layout order the
+        batch comes in (the layout's permutation: layout slot i holds row position perm[i])."""
+        sp = jax.sharding.get_abstract_mesh().shape.get(mesh_lib.SP, 1)
+        perm = layout_lib.permutation(self.layout, shape[1], sp).astype(np.int32)
+        return _constrain(jnp.broadcast_to(jnp.asarray(perm), shape), attention_lib.TOKEN_ACTIVATION)
+
     def __call__(self, tokens, positions, segment_ids):
+        """Final hidden states [b, S, d] of layout-ordered `tokens` with their in-document
+        `positions` and `segment_ids` (ignored when attention.use_segment_ids is off: row
+        positions then, and no document mask)."""
         m, config = self.config.model, self.config
-        x = self.embed[...].astype(jnp.dtype(m.dtype))[tokens]
+        # Look up in the stored (float32) table, then cast the rows: the lookup's backward
+        # scatter-adds every occurrence of a token into that token's row, and a low-precision copy
+        # of the table would make that sum a bf16 one (a frequent token's row lost most of it).
+        x = self.embed[...][tokens].astype(jnp.dtype(m.dtype))
         for spec in mesh_lib.embedding_lookup_reshards():  # ends at _EMBED_ACTIVATION
             x = jax.lax.with_sharding_constraint(x, spec)
         if not config.attention.use_segment_ids:
-            segment_ids = None  # the "no document masking" ablation: attend across documents
+            # The "no document masking" ablation: the row is one sequence, attended across
+            # documents, so RoPE must see row positions; the in-document positions the batch
+            # carries would put earlier documents' keys at wrong distances. (Chunked attention
+            # without segment ids already counts its chunks from the row's start.)
+            segment_ids, positions = None, self.row_positions(tokens.shape)
 
         graphdef, stacked = nnx.split(self.blocks)
 

@@ -47,15 +47,18 @@ def plain_nll(params, rows, config):
     m, a = config.model, config.attention
     x = params["embed"][rows["tokens"]]
     segments = jnp.asarray(rows["segment_ids"]) if a.use_segment_ids else None
+    # Without the document mask the row is one sequence: RoPE and chunks on row positions.
+    positions = (rows["positions"] if a.use_segment_ids
+                 else jnp.broadcast_to(jnp.arange(rows["tokens"].shape[1]), rows["tokens"].shape))
     blocks = params["blocks"]
     for i in range(m.num_layers):
         p = jax.tree.map(lambda t: t[i], blocks)
         y = plain_rms_norm(x, p["attn_norm"], m.norm_eps)
-        q = plain_rope(jnp.einsum("bsd,dnh->bsnh", y, p["wq"]), rows["positions"], m.rope_theta)
-        k = plain_rope(jnp.einsum("bsd,dkh->bskh", y, p["wk"]), rows["positions"], m.rope_theta)
+        q = plain_rope(jnp.einsum("bsd,dnh->bsnh", y, p["wq"]), positions, m.rope_theta)
+        k = plain_rope(jnp.einsum("bsd,dkh->bskh", y, p["wk"]), positions, m.rope_theta)
         v = jnp.einsum("bsd,dkh->bskh", y, p["wv"])
         o = reference_attention(q, k, v, segments, segments, p.get("sinks"),
-                                positions=jnp.asarray(rows["positions"]), causal=a.causal,
+                                positions=jnp.asarray(positions), causal=a.causal,
                                 sliding_window=None if a.sliding_window is None else (a.sliding_window, 0),
                                 chunk_size=a.chunk_size, logits_soft_cap=a.logits_soft_cap)
         x = x + jnp.einsum("bsnh,nhd->bsd", o, p["wo"])
@@ -72,6 +75,8 @@ def plain_nll(params, rows, config):
     ("xla", "striped", dict(causal=True, sliding_window=100, attention_sinks=True)),
     ("xla", "contiguous", dict(causal=True, chunk_size=192, logits_soft_cap=20.0)),
     ("splash", "zigzag", dict(causal=True, attention_sinks=True)),
+    # the "no document mask" ablation: one sequence per row, row positions in a non-trivial layout
+    ("xla", "striped", dict(causal=True, use_segment_ids=False, chunk_size=192)),
 ])
 def test_forward_matches_plain_jnp(impl, layout, attention):
     config = small_config(impl=impl, layout=layout, **attention)
