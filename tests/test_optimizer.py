@@ -155,3 +155,14 @@ def test_bfloat16_parameters_make_bfloat16_moments_and_the_start_up_says_so():
         "model.param_dtype=float32 keeps parameters and moments in full precision."]
     config.model.param_dtype = "float32"
     assert train.optimizer_notes(config) == []
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_max_consecutive_skips_must_be_positive(value):
+    from longctx import config as config_lib
+
+    config = _config(scan_layers=True)
+    config.train.max_consecutive_skips = value
+    with pytest.raises(config_lib.ConfigError, match=rf"^train.max_consecutive_skips={value} must be a "
+                                                     r"positive number of steps.$"):
+        config_lib.validate(config, num_devices=1)
