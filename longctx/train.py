@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -270,9 +271,12 @@ class _StopRequest:
     arrives; a second Ctrl-C abandons the run (KeyboardInterrupt: "interrupted", exit status 130).
     With several processes the decision is agreed (any process asked -> all stop at the same step).
 
-    Python runs a handler when the main thread is next in Python: during a compile, only after it.
-    The line is written straight to the file descriptor: a handler that interrupts a write to
-    sys.stderr and writes there again fails ("reentrant call")."""
+    Python runs a signal's handler only when the main thread is next in Python, which a compile or
+    a long step can put off for minutes. So the acknowledgement also comes from a thread that reads
+    the signal numbers that `signal.set_wakeup_fd` writes into a pipe the moment a signal arrives
+    (whichever of the two is first says it, once); two Ctrl-Cs within one such wait reach the
+    handler as one, a stop. The line is written straight to the file descriptor: a handler that
+    interrupts a write to sys.stderr and writes there again fails ("reentrant call")."""
 
     ACKNOWLEDGED = {signal.SIGINT: "stopping at the next step (it will be saved); Ctrl-C again to abandon.",
                     signal.SIGTERM: "SIGTERM: stopping at the next step (it will be saved)."}
@@ -282,21 +286,38 @@ class _StopRequest:
         self._interrupts = 0
         self._new_line = "\n" if after_progress_bar else ""  # (a bar's line has no end yet)
         self._acknowledge = jax.process_index() == 0  # (logs are written once, by process 0)
-        self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._acknowledged = threading.Lock()  # taken, never released, by whoever says it
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.ACKNOWLEDGED}
+        read, self._wakeup = os.pipe()
+        os.set_blocking(self._wakeup, False)  # (set_wakeup_fd's condition)
+        self._previous_wakeup = signal.set_wakeup_fd(self._wakeup, warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, args=(read,), name="longctx-stop-request",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _watch(self, read: int) -> None:
+        try:
+            while data := os.read(read, 64):  # (empty: restore() closed the pipe)
+                for signum in data:
+                    if signum in self.ACKNOWLEDGED:
+                        self._say(signum)
+        finally:
+            os.close(read)
+
+    def _say(self, signum: int) -> None:
+        if self._acknowledge and self._acknowledged.acquire(blocking=False):
+            line = f"{self._new_line}longctx: {self.ACKNOWLEDGED[signal.Signals(signum)]}\n"
+            try:
+                os.write(sys.stderr.fileno(), line.encode())
+            except (OSError, ValueError):  # no stderr to write to: stopping is what matters
+                pass
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT:
             self._interrupts += 1
             if self._interrupts > 1:
                 raise KeyboardInterrupt
-        if not self.requested and self._acknowledge:
-            line = f"{self._new_line}longctx: {self.ACKNOWLEDGED[signal.Signals(signum)]}\n"
-            try:
-                os.write(sys.stderr.fileno(), line.encode())
-            except (OSError, ValueError):  # no stderr to write to: stopping is what matters
-                pass
+        self._say(signum)
         self.requested = True
 
     def agreed(self) -> bool:
@@ -308,6 +329,9 @@ class _StopRequest:
         return bool(np.any(flags))
 
     def restore(self):
+        signal.set_wakeup_fd(self._previous_wakeup)
+        os.close(self._wakeup)  # the watcher reads the pipe's end and stops
+        self._watcher.join()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 

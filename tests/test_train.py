@@ -197,3 +197,39 @@ def test_first_ctrl_c_is_acknowledged_at_once_and_the_second_abandons(capfd):
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_is_acknowledged_while_the_main_thread_is_busy_outside_python(monkeypatch):
+    """A compile or a long step keeps the main thread out of Python, where no signal handler runs:
+    the acknowledgement must not wait for it (before, it came after the step, or the compile)."""
+    import hashlib
+    import os
+    import signal
+    import threading
+    import time
+
+    read, write = os.pipe()
+    monkeypatch.setattr("sys.stderr", open(write, "w", closefd=False))
+    stop, heard = None, []  # (when, what, whether the handler had run) of each write to "stderr"
+    listener = threading.Thread(target=lambda: [heard.append((time.monotonic(), data, stop.requested))
+                                                for data in iter(lambda: os.read(read, 4096), b"")])
+    rounds = 20_000
+    took = time.monotonic()
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", rounds)  # C code that releases the GIL and no signal stops
+    rounds = int(rounds * 3.0 / max(time.monotonic() - took, 1e-3))  # about 3 s of it
+    stop = train._StopRequest()
+    listener.start()
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", rounds)
+        busy_until = time.monotonic()  # (the handler runs at the first bytecode after the call)
+        assert stop.requested
+    finally:
+        stop.restore()
+        os.close(write)
+        listener.join()
+        os.close(read)
+    # Said once (not again by the handler), while the main thread was still busy.
+    assert [(data, requested) for _, data, requested in heard] == [
+        (b"longctx: stopping at the next step (it will be saved); Ctrl-C again to abandon.\n", False)]
+    assert heard[0][0] < busy_until - 1.0, (heard, busy_until)
