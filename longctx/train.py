@@ -278,14 +278,16 @@ class _StopRequest:
     handler as one, a stop. The line is written straight to the file descriptor: a handler that
     interrupts a write to sys.stderr and writes there again fails ("reentrant call")."""
 
-    ACKNOWLEDGED = {signal.SIGINT: "stopping at the next step (it will be saved); Ctrl-C again to abandon.",
-                    signal.SIGTERM: "SIGTERM: stopping at the next step (it will be saved)."}
+    ACKNOWLEDGED = {signal.SIGINT: "stopping at {when} (it will be saved); Ctrl-C again to abandon.",
+                    signal.SIGTERM: "SIGTERM: stopping at {when} (it will be saved)."}
 
     def __init__(self, *, after_progress_bar: bool = False):
         self.requested = False
         self._interrupts = 0
         self._new_line = "\n" if after_progress_bar else ""  # (a bar's line has no end yet)
         self._acknowledge = jax.process_index() == 0  # (logs are written once, by process 0)
+        # (processes agree at sync points only: see `_loop`)
+        self._when = "the next step" if jax.process_count() == 1 else "the next log or checkpoint step"
         self._acknowledged = threading.Lock()  # taken, never released, by whoever says it
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.ACKNOWLEDGED}
         read, self._wakeup = os.pipe()
@@ -306,7 +308,7 @@ class _StopRequest:
 
     def _say(self, signum: int) -> None:
         if self._acknowledge and self._acknowledged.acquire(blocking=False):
-            line = f"{self._new_line}longctx: {self.ACKNOWLEDGED[signal.Signals(signum)]}\n"
+            line = f"{self._new_line}longctx: {self.ACKNOWLEDGED[signal.Signals(signum)].format(when=self._when)}\n"
             try:
                 os.write(sys.stderr.fileno(), line.encode())
             except (OSError, ValueError):  # no stderr to write to: stopping is what matters
