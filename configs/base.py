@@ -146,6 +146,10 @@ def _base() -> ml_collections.ConfigDict:
             eval_needle_every=0,
             loss_chunk_size=512,  # tokens per chunk of the output projection + cross-entropy
             on_nonfinite="stop",  # stop | skip
+            # With skip: stop (as stop does) once this many steps in a row were non-finite. A bad
+            # batch or two is data; ten in a row from unchanged parameters is a run that skipping
+            # will not rescue. Checked at log, eval and save steps, so it stops at the first of them.
+            max_consecutive_skips=10,
             profile_start=_optional_int(),
             profile_steps=3,
             peak_tflops_override=_optional_float(),  # for MFU on chips not in longctx's table

@@ -167,6 +167,10 @@ class Checkpointer:
         restored = manager.restore(step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()}))
         return restored[_CONFIG]
 
+    def saved_config(self, step: int) -> dict:
+        """The config `step` was saved with, as a dict (the run's config when it was saved)."""
+        return self._saved_config(self.manager, step)
+
     def _check_model_shape(self) -> None:
         """A config whose model shape differs from the newest checkpoint's (or from init_from's,
         when there is none) fails here, before anything is written or compiled."""

@@ -14,7 +14,7 @@ from longctx import blocks
 from longctx import mesh as mesh_lib
 from longctx.errors import ConfigError  # noqa: F401  (re-exported: callers use config.ConfigError)
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16")  # (not float16: it needs loss scaling, which longctx does not do)
 NONFINITE_ACTIONS = ("stop", "skip")
 
 
@@ -62,6 +62,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     m, a, d, o, t, c = (config.model, config.attention, config.data, config.optimizer,
                         config.train, config.checkpoint)
 
+    for key in ("model.dtype", "model.param_dtype"):
+        _require(config.model[key.split(".")[1]] != "float16",
+                 f"{key}='float16' trains without loss scaling, which longctx does not do, so small "
+                 f"gradients underflow to zero: set {key}=bfloat16 (float32's range) or float32.")
     for key, choices in _choices().items():
         _one_of(config, key, choices)
     _positive(config, "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
@@ -137,6 +141,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
              f"optimizer.min_learning_rate_ratio={o.min_learning_rate_ratio} must be in [0, 1].")
     _require(o.grad_clip_norm is None or o.grad_clip_norm > 0,
              f"optimizer.grad_clip_norm={o.grad_clip_norm} must be positive (or None to disable).")
+    skips = t.get("max_consecutive_skips", 1)  # (absent from configs saved before it existed)
+    _require(isinstance(skips, int) and skips > 0,
+             f"train.max_consecutive_skips={skips!r} must be a positive number of steps.")
     _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0 disables eval).")
     _require(t.eval_every == 0 or t.eval_steps > 0,
              f"train.eval_steps={t.eval_steps} must be positive when train.eval_every > 0.")

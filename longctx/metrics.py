@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -22,6 +23,7 @@ from tensorboardX import summary
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.record_writer import RecordWriter
 
+from longctx import cli
 from longctx import errors
 from longctx import workdir as workdir_lib
 
@@ -104,6 +106,18 @@ class MetricsWriter:
 _EVENT_FILES = itertools.count()
 
 
+class _NonFiniteScalarWarnings(logging.Filter):
+    """tensorboardX warns "NaN or Inf found in input tensor." for every non-finite scalar it is
+    given, once per logged step of a run that skips such steps; the log line already counts them
+    (nonfinite_steps). Kept with LONGCTX_DEBUG=1 (`--verbose`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return cli.debug_enabled() or not record.getMessage().startswith("NaN or Inf found")
+
+
+_NON_FINITE_SCALAR_WARNINGS = _NonFiniteScalarWarnings()
+
+
 class EventFile:
     """One TensorBoard event file of scalars, written on the caller's thread and flushed at each
     logged step. (tensorboardX's SummaryWriter writes from a thread of its own and retries a failed
@@ -112,6 +126,7 @@ class EventFile:
 
     def __init__(self, directory: str, *, first_step: int):
         os.makedirs(directory, exist_ok=True)
+        logging.getLogger("tensorboardX.x2num").addFilter(_NON_FINITE_SCALAR_WARNINGS)  # (a set: once)
         # Unique per writer: two writers in one process within a second (a run resumed in the
         # same process) would otherwise share a name, and the second would truncate the first.
         name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{next(_EVENT_FILES)}"
@@ -160,6 +175,7 @@ class MetricsWindow:
     def __init__(self, step: int, now: float):
         self._entries: list = []  # (step, loss, grad_norm), device scalars until read
         self._host: list = []  # the same, read
+        self._streak: tuple[int, tuple] | None = None  # the non-finite steps that end those read
         self.restart_clock(step, now)
 
     def add(self, step: int, metrics: Mapping) -> None:
@@ -171,8 +187,18 @@ class MetricsWindow:
     def _read(self) -> None:
         if self._entries:
             values = jax.device_get([(loss, grad_norm) for _, loss, grad_norm in self._entries])
-            self._host += [(step, float(loss), float(g)) for (step, _, _), (loss, g) in zip(self._entries, values)]
+            read = [(step, float(loss), float(g)) for (step, _, _), (loss, g) in zip(self._entries, values)]
+            self._host += read
             self._entries = []
+            for entry in read:  # (across windows: a log line does not end a streak)
+                finite = np.isfinite(entry[1]) and np.isfinite(entry[2])
+                self._streak = None if finite else ((self._streak or (0,))[0] + 1, entry)
+
+    def nonfinite_streak(self) -> tuple[int, tuple[int, float, float]] | None:
+        """(how many, (step, loss, grad norm) of the last) of the non-finite steps in a row that
+        end the steps added so far, over every window; None when the last step was finite."""
+        self._read()
+        return self._streak
 
     def first_nonfinite(self) -> tuple[int, float, float] | None:
         """(step, loss, grad norm) of the window's first step whose loss or gradient is not finite."""

@@ -11,6 +11,8 @@ import json
 import math
 import os
 import signal
+import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -24,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from longctx import checkpoint as checkpoint_lib
+from longctx import checkpoint_compat as compat
 from longctx import cli
 from longctx import config as config_lib
 from longctx import data as data_lib
@@ -65,6 +68,38 @@ def make_optimizer(config) -> optax.GradientTransformation:
     if o.grad_clip_norm is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
+
+
+# The keys `learning_rate_schedule` reads.
+SCHEDULE_KEYS = ("optimizer.learning_rate", "optimizer.min_learning_rate_ratio", "optimizer.warmup_steps",
+                 "train.num_steps")
+
+
+def optimizer_notes(config, saved_config: dict | None = None, updates: int = 0) -> list[str]:
+    """One line each, for the start-up, about what the optimizer will do that the config does not
+    say outright: a warmup longer than the run (cut to the run), AdamW's moments in bfloat16, and,
+    on a resume (`saved_config`: the checkpoint's, `updates`: the updates it had applied), a
+    schedule that differs from the one the run started with."""
+    o, t, notes = config.optimizer, config.train, []
+    if o.warmup_steps > t.num_steps:
+        notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than train.num_steps={t.num_steps}: "
+                     f"the warmup is cut to {t.num_steps} steps, so the learning rate rises until the last "
+                     f"step, never reaching optimizer.learning_rate={o.learning_rate:g}, and never decays.")
+    if config.model.param_dtype == "bfloat16":
+        notes.append("model.param_dtype=bfloat16: AdamW's moments are kept in bfloat16 too (optax follows "
+                     "the parameters' dtype), so updates much smaller than a weight round away; "
+                     "model.param_dtype=float32 keeps parameters and moments in full precision.")
+    if saved_config is not None:
+        changed = compat.config_differences(saved_config, config.to_dict(), SCHEDULE_KEYS)
+        if changed:
+            before = learning_rate_schedule(ml_collections.ConfigDict(saved_config))(updates)
+            after = learning_rate_schedule(config)(updates)
+            stretched = (f"its cosine decay is re-stretched to end at step {t.num_steps}, and "
+                         if any(d.startswith("train.num_steps") for d in changed) else "")
+            notes.append(f"the learning-rate schedule differs from the checkpoint's ({'; '.join(changed)}): "
+                         f"{stretched}the rate of update {updates + 1} is {float(after):.3g}, where the "
+                         f"checkpoint's schedule had {float(before):.3g}.")
+    return notes
 
 
 # ----------------------------------------------------------------------------- state & shardings
@@ -233,16 +268,60 @@ def evaluate(config, eval_step, params, make_iterator) -> dict:
 
 
 class _StopRequest:
-    """SIGTERM/SIGINT set a flag; the loop finishes the current step, saves and exits cleanly.
-    With several processes the decision is agreed (any process asked -> all stop at the same step)."""
+    """SIGTERM (a preemption) and a first Ctrl-C ask the loop to stop: it finishes the current step,
+    saves and exits cleanly ("stopped at step N (saved)"). Each is acknowledged on stderr when it
+    arrives; a second Ctrl-C abandons the run (KeyboardInterrupt: "interrupted", exit status 130).
+    With several processes the decision is agreed (any process asked -> all stop at the same step).
 
-    def __init__(self):
+    Python runs a signal's handler only when the main thread is next in Python, which a compile or
+    a long step can put off for minutes. So the acknowledgement also comes from a thread that reads
+    the signal numbers that `signal.set_wakeup_fd` writes into a pipe the moment a signal arrives
+    (whichever of the two is first says it, once); two Ctrl-Cs within one such wait reach the
+    handler as one, a stop. The line is written straight to the file descriptor: a handler that
+    interrupts a write to sys.stderr and writes there again fails ("reentrant call")."""
+
+    ACKNOWLEDGED = {signal.SIGINT: "stopping at {when} (it will be saved); Ctrl-C again to abandon.",
+                    signal.SIGTERM: "SIGTERM: stopping at {when} (it will be saved)."}
+
+    def __init__(self, *, after_progress_bar: bool = False):
         self.requested = False
-        self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._interrupts = 0
+        self._new_line = "\n" if after_progress_bar else ""  # (a bar's line has no end yet)
+        self._acknowledge = jax.process_index() == 0  # (logs are written once, by process 0)
+        # (processes agree at sync points only: see `_loop`)
+        self._when = "the next step" if jax.process_count() == 1 else "the next log or checkpoint step"
+        self._acknowledged = threading.Lock()  # taken, never released, by whoever says it
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.ACKNOWLEDGED}
+        read, self._wakeup = os.pipe()
+        os.set_blocking(self._wakeup, False)  # (set_wakeup_fd's condition)
+        self._previous_wakeup = signal.set_wakeup_fd(self._wakeup, warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, args=(read,), name="longctx-stop-request",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _watch(self, read: int) -> None:
+        try:
+            while data := os.read(read, 64):  # (empty: restore() closed the pipe)
+                for signum in data:
+                    if signum in self.ACKNOWLEDGED:
+                        self._say(signum)
+        finally:
+            os.close(read)
+
+    def _say(self, signum: int) -> None:
+        if self._acknowledge and self._acknowledged.acquire(blocking=False):
+            line = f"{self._new_line}longctx: {self.ACKNOWLEDGED[signal.Signals(signum)].format(when=self._when)}\n"
+            try:
+                os.write(sys.stderr.fileno(), line.encode())
+            except (OSError, ValueError):  # no stderr to write to: stopping is what matters
+                pass
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt
+        self._say(signum)
         self.requested = True
 
     def agreed(self) -> bool:
@@ -254,6 +333,9 @@ class _StopRequest:
         return bool(np.any(flags))
 
     def restore(self):
+        signal.set_wakeup_fd(self._previous_wakeup)
+        os.close(self._wakeup)  # the watcher reads the pipe's end and stops
+        self._watcher.join()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -346,14 +428,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     def make_eval_iterator():
         return data_lib.make_batch_iterator(config, mesh, split="validation", layout=layout, data_dir=data_dir)
 
-    writer = None
+    writer = train_iter = None
     try:
         with jax.set_mesh(mesh):
             setup = make_setup(config, mesh, layout)
             state, train_iter, resumed_from = checkpointer.restore_or_init(setup, make_train_iterator)
+            first_step = int(jax.device_get(state.step))
+            notes = _start_up_notes(config, checkpointer, state)
             if jax.process_index() == 0:
-                print(f"longctx: {resumed_from}", flush=True)
-            writer = MetricsWriter(workdir, resume_step=int(jax.device_get(state.step)))
+                for line in (resumed_from, *notes):
+                    print(f"longctx: {line}", flush=True)
+            if first_step >= config.train.num_steps:  # a finished run started again: no compile
+                if jax.process_index() == 0:
+                    print(f"longctx: nothing to do: the checkpoint is at step {first_step} and "
+                          f"train.num_steps={config.train.num_steps} (raise it to train further).", flush=True)
+                return {}
+            writer = MetricsWriter(workdir, resume_step=first_step)
             train_step, eval_step = jit_steps(config, setup)
             needle_eval = None
             if config.train.get("eval_needle_every"):
@@ -362,7 +452,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 needle_eval = needle.TrainingEvaluator(config, setup, mesh, layout, data_dir, workdir)
             run = _Run(config, workdir, train_step, eval_step, make_eval_iterator, checkpointer, writer,
                        needle_eval)
-            result = _loop(run, state, train_iter)
+            result, stopped_at = _loop(run, state, train_iter)
     finally:
         # Also on an error: files are closed and the save in flight completes. A save that failed
         # is raised last, so it is the error the user sees: it names the checkpoint the next start
@@ -371,13 +461,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             if writer is not None:
                 writer.close()
         finally:
-            checkpointer.close()
+            try:
+                checkpointer.close()
+            finally:
+                if train_iter is not None:  # Grain's prefetch thread / worker processes
+                    train_iter.close()
     if jax.process_index() == 0 and result:
         val = f", val loss {result['val_loss']:.4f}" if "val_loss" in result else ""
         speed = f", {result['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in result else ""
-        print(f"longctx: finished; last logged train loss {result['loss']:.4f}{val}{speed}; "
+        ended = ("finished" if stopped_at is None else
+                 f"stopped at step {stopped_at} (saved to {checkpointer.directory}/{stopped_at}; the same "
+                 f"command resumes it)")
+        print(f"longctx: {ended}; last logged train loss {result['loss']:.4f}{val}{speed}; "
               f"metrics in {workdir}/metrics.jsonl", flush=True)
     return result
+
+
+def _start_up_notes(config, checkpointer, state) -> list[str]:
+    """`optimizer_notes` for this start: on a resume, against the config the checkpoint was saved with."""
+    step, saved = int(jax.device_get(state.step)), None
+    if step > 0:  # (a fresh start, init_from included, is at step 0)
+        saved = checkpointer.saved_config(step)
+    return optimizer_notes(config, saved, int(jax.device_get(applied_updates(state.opt_state))))
 
 
 def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str, documents=None) -> None:
@@ -448,7 +553,10 @@ class _Profiler:
             jax.profiler.stop_trace()
 
 
-def _nonfinite_error(step: int, loss: float, grad_norm: float, checkpointer) -> errors.RunError:
+def _nonfinite_error(step: int, loss: float, grad_norm: float, checkpointer, *,
+                     skipped_in_a_row: int | None = None, limit: int | None = None) -> errors.RunError:
+    """The one line for a run stopped for non-finite steps: with on_nonfinite=stop, the first such
+    step; with skip, the last of `skipped_in_a_row` (at least train.max_consecutive_skips=`limit`)."""
     try:
         checkpointer.wait()
     except errors.RunError:
@@ -456,12 +564,19 @@ def _nonfinite_error(step: int, loss: float, grad_norm: float, checkpointer) -> 
     newest = checkpointer.manager.latest_step()
     saved = ("no checkpoint was written" if newest is None else
              f"the newest checkpoint, step {newest}, holds only finite steps")
+    if skipped_in_a_row is None:
+        streak, advice = "", "Set train.on_nonfinite=skip to skip such steps instead."
+    else:
+        streak = (f", the last of {skipped_in_a_row} steps in a row skipped for it "
+                  f"(train.max_consecutive_skips={limit})")
+        advice = ("Skipping does not get this run past them: check the data and the learning rate "
+                  "(or raise train.max_consecutive_skips).")
     return errors.RunError(
-        f"non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}); stopped "
-        f"before saving it, and {saved}. Set train.on_nonfinite=skip to skip such steps instead.")
+        f"non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}){streak}; "
+        f"stopped before saving it, and {saved}. {advice}")
 
 
-def _loop(run: _Run, state, train_iter) -> dict:
+def _loop(run: _Run, state, train_iter) -> tuple[dict, int | None]:
     """Steps until `train.num_steps`, a stop request or an error; returns the last logged metrics.
 
     The host runs ahead of the device between sync points, by at most one step: a step is
@@ -471,21 +586,33 @@ def _loop(run: _Run, state, train_iter) -> dict:
     point (a log, eval or save step, the last step, or an agreed stop) the loop waits for the
     device and, in this order: checks every step since the last check for a non-finite loss or
     gradient (with on_nonfinite=stop this raises before anything is saved, so no checkpoint ever
-    holds such a state), logs, evaluates, saves, stops."""
+    holds such a state; with on_nonfinite=skip, it raises once train.max_consecutive_skips steps in
+    a row were skipped), logs, evaluates, saves, stops.
+
+    Returns (the last logged metrics, the step it stopped and saved at on request, or None)."""
     config, t, checkpointer = run.config, run.config.train, run.checkpointer
     peak = flops_lib.peak_tflops(jax.devices()[0].device_kind, t.peak_tflops_override)
     tokens_per_step = config.data.global_batch_size * config.data.seq_len
     first_step = int(jax.device_get(state.step))
-    stop, profiler = _StopRequest(), _Profiler(t, run.workdir)
     progress = None
     if jax.process_index() == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=t.num_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
-    say = progress.write if progress is not None else (lambda _: None)
+        # disable=None: no bar when stderr is not a terminal (a log file would get every redraw).
+        progress = tqdm(total=t.num_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True,
+                        disable=None)
+    stop = _StopRequest(after_progress_bar=progress is not None and not progress.disable)
+    profiler = _Profiler(t, run.workdir)
+
+    def say(line: str) -> None:
+        if progress is not None:
+            progress.write(line)  # (above the bar, if there is one)
+            sys.stdout.flush()  # a redirected stdout is block-buffered: a log shows each line now
+
     compile_start = time.perf_counter()
     window = MetricsWindow(first_step, compile_start)
     last: dict = {}
+    stopped_at = None
     previous_loss = None  # the step before the one just dispatched
     try:
         for step in range(first_step, t.num_steps):
@@ -514,6 +641,10 @@ def _loop(run: _Run, state, train_iter) -> dict:
             bad = window.first_nonfinite()
             if bad is not None and t.on_nonfinite == "stop":
                 raise _nonfinite_error(*bad, checkpointer)
+            streak = window.nonfinite_streak()  # (read at sync points only: no wait per step)
+            if streak is not None and streak[0] >= t.max_consecutive_skips:
+                raise _nonfinite_error(*streak[1], checkpointer, skipped_in_a_row=streak[0],
+                                       limit=t.max_consecutive_skips)
             if log:
                 # The first step is logged on its own, untimed: it includes compilation.
                 now = time.perf_counter()
@@ -538,16 +669,14 @@ def _loop(run: _Run, state, train_iter) -> dict:
                 checkpointer.maybe_save(done, state, train_iter, force=True)
             if stopping:
                 checkpointer.wait()
-                if jax.process_index() == 0:
-                    print(f"longctx: stop requested; saved step {done} to {checkpointer.directory}; exiting.",
-                          flush=True)
+                stopped_at = done
                 break
     finally:
         profiler.stop()
         stop.restore()
         if progress is not None:
             progress.close()
-    return last
+    return last, stopped_at
 
 
 def _step_metrics(metrics) -> dict:

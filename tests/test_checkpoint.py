@@ -285,7 +285,7 @@ def _data_state(workdir, step):
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_zero(runs):
     assert runs["term_rc"] == 0, runs["term_out1"][-3000:]
-    m = re.search(r"stop requested; saved step (\d+) to (\S+?);", runs["term_out1"])
+    m = re.search(r"longctx: stopped at step (\d+) \(saved to (\S+)/\1;", runs["term_out1"])
     assert m, runs["term_out1"][-3000:]
     stopped = int(m.group(1))
     assert 2 <= stopped < NUM_STEPS

@@ -65,3 +65,18 @@ def test_event_files_read_back_and_a_resume_starts_a_new_session(tmp_path):
     assert _scalars(events) == [(2, "loss", 1.5)]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(r["step"], r.get("loss", r.get("val/loss"))) for r in rows] == [(1, 2.5), (2, 1.5)]
+
+
+def test_tensorboard_nan_warning_only_with_verbose(tmp_path, caplog, monkeypatch):
+    """A skip run logs NaN scalars; tensorboardX warns "NaN or Inf found in input tensor." for each
+    (the log line counts them already): kept out unless LONGCTX_DEBUG=1 (`--verbose`)."""
+    monkeypatch.delenv("LONGCTX_DEBUG", raising=False)
+    writer = MetricsWriter(str(tmp_path / "run"), enabled=True)
+    with caplog.at_level("WARNING"):
+        writer.write(1, {"loss": float("nan")}, prefix="train/")
+    assert "NaN or Inf" not in caplog.text
+    monkeypatch.setenv("LONGCTX_DEBUG", "1")
+    with caplog.at_level("WARNING"):
+        writer.write(2, {"loss": float("nan")}, prefix="train/")
+    writer.close()
+    assert caplog.text.count("NaN or Inf found in input tensor.") == 1

@@ -26,7 +26,6 @@ normalised layers.
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

@@ -126,7 +126,7 @@ def test_two_processes_match_one_and_resume(tmp_path):
     assert launcher.returncode == 0, _tail(out)
     assert "got SIGTERM; forwarding SIGTERM to all processes" in out, _tail(out)
     assert child_output.find(out, 0, re.escape("longctx: 2 process(es), 8 cpu devices")), _tail(out)
-    stopped = child_output.find(out, 0, r"longctx: stop requested; saved step (\d+)")
+    stopped = child_output.find(out, 0, r"longctx: stopped at step (\d+) \(saved")
     assert stopped, _tail(out)
     stop_step = int(stopped.group(1))
     assert STOP_AFTER <= stop_step < NUM_STEPS, (stop_step, _tail(out))

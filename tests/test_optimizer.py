@@ -64,3 +64,105 @@ def test_mask_reads_the_declaration_not_the_rank():
     assert len(shapes["attn_norm"]) == 2 and len(shapes["sinks"]) == 2  # [layers, d], [layers, heads]
     assert {name for name, decayed in mask.items() if not decayed} == NOT_DECAYED
     assert sum(mask.values()) == 9  # embed, unembed, wq, wk, wv, wo, w_gate, w_up, w_down
+
+
+# ----------------------------------------------------------------------------- learning-rate schedule
+
+
+def _schedule_config(num_steps=1000, warmup_steps=100):
+    c = base.get_config("tiny")
+    c.unlock()
+    c.optimizer.update(learning_rate=3e-3, min_learning_rate_ratio=0.1, warmup_steps=warmup_steps)
+    c.train.num_steps = num_steps
+    return c
+
+
+def test_learning_rate_warms_up_linearly_then_decays_by_a_cosine_to_the_floor():
+    """The shape the config promises, at the update counts `applied_updates` feeds it: 0 -> peak
+    linearly over warmup_steps, then half a cosine down to learning_rate * min_learning_rate_ratio
+    at num_steps. (float32 arithmetic in optax: rtol 1e-6 is a few of its ulps.)"""
+    config = _schedule_config(num_steps=1000, warmup_steps=100)
+    peak, floor = 3e-3, 3e-4
+    schedule = train.learning_rate_schedule(config)
+    rate = lambda n: float(schedule(n))  # noqa: E731
+    assert rate(0) == 0.0
+    for n in (1, 25, 50, 99):
+        np.testing.assert_allclose(rate(n), peak * n / 100, rtol=1e-6)
+    np.testing.assert_allclose(rate(100), peak, rtol=1e-6)
+    # After the warmup, a cosine over the remaining 900 updates: half-way, the mean of peak and
+    # floor; a quarter of the way, floor + (peak - floor) * (1 + cos(pi/4)) / 2. A linear decay
+    # (or none) misses both.
+    np.testing.assert_allclose(rate(550), (peak + floor) / 2, rtol=1e-6)
+    np.testing.assert_allclose(rate(325), floor + (peak - floor) * (1 + np.cos(np.pi / 4)) / 2, rtol=1e-6)
+    np.testing.assert_allclose(rate(1000), floor, rtol=1e-6)
+    np.testing.assert_allclose(rate(5000), floor, rtol=1e-6)  # (past the end: stays at the floor)
+    decay = np.array([rate(n) for n in range(100, 1001)])
+    assert np.all(np.diff(decay) < 0), "the rate must fall at every update after the warmup"
+
+
+def test_a_warmup_longer_than_the_run_is_cut_and_said():
+    config = _schedule_config(num_steps=50, warmup_steps=100)
+    schedule = train.learning_rate_schedule(config)
+    rates = np.array([float(schedule(n)) for n in range(50)])
+    np.testing.assert_allclose(rates, 3e-3 * np.arange(50) / 50, rtol=1e-6)  # cut to the run
+    notes = train.optimizer_notes(config)
+    assert notes == ["optimizer.warmup_steps=100 is more than train.num_steps=50: the warmup is cut to "
+                     "50 steps, so the learning rate rises until the last step, never reaching "
+                     "optimizer.learning_rate=0.003, and never decays."]
+    assert train.optimizer_notes(_schedule_config(num_steps=100, warmup_steps=100)) == []
+
+
+def test_a_resume_with_more_steps_says_the_schedule_is_re_stretched():
+    saved = _schedule_config(num_steps=200, warmup_steps=10)
+    config = _schedule_config(num_steps=400, warmup_steps=10)
+    before = float(train.learning_rate_schedule(saved)(200))
+    after = float(train.learning_rate_schedule(config)(200))
+    assert before < after  # the old run had decayed to its floor; the new one is half-way down
+    assert train.optimizer_notes(config, saved.to_dict(), updates=200) == [
+        "the learning-rate schedule differs from the checkpoint's (train.num_steps: checkpoint 200 vs "
+        "config 400): its cosine decay is re-stretched to end at step 400, and the rate of update 201 "
+        f"is {after:.3g}, where the checkpoint's schedule had {before:.3g}."]
+    assert train.optimizer_notes(config, config.to_dict(), updates=200) == []  # the same schedule
+
+
+# ----------------------------------------------------------------------------- precision
+
+
+@pytest.mark.parametrize("key", ["dtype", "param_dtype"])
+def test_float16_is_refused_naming_the_key_and_the_fix(key):
+    from longctx import config as config_lib
+
+    config = _config(scan_layers=True)
+    config.model[key] = "float16"
+    with pytest.raises(config_lib.ConfigError) as error:
+        config_lib.validate(config, num_devices=1)
+    assert str(error.value) == (
+        f"model.{key}='float16' trains without loss scaling, which longctx does not do, so small gradients "
+        f"underflow to zero: set model.{key}=bfloat16 (float32's range) or float32.")
+
+
+def test_bfloat16_parameters_make_bfloat16_moments_and_the_start_up_says_so():
+    config = _config(scan_layers=True)
+    config.model.param_dtype = "bfloat16"
+    mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        abstract = train.make_setup(config, mesh, "contiguous").abstract_state
+    moments = [leaf for leaf in jax.tree.leaves(abstract.opt_state) if leaf.ndim > 0]
+    assert moments and {leaf.dtype for leaf in moments} == {jnp.dtype(jnp.bfloat16)}  # what the note says
+    assert train.optimizer_notes(config) == [
+        "model.param_dtype=bfloat16: AdamW's moments are kept in bfloat16 too (optax follows the "
+        "parameters' dtype), so updates much smaller than a weight round away; "
+        "model.param_dtype=float32 keeps parameters and moments in full precision."]
+    config.model.param_dtype = "float32"
+    assert train.optimizer_notes(config) == []
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_max_consecutive_skips_must_be_positive(value):
+    from longctx import config as config_lib
+
+    config = _config(scan_layers=True)
+    config.train.max_consecutive_skips = value
+    with pytest.raises(config_lib.ConfigError, match=rf"^train.max_consecutive_skips={value} must be a "
+                                                     r"positive number of steps.$"):
+        config_lib.validate(config, num_devices=1)

@@ -147,3 +147,89 @@ def test_compiled_step_holds_no_score_matrix(scan_layers, remat_policy):
     sizes = [int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"f32\[([0-9,]+)\]", hlo)]
     shard = 8192 // 8
     assert max(sizes) < config.model.num_heads * shard * shard, max(sizes)
+
+
+def test_metrics_window_counts_nonfinite_steps_in_a_row_across_windows():
+    """What stops a skip run (train.max_consecutive_skips): the non-finite steps that end those
+    added so far, counted over log lines (a window's close does not reset it), reset by a finite one."""
+    window = MetricsWindow(step=0, now=0.0)
+    add = lambda step, loss: window.add(step, {"loss": np.float32(loss), "grad_norm": np.float32(1.0)})  # noqa: E731
+    add(1, np.nan)
+    add(2, 2.0)
+    assert window.nonfinite_streak() is None  # ended by a finite step
+    add(3, np.nan)
+    add(4, np.inf)
+    window.close(4, now=1.0, timed=True)
+    assert window.nonfinite_streak() == (2, (4, np.inf, 1.0))
+    add(5, np.nan)
+    assert window.nonfinite_streak()[0] == 3 and window.nonfinite_streak()[1][0] == 5
+    add(6, 1.0)
+    assert window.nonfinite_streak() is None
+
+
+def test_first_ctrl_c_is_acknowledged_at_once_and_the_second_abandons(capfd):
+    """The first SIGINT sets the stop request and says so on stderr while the loop is still inside
+    its step; the second raises KeyboardInterrupt (the scripts print "interrupted", exit 130).
+    SIGTERM (a preemption) only stops, however often it comes."""
+    import os
+    import signal
+    import time
+
+    stop = train._StopRequest()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # (Python runs the handler between bytecodes of the main thread)
+        assert stop.requested
+        assert capfd.readouterr().err == "longctx: SIGTERM: stopping at the next step (it will be saved).\n"
+    finally:
+        stop.restore()
+    stop = train._StopRequest()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        assert stop.requested
+        assert capfd.readouterr().err == ("longctx: stopping at the next step (it will be saved); "
+                                          "Ctrl-C again to abandon.\n")
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_is_acknowledged_while_the_main_thread_is_busy_outside_python(monkeypatch):
+    """A compile or a long step keeps the main thread out of Python, where no signal handler runs:
+    the acknowledgement must not wait for it (before, it came after the step, or the compile)."""
+    import hashlib
+    import os
+    import signal
+    import threading
+    import time
+
+    read, write = os.pipe()
+    monkeypatch.setattr("sys.stderr", open(write, "w", closefd=False))
+    stop, heard = None, []  # (when, what, whether the handler had run) of each write to "stderr"
+    listener = threading.Thread(target=lambda: [heard.append((time.monotonic(), data, stop.requested))
+                                                for data in iter(lambda: os.read(read, 4096), b"")])
+    rounds = 20_000
+    took = time.monotonic()
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", rounds)  # C code that releases the GIL and no signal stops
+    rounds = int(rounds * 3.0 / max(time.monotonic() - took, 1e-3))  # about 3 s of it
+    stop = train._StopRequest()
+    listener.start()
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", rounds)
+        busy_until = time.monotonic()  # (the handler runs at the first bytecode after the call)
+        assert stop.requested
+    finally:
+        stop.restore()
+        os.close(write)
+        listener.join()
+        os.close(read)
+    # Said once (not again by the handler), while the main thread was still busy.
+    assert [(data, requested) for _, data, requested in heard] == [
+        (b"longctx: stopping at the next step (it will be saved); Ctrl-C again to abandon.\n", False)]
+    assert heard[0][0] < busy_until - 1.0, (heard, busy_until)

@@ -9,6 +9,7 @@ is injected by wrapping the jitted train step so that one step returns NaN param
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -284,3 +285,145 @@ def test_a_vocabulary_larger_than_the_model_fails_before_anything_runs(tmp_path)
                                                  r"dataset's tokenizer vocabulary \(\d+ in "):
         train.train_and_evaluate(config, str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+@pytest.fixture
+def train_iterators(monkeypatch):
+    """Every training iterator the run makes, each with `closed` set when it is closed."""
+    from longctx import data as data_lib
+
+    made, real = [], data_lib.make_batch_iterator
+
+    def make(config, mesh, *, split="train", **kwargs):
+        iterator = real(config, mesh, split=split, **kwargs)
+        if split == "train":
+            close, iterator.closed = iterator.close, False
+
+            def closing():
+                iterator.closed = True
+                close()
+
+            iterator.close = closing
+            made.append(iterator)
+        return iterator
+
+    monkeypatch.setattr(data_lib, "make_batch_iterator", make)
+    return made
+
+
+def _poison_from(monkeypatch, bad_step: int):
+    """From call `bad_step` on, the batch's targets are out of the vocabulary: the loss is NaN and,
+    with on_nonfinite=skip, the step is skipped (parameters stay finite, unlike `_diverge_at`)."""
+    real = train.jit_steps
+
+    def jit_steps(config, setup):
+        train_step, eval_step = real(config, setup)
+        calls = itertools.count(1)
+
+        def step(state, batch):
+            if next(calls) >= bad_step:
+                batch = dict(batch, targets=batch["targets"] + 100_000)
+            return train_step(state, batch)
+
+        return step, eval_step
+
+    monkeypatch.setattr(train, "jit_steps", jit_steps)
+
+
+def test_a_skip_run_stops_after_max_consecutive_skips(tmp_path, monkeypatch, train_iterators):
+    """Every step non-finite with on_nonfinite=skip: before train.max_consecutive_skips, the run
+    skipped all 12, saved, and ended "finished" with exit 0. Now it stops with stop's one line at
+    the third in a row, before saving it; and its training iterator is closed on that error too."""
+    workdir = str(tmp_path / "run")
+    config = _config(12, every_steps=2, log_every=1)
+    config.train.update(on_nonfinite="skip", max_consecutive_skips=3)
+    _poison_from(monkeypatch, bad_step=1)
+    with pytest.raises(errors.RunError) as error:
+        train.train_and_evaluate(config, workdir)
+    assert str(error.value).startswith("non-finite loss or gradient at step 3 (loss nan, grad norm ")
+    assert str(error.value).endswith(
+        "), the last of 3 steps in a row skipped for it (train.max_consecutive_skips=3); stopped before "
+        "saving it, and the newest checkpoint, step 2, holds only finite steps. Skipping does not get "
+        "this run past them: check the data and the learning rate (or raise "
+        "train.max_consecutive_skips)."), str(error.value)
+    assert _steps(workdir) == [2]
+    assert train_iterators and all(it.closed for it in train_iterators)
+
+
+def test_start_up_lines_and_a_finished_run_started_again(tmp_path, monkeypatch, capsys, train_iterators):
+    """A warmup longer than the run and a resume that raises train.num_steps are each one line at
+    start-up; a finished run started again says there is nothing to do, compiling nothing. Every
+    training iterator is closed when its run ends, also when it ends in an error."""
+    workdir = str(tmp_path / "run")
+    config = _config(2, every_steps=2, log_every=1)  # the tiny preset's warmup: 10 steps
+    train.train_and_evaluate(config, workdir)
+    out = capsys.readouterr().out
+    assert ("longctx: optimizer.warmup_steps=10 is more than train.num_steps=2: the warmup is cut to 2 "
+            "steps, so the learning rate rises until the last step") in out, out
+    assert "longctx: finished; last logged train loss" in out, out
+
+    class Compiled(Exception):
+        pass
+
+    def no_compile(*_):
+        raise Compiled
+
+    monkeypatch.setattr(train, "jit_steps", no_compile)  # (the lines come before: no need to train)
+    config.train.num_steps = 4
+    with pytest.raises(Compiled):
+        train.train_and_evaluate(config, workdir)
+    schedule = train.learning_rate_schedule
+    assert (f"longctx: the learning-rate schedule differs from the checkpoint's (train.num_steps: "
+            f"checkpoint 2 vs config 4): its cosine decay is re-stretched to end at step 4, and the rate "
+            f"of update 3 is {float(schedule(config)(2)):.3g}, where the checkpoint's schedule had "
+            f"{float(schedule(_config(2, every_steps=2, log_every=1))(2)):.3g}.\n") in capsys.readouterr().out
+
+    config.train.num_steps = 2
+    assert train.train_and_evaluate(config, workdir) == {}
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == ("longctx: nothing to do: the checkpoint is at step 2 and "
+                                    "train.num_steps=2 (raise it to train further)."), out
+    assert "schedule differs" not in out  # (saved with num_steps=2 itself)
+    assert len(train_iterators) == 3 and all(it.closed for it in train_iterators)
+
+
+def test_ctrl_c_in_the_script_is_acknowledged_and_stops_saved_and_a_log_has_no_bar(tmp_path):
+    """The real script with stdout and stderr redirected (a log): each log line arrives as it is
+    written (stdout was block-buffered), stderr holds no progress bar (tqdm redrew it into the file
+    at every step); a Ctrl-C is acknowledged on stderr, the run stops at a saved step and says
+    "stopped at step N (saved ...)", not "finished", and exits 0."""
+    import queue
+    import signal
+    import threading
+    import time
+
+    workdir = str(tmp_path / "run")
+    config = _config(10_000, every_steps=0, log_every=1)
+    env = {k: v for k, v in os.environ.items() if k not in ("LONGCTX_DEBUG", "XLA_FLAGS")}
+    with open(tmp_path / "stderr", "w+") as stderr:
+        proc = subprocess.Popen([sys.executable, TRAIN, f"--workdir={workdir}", *_overrides(config)],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=ROOT)
+        lines: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
+        reader.start()
+        out, deadline = [], time.monotonic() + 300
+        try:
+            while not any(line.startswith("step 1:") for line in out):
+                out.append(lines.get(timeout=max(0.0, deadline - time.monotonic())))
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=300)
+        except (queue.Empty, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"no 'step 1:' line while the run trained, or it did not stop: {''.join(out)[-3000:]}")
+        reader.join(timeout=60)
+        out = "".join(out + list(lines.queue))
+        stderr.seek(0)
+        err = stderr.read()
+    assert proc.returncode == 0, (out + err)[-3000:]
+    assert err == "longctx: stopping at the next step (it will be saved); Ctrl-C again to abandon.\n", err[-3000:]
+    stopped = [int(n) for n in re.findall(
+        rf"^longctx: stopped at step (\d+) \(saved to {re.escape(workdir)}/checkpoints/\1; the same command "
+        r"resumes it\); last logged train loss \d", out, re.M)]
+    assert len(stopped) == 1 and "finished" not in out, out[-3000:]
+    assert _steps(workdir) == stopped
