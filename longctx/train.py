@@ -278,6 +278,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
 
     mesh = mesh_lib.make_mesh(config.mesh)
+    data_lib.check_splits(config, metadata, data_dir, mesh)  # e.g. no validation documents to evaluate on
     by_documents = config.attention.layout == "auto" and config.attention.use_segment_ids
     documents = data_lib.layout_sample(config, data_dir) if by_documents else None
     layout = resolve_layout(config, sizes[mesh_lib.SP], documents)

@@ -139,6 +139,30 @@ def _num_records(path: str, size: int, mtime_ns: int) -> int:
     return n
 
 
+def check_splits(config, meta: dict, data_dir: str, mesh) -> None:
+    """ConfigError, at start-up (before anything compiles), for a dataset the run would fail on
+    later: a train split with fewer documents than the data shards that read it, or, when the
+    run evaluates (train.eval_every > 0), such a validation split (prepare_data warns about both;
+    without this check the run trained eval_every steps and stopped with no checkpoint)."""
+    count = sharding_lib.data_shard(mesh, config.data.global_batch_size, config.data.seq_len).count
+
+    def too_few(split: str) -> str | None:
+        n = int((meta["splits"].get(split) or {}).get("num_documents") or 0)
+        if n == 0:
+            return f"no {split} documents"
+        return f"{n} {split} documents, fewer than the {count} data shards that read them" if n < count else None
+
+    few = too_few("train")
+    if few:
+        raise ConfigError(f"{data_dir} has {few}: prepare it again with a smaller --val-fraction or "
+                          "from more documents.")
+    few = too_few("validation")
+    if few and config.train.eval_every:
+        raise ConfigError(f"{data_dir} has {few}, and train.eval_every={config.train.eval_every} "
+                          "evaluates on them: set --config.train.eval_every=0, or prepare the data "
+                          "again with --val-fraction above 0 from more documents.")
+
+
 class TokenSource(grain.sources.RandomAccessDataSource):
     """One split's documents as int32 arrays; checks each file and each record it reads."""
 
