@@ -326,7 +326,7 @@ def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte
     stats, min_key, skipped, blank = _write_splits(sources, tok, out_dir, force_val=None, **kw)
     n_docs = sum(s["num_documents"] for s in stats.values())
     if n_docs == 0:
-        why = (f"all inputs are blank or not {encoding} text: {len(skipped)} of {len(sources)} "
+        why = (f"all inputs are empty or not {encoding} text: {len(skipped)} of {len(sources)} "
                f"file(s) skipped, e.g. {skipped[0]}" if skipped else
                "all documents are empty or whitespace only")
         raise ConfigError(f"no documents found in {', '.join(inputs)} ({why}).")
