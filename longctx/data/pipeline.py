@@ -150,7 +150,9 @@ def check_splits(config, meta: dict, data_dir: str, mesh) -> None:
         n = int((meta["splits"].get(split) or {}).get("num_documents") or 0)
         if n == 0:
             return f"no {split} documents"
-        return f"{n} {split} documents, fewer than the {count} data shards that read them" if n < count else None
+        if n < count:
+            return f"{n} {split} documents, fewer than the {count} data shards that read them"
+        return None
 
     few = too_few("train")
     if few:
