@@ -25,9 +25,10 @@ Incompatible, not corrupt. A checkpoint that reads fine but does not fit this ru
 raised before anything is written or moved: a different model shape (the config keys that fix
 parameter shapes, listed with both values) or a different train-state structure (e.g. another
 optimizer chain; the differing arrays are listed). Other model keys that changed (rope_theta,
-dtype, remat, ...) are only reported. When the data iterator state cannot carry over (process
-count or the data stream's config changed), the state is restored, the data stream restarts from a
-fresh shuffle seeded with the step, and the sentence says so.
+dtype, remat, ...) are only reported. When the data iterator state cannot carry over (the process
+count, the data stream's config, the process -> data shard map or the dataset changed; metadata/
+records the last two), the state is restored, the data stream restarts from a fresh shuffle seeded
+with the step, and the sentence says why.
 """
 
 from __future__ import annotations
@@ -235,8 +236,10 @@ class Checkpointer:
             # A data error (a corrupt shard, a bad data config) is about the data, not this
             # checkpoint: it propagates, and the checkpoint stays where it is.
             data_iterator, result, error = make_data_iterator(), None, None
+            data_mismatch = self._data_state_mismatch(info, data_iterator)
             try:
-                result = self._restore_step(step, info, target, data_iterator, make_data_iterator)
+                result = self._restore_step(step, info, target, data_iterator, make_data_iterator,
+                                            data_mismatch)
             except errors.LongctxError:
                 data_iterator.close()
                 raise
@@ -270,22 +273,29 @@ class Checkpointer:
             raise ValueError(f"no array metadata under {self.directory}/{step}/{_STATE}")
         return {"config": restored[_CONFIG], "metadata": restored[_METADATA], "arrays": arrays}
 
-    def _restore_step(self, step: int, info: dict, target, data_iterator, make_data_iterator):
+    def _data_state_mismatch(self, info: dict, data_iterator) -> str | None:
+        """Why the step's data iterator state cannot continue this run's stream, or None; the same
+        answer on every process (one process restoring its state while another restarts would
+        mix two streams in one batch, so a mismatch that one process sees restarts all)."""
+        why = compat.data_state_mismatch(info["config"], info["metadata"], self.config.to_dict(),
+                                         data_iterator.stream_record(), jax.process_count())
+        if not _all_processes_agree(why is None):
+            why = why or "does not fit the data another process sees"
+        return why
+
+    def _restore_step(self, step: int, info: dict, target, data_iterator, make_data_iterator,
+                      data_mismatch: str | None):
         restored = self.manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)}))
         state = restored[_STATE]
-        saved_processes = info["metadata"]["process_count"]
         saved_config, current = info["config"], self.config.to_dict()
-        stream_diffs = compat.config_differences(saved_config, current, compat.STREAM_KEYS)
-        if saved_processes != jax.process_count() or stream_diffs:
+        if data_mismatch is not None:
             # Each process's iterator state describes its own share of one particular stream; with
-            # another process count or stream those no longer exist. Start the stream afresh,
-            # reshuffled by the step so that the resumed run does not repeat its first batches.
-            why = (f"was saved by {saved_processes} process(es) and this run has {jax.process_count()}"
-                   if saved_processes != jax.process_count() else
-                   "belongs to another data stream (" + "; ".join(stream_diffs) + ")")
+            # another process count, stream, shard map or dataset that share no longer exists.
+            # Start the stream afresh, reshuffled by the step so that the resumed run does not
+            # repeat its first batches.
             data_iterator.close()
             return state, make_data_iterator(seed_offset=step), (
-                f"; the data iterator state {why}, so data restarts from a fresh shuffle seeded with step {step}")
+                f"; the data iterator state {data_mismatch}, so data restarts from a fresh shuffle seeded with step {step}")
         try:
             self.manager.restore(step, args=ocp.args.Composite(**{
                 _DATA: grain.checkpoint.CheckpointRestore(data_iterator.grain_iterator)}))
@@ -367,6 +377,9 @@ class Checkpointer:
                 "longctx_version": longctx.__version__,
                 "jax_version": jax.__version__,
                 "saved_at_unix": time.time(),
+                # what the iterator state means beyond the config: every process's data shard and
+                # the dataset's fingerprint (checked by compat.data_state_mismatch on resume)
+                compat.DATA_STREAM: data_iterator.stream_record(),
             }
             self.manager.wait_until_finished()  # (as Orbax's save would) a failure there names its own step
             self._saving = step

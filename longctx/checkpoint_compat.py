@@ -5,8 +5,9 @@ the small parts of a step (its config JSON and its arrays' shapes), before any a
   - model shape: the config keys that fix parameter shapes differ -> an error (`ConfigError`);
   - train-state structure: the arrays themselves differ (e.g. another optimizer chain) -> an error
     listing them;
-  - data stream: the keys that define the training stream differ -> the saved iterator state
-    means nothing, and the data restarts (the caller decides how).
+  - data stream: the process count, the keys that define the training stream, the process ->
+    data shard map or the dataset's fingerprint differ -> the saved iterator state means nothing,
+    and the data restarts (the caller decides how; `data_state_mismatch` says why).
 Other differences are only reported.
 """
 
@@ -25,7 +26,10 @@ SHAPE_KEYS = tuple(f"model.{k}" for k in (
 # Data keys that define the training stream: if one differs, the saved iterator state means nothing.
 STREAM_KEYS = tuple(f"data.{k}" for k in (
     "path", "seq_len", "global_batch_size", "packer", "shuffle_seed", "num_workers"))
+# The key of the saved metadata that holds the train iterator's `BatchIterator.stream_record()`.
+DATA_STREAM = "data_stream"
 _MAX_LISTED = 12
+_MAX_LISTED_DATA = 3
 _NEW_WORKDIR = "Use a new workdir, or checkpoint.init_from to start from its parameters."
 
 
@@ -90,6 +94,75 @@ def check_fits(config, where: str, saved_config: dict, saved_arrays: dict, targe
     if diffs:
         raise ConfigError(f"the train state in {where} does not fit this run's (optimizer or model "
                           f"settings changed?): " + "; ".join(diffs) + f". {_NEW_WORKDIR}")
+
+
+def data_state_mismatch(saved_config: dict, saved_metadata: dict, current_config: dict,
+                        current_record: dict, process_count: int) -> str | None:
+    """Why a saved train-iterator state cannot continue this run's stream (a phrase that follows
+    "the data iterator state"), or None when it can.
+
+    Each process's Grain state describes its own share of one particular stream: it continues
+    that stream only with the same process count, the same stream keys, the same process -> data
+    shard map (else processes that now share one sp group would restore different states and
+    feed different rows into one sequence) and the same dataset (else the same path holds other
+    documents)."""
+    saved_processes = saved_metadata.get("process_count")
+    if saved_processes != process_count:
+        return f"was saved by {saved_processes} process(es) and this run has {process_count}"
+    diffs = config_differences(saved_config, current_config, STREAM_KEYS)
+    if diffs:
+        return "belongs to another data stream (" + "; ".join(diffs) + ")"
+    saved = saved_metadata.get(DATA_STREAM)
+    if not saved:
+        return "was saved without a record of its data shards and dataset (an older longctx)"
+    diffs = shard_differences(saved.get("shards") or {}, current_record["shards"])
+    if diffs:
+        return ("was saved under another process -> data shard map (" + _listed(diffs) + ")")
+    diffs = fingerprint_differences(saved.get("dataset") or {}, current_record["dataset"])
+    if diffs:
+        return "belongs to another dataset (" + _listed(diffs) + ")"
+    return None
+
+
+def _describe_shard(shard: dict | None) -> str:
+    if not shard:
+        return "no rows"
+    start, stop = shard["rows"]
+    return f"data shard {shard['index']} of {shard['count']}, batch rows {start}-{stop - 1}"
+
+
+def shard_differences(saved: dict, current: dict) -> list[str]:
+    """`"process 0: data shard 0 of 2, batch rows 0-1 then, data shard 0 of 1, batch rows 0-3
+    now"` for each process whose data shard differs."""
+    out = []
+    for p in sorted(set(saved) | set(current), key=int):
+        if saved.get(p) != current.get(p):
+            out.append(f"process {p}: {_describe_shard(saved.get(p))} then, "
+                       f"{_describe_shard(current.get(p))} now")
+    return out
+
+
+def fingerprint_differences(saved: dict, current: dict) -> list[str]:
+    """What differs between two `longctx.data.pipeline.dataset_fingerprint`s: the tokenizer, the
+    split's counts, and each file's counts and size."""
+    out = [f"{key}: {saved.get(key)!r} then vs {current.get(key)!r} now"
+           for key in sorted(set(saved) | set(current)) if key != "files"
+           and saved.get(key) != current.get(key)]
+    saved_files = {f["path"]: f for f in saved.get("files", [])}
+    current_files = {f["path"]: f for f in current.get("files", [])}
+    for path in sorted(set(saved_files) | set(current_files)):
+        then, now = saved_files.get(path), current_files.get(path)
+        if then is None or now is None:
+            out.append(f"{path} {'only now' if then is None else 'no longer there'}")
+        elif then != now:
+            out.extend(f"{path} {key}: {then.get(key)!r} then vs {now.get(key)!r} now"
+                       for key in sorted(set(then) | set(now)) if then.get(key) != now.get(key))
+    return out
+
+
+def _listed(items: list[str]) -> str:
+    more = len(items) - _MAX_LISTED_DATA
+    return "; ".join(items[:_MAX_LISTED_DATA]) + (f"; and {more} more" if more > 0 else "")
 
 
 # ----------------------------------------------------------------------------- init_from

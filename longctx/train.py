@@ -410,6 +410,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
 
     mesh = mesh_lib.make_mesh(config.mesh)
+    # e.g. no validation documents to evaluate on (the count of data shards needs the mesh)
+    data_lib.check_splits(config, data_lib.load_metadata(data_dir), data_dir, mesh)
     by_documents = config.attention.layout == "auto" and config.attention.use_segment_ids
     documents = data_lib.layout_sample(config, data_dir) if by_documents else None
     layout = resolve_layout(config, sizes[mesh_lib.SP], documents)

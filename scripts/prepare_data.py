@@ -9,7 +9,10 @@
 Plain files are one document each; `.jsonl` files give one document per line (field
 --text-field); directories are walked for files matching --glob. Plain files that are not text
 in --encoding (they do not decode, or hold NUL bytes) are skipped, and one line on stderr says
-how many and names one. Output: train-*.array_record, validation-*.array_record (int32 ids,
+how many and names one; so are blank documents (empty or whitespace only). An empty split (no
+validation documents: --val-fraction 0, or a single input document) is warned about on stderr:
+training with evaluation refuses such a dataset at start-up. A prepared dataset among the inputs
+(e.g. an earlier --output inside an input directory) is never read as text. Output: train-*.array_record, validation-*.array_record (int32 ids,
 BOS ... EOS per record), metadata.json, and tokenizer.model for SentencePiece (tokenizer.json
 and tokenizer_config.json for hf:, whose BOS/EOS come from that config). An existing
 --output is replaced only with --overwrite. Re-running on the same input writes byte-identical
@@ -81,6 +84,11 @@ def main(argv=None) -> int:
         print(f"prepare_data: skipped {meta['num_skipped_files']} of {meta['num_source_files']} "
               f"input files that are not {meta['encoding']} text, e.g. "
               f"{meta['skipped_file_example']}.", file=sys.stderr)
+    if meta["num_empty_documents"]:
+        print(f"prepare_data: dropped {meta['num_empty_documents']} empty or whitespace-only "
+              f"document(s), e.g. {meta['empty_document_example']}.", file=sys.stderr)
+    for warning in prepare.empty_split_warnings(meta):
+        print(f"prepare_data: WARNING: {warning}", file=sys.stderr)
     s = meta["splits"]
     print(f"prepare_data: {args.output}: {meta['num_documents']:,} documents, "
           f"{meta['num_tokens']:,} tokens (train {s['train']['num_documents']:,} docs / "

@@ -565,3 +565,128 @@ def test_keep_policy(tmp_path):
         checkpointer.close()
     iterator.close()
     assert _steps(workdir) == [4, 8, 12, 15]
+
+
+# ----------------------------------------------------------------------------- data iterator state
+
+# The data keys that do not define the training stream, and why. Every other data key must be in
+# STREAM_KEYS: a new key has to be placed on one side or the other.
+NOT_STREAM_KEYS = {
+    "data.cache_dir": "where the embedded corpus is prepared; the dataset's fingerprint is checked",
+    "data.prefetch_buffer_size": "how far ahead batches are read, not which",
+}
+
+
+def _stream_record(**dataset):
+    return {"shards": {"0": {"index": 0, "count": 2, "rows": [0, 2]},
+                       "1": {"index": 1, "count": 2, "rows": [2, 4]}},
+            "dataset": {"tokenizer": "byte", "vocab_size": 259, "pad_id": 258, "split": "train",
+                        "num_documents": 90, "num_tokens": 9000,
+                        "files": [{"path": "train-00000.array_record", "num_documents": 90,
+                                   "num_tokens": 9000, "bytes": 36500}], **dataset}}
+
+
+def _mismatch(saved_config=None, saved_record=None, current_record=None, process_count=2):
+    config = _config().to_dict()
+    metadata = {"process_count": 2}
+    if saved_record is not False:
+        metadata[checkpoint_compat.DATA_STREAM] = saved_record or _stream_record()
+    return checkpoint_compat.data_state_mismatch(saved_config or config, metadata, config,
+                                                 current_record or _stream_record(), process_count)
+
+
+def test_every_data_key_is_classified():
+    keys = {f"data.{k}" for k in _config().data}
+    assert set(checkpoint_compat.STREAM_KEYS) <= keys
+    assert keys - set(checkpoint_compat.STREAM_KEYS) == set(NOT_STREAM_KEYS)
+
+
+@pytest.mark.parametrize("key", checkpoint_compat.STREAM_KEYS)
+def test_any_stream_key_that_differs_restarts_the_stream(key):
+    saved = _config().to_dict()
+    section, name = key.split(".")
+    current = saved[section][name]
+    other = current + ("_other" if isinstance(current, str) else 1)
+    saved[section][name] = other
+    assert _mismatch(saved_config=saved) == (
+        f"belongs to another data stream ({key}: checkpoint {other!r} vs config {current!r})")
+
+
+def test_same_stream_shards_and_dataset_restore_the_state():
+    assert _mismatch() is None
+
+
+def test_another_process_count_restarts_the_stream():
+    assert _mismatch(process_count=1) == "was saved by 2 process(es) and this run has 1"
+
+
+def test_another_process_to_data_shard_map_restarts_the_stream():
+    """dp=2 over two processes -> one sp group spanning both: each would restore its own state."""
+    one_group = _stream_record()
+    one_group["shards"] = {"0": {"index": 0, "count": 1, "rows": [0, 4]},
+                           "1": {"index": 0, "count": 1, "rows": [0, 4]}}
+    assert _mismatch(current_record=one_group) == (
+        "was saved under another process -> data shard map (process 0: data shard 0 of 2, batch "
+        "rows 0-1 then, data shard 0 of 1, batch rows 0-3 now; process 1: data shard 1 of 2, "
+        "batch rows 2-3 then, data shard 0 of 1, batch rows 0-3 now)")
+
+
+def test_another_dataset_restarts_the_stream():
+    grown = _stream_record(num_documents=91)
+    grown["dataset"]["files"][0].update(num_documents=91, bytes=36900)
+    assert _mismatch(current_record=grown) == (
+        "belongs to another dataset (num_documents: 90 then vs 91 now; train-00000.array_record "
+        "bytes: 36500 then vs 36900 now; train-00000.array_record num_documents: 90 then vs 91 now)")
+    assert _mismatch(current_record=_stream_record(tokenizer="sentencepiece:tokenizer.model")) == (
+        "belongs to another dataset (tokenizer: 'byte' then vs 'sentencepiece:tokenizer.model' now)")
+
+
+def test_a_state_saved_without_its_record_restarts_the_stream():
+    assert _mismatch(saved_record=False) == (
+        "was saved without a record of its data shards and dataset (an older longctx)")
+
+
+def test_dataset_replaced_at_the_same_path_restarts_the_stream(tmp_path):
+    """Saved, then the same path re-prepared: from the same input (byte-identical) the state
+    restores; from another corpus the stream restarts, and the note says what changed."""
+    from longctx.data import prepare
+    from tests.test_data_packing import make_corpus
+
+    data = str(tmp_path / "data")
+
+    def prepare_from(seed):
+        (tmp_path / f"corpus{seed}").mkdir(exist_ok=True)
+        prepare.prepare([str(make_corpus(tmp_path / f"corpus{seed}", seed=seed))], data,
+                        overwrite=True, val_fraction=0.1, progress=False)
+
+    prepare_from(0)
+    config = _config(dp=1, fsdp=1, sp=1)  # one device: quicker, and the data shard is the same
+    config.data.path = data
+    devices = jax.devices()[:1]
+    mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
+    workdir = str(tmp_path / "w")
+    with jax.set_mesh(mesh):
+        setup = train_lib.make_setup(config, mesh, "contiguous")
+        iterator = data_lib.make_batch_iterator(config, mesh, split="train", layout="contiguous",
+                                                data_dir=data)
+        next(iterator)
+        checkpointer = checkpoint_lib.Checkpointer(workdir, config)
+        assert checkpointer.maybe_save(1, setup.init(jax.random.PRNGKey(0)), iterator, force=True)
+        checkpointer.close()
+        iterator.close()
+
+    prepare_from(0)  # the same input again: the same bytes
+    _, _, iterator, note = _restore_in_process(workdir, config, devices)
+    iterator.close()
+    assert note.endswith("(step 1), data iterator included"), note
+
+    prepare_from(1)  # another corpus at the same path
+    saved = json.loads((tmp_path / "w" / "checkpoints" / "1" / "metadata" / "metadata").read_text())
+    now = data_lib.load_metadata(data)["splits"]["train"]
+    _, _, iterator, note = _restore_in_process(workdir, config, devices)
+    iterator.close()
+    was = saved[checkpoint_compat.DATA_STREAM]["dataset"]
+    assert was["num_tokens"] != now["num_tokens"]
+    assert f"(step 1); the data iterator state belongs to another dataset (num_tokens: " \
+        f"{was['num_tokens']} then vs {now['num_tokens']} now; " in note, note
+    assert note.endswith(", so data restarts from a fresh shuffle seeded with step 1"), note

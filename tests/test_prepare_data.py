@@ -126,3 +126,82 @@ def test_byte_tokenizer_round_trip():
     ids = tok.encode_document("naïve — ok".encode())
     assert ids[0] == 256 and ids[-1] == 257 and ids.dtype == np.int32
     assert tok.decode(ids) == "naïve — ok"
+
+
+def test_blank_documents_are_dropped_and_counted(tmp_path):
+    """Whitespace-only documents go where empty ones go: dropped, and counted."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("a real document\n")
+    (tmp_path / "in" / "b.txt").write_text("")
+    (tmp_path / "in" / "c.txt").write_text(" \n\t \u3000\n")  # (U+3000: an ideographic space)
+    (tmp_path / "in" / "d.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in
+                                                       ["one", "", "  \n ", "two"]) + "\n")
+    r = run("--input", tmp_path / "in", "--output", tmp_path / "out", "--val-fraction", "0.1")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "prepare_data: dropped 4 empty or whitespace-only document(s), e.g. b.txt.\n"
+    meta = load_metadata(str(tmp_path / "out"))
+    tok = load_tokenizer(meta["tokenizer"], str(tmp_path / "out"))
+    docs = [tok.decode(x) for s in ("train", "validation")
+            for x in TokenSource(str(tmp_path / "out"), s, meta)]
+    assert sorted(docs) == ["a real document\n", "one", "two"]
+    assert (meta["num_empty_documents"], meta["empty_document_example"]) == (4, "b.txt")
+
+
+def test_own_output_is_never_read_as_input(tmp_path):
+    """--output inside the input directory: a second run (--overwrite) leaves the first run's
+    dataset out of its inputs, and writes the same bytes; a dataset given as input is refused."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = random.Random(1)
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(sentence(rng, 40))
+    out = corpus / "prepared"
+    assert run("--input", corpus, "--output", out, "--val-fraction", "0.3").returncode == 0
+    first = digest(out)
+    r = run("--input", corpus, "--output", out, "--val-fraction", "0.3", "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert digest(out) == first
+    assert load_metadata(str(out))["num_documents"] == 6
+    for inp, message in [(out, f"input {out} is a prepared longctx dataset, not text to prepare"),
+                         (out / "metadata.json", f"input {out / 'metadata.json'} is a file of {out}, "
+                                                 "which is a prepared longctx dataset")]:
+        r = run("--input", inp, "--output", tmp_path / "other")
+        assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+@pytest.mark.parametrize("val_fraction,why", [
+    ("0", "--val-fraction is 0"), ("0.01", "1 document(s) cannot fill two splits")])
+def test_no_validation_documents_warned_at_prepare_refused_at_start(tmp_path, monkeypatch,
+                                                                    val_fraction, why):
+    """One big file (one document), or --val-fraction 0: prepare_data warns; a run that evaluates
+    refuses the dataset at start-up, before it compiles or trains anything; one that does not
+    evaluate accepts it."""
+    from configs import base
+    from longctx import data as data_lib
+    from longctx import errors
+    from longctx import mesh as mesh_lib
+    from longctx import train as train_lib
+
+    (tmp_path / "book.txt").write_text(sentence(random.Random(2), 3000))
+    out = tmp_path / "data"
+    r = run("--input", tmp_path / "book.txt", "--output", out, "--val-fraction", val_fraction)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == (f"prepare_data: WARNING: the validation split is empty ({why}), so training "
+                        "with evaluation (train.eval_every > 0) refuses this dataset; prepare it "
+                        "again with --val-fraction above 0 from more documents, or train with "
+                        "--config.train.eval_every=0.\n")
+
+    def compiles(*args, **kwargs):
+        raise AssertionError("the run got as far as building its train state")
+
+    monkeypatch.setattr(train_lib, "make_setup", compiles)
+    config = base.get_config("tiny")
+    config.data.path, config.train.eval_every = str(out), 50
+    with pytest.raises(errors.ConfigError) as e:
+        train_lib.train_and_evaluate(config, str(tmp_path / "run"))
+    assert str(e.value) == (f"{out} has no validation documents, and train.eval_every=50 evaluates "
+                            "on them: set --config.train.eval_every=0, or prepare the data again "
+                            "with --val-fraction above 0 from more documents.")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    config.train.eval_every = 0
+    data_lib.check_splits(config, load_metadata(str(out)), str(out), mesh_lib.make_mesh(config.mesh))

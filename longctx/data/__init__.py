@@ -3,6 +3,7 @@
 The train loop's interface:
   resolve_dataset(config) -> data_dir
   load_metadata(data_dir) -> dict
+  check_splits(config, metadata, data_dir, mesh): the splits the run reads are not too small
   layout_sample(config, data_dir) -> segment ids of the rows attention.layout='auto' is chosen on
   make_batch_iterator(config, mesh, *, split, layout, data_dir, seed_offset=0) -> BatchIterator
 See pipeline.py for the batch format and the Orbax checkpoint recipe for the iterator.
@@ -15,8 +16,8 @@ import importlib
 
 _EXPORTS = {
     "KEYS": "packing", "PACKERS": "packing",
-    "BatchIterator": "pipeline", "load_metadata": "pipeline", "make_batch_iterator": "pipeline",
-    "layout_sample": "pipeline", "packed_rows": "pipeline", "resolve_dataset": "pipeline",
+    "BatchIterator": "pipeline", "check_splits": "pipeline", "load_metadata": "pipeline",
+    "make_batch_iterator": "pipeline", "layout_sample": "pipeline", "packed_rows": "pipeline", "resolve_dataset": "pipeline",
     "DataShard": "sharding", "data_shard": "sharding",
     "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
 }

@@ -27,7 +27,10 @@ In a CheckpointManager composite use grain's own handler args:
 (`grain.python.PyGrainCheckpointSave/Restore` are the same classes under their old names.) The
 handler writes `process_<i>-of-<n>.json` per process, each with that process's iterator state,
 and restores in place. A restored iterator continues exactly where the saved one stopped, given
-the same data directory, config (seq_len, batch, packer, seeds, num_workers) and process count.
+the same data directory, config (seq_len, batch, packer, seeds, num_workers), process count and
+process -> data shard map. `BatchIterator.stream_record()` is what, beyond the config, a saved state
+depends on: every process's data shard and the train split's fingerprint (`dataset_fingerprint`);
+longctx.checkpoint saves it beside the state and restarts the stream when it differs.
 `BatchIterator.get_state()/set_state()` give the same JSON-serializable dict for other uses.
 
 Validation uses the same packer with no shuffle, fixed seeds, few bins and no worker processes,
@@ -134,6 +137,32 @@ def _num_records(path: str, size: int, mtime_ns: int) -> int:
         raise ConfigError(f"{path} is corrupt: not a readable ArrayRecord file{_reason(e)}; "
                           f"{_REDO}") from None
     return n
+
+
+def check_splits(config, meta: dict, data_dir: str, mesh) -> None:
+    """ConfigError, at start-up (before anything compiles), for a dataset the run would fail on
+    later: a train split with fewer documents than the data shards that read it, or, when the
+    run evaluates (train.eval_every > 0), such a validation split (prepare_data warns about both;
+    without this check the run trained eval_every steps and stopped with no checkpoint)."""
+    count = sharding_lib.data_shard(mesh, config.data.global_batch_size, config.data.seq_len).count
+
+    def too_few(split: str) -> str | None:
+        n = int((meta["splits"].get(split) or {}).get("num_documents") or 0)
+        if n == 0:
+            return f"no {split} documents"
+        if n < count:
+            return f"{n} {split} documents, fewer than the {count} data shards that read them"
+        return None
+
+    few = too_few("train")
+    if few:
+        raise ConfigError(f"{data_dir} has {few}: prepare it again with a smaller --val-fraction or "
+                          "from more documents.")
+    few = too_few("validation")
+    if few and config.train.eval_every:
+        raise ConfigError(f"{data_dir} has {few}, and train.eval_every={config.train.eval_every} "
+                          "evaluates on them: set --config.train.eval_every=0, or prepare the data "
+                          "again with --val-fraction above 0 from more documents.")
 
 
 class TokenSource(grain.sources.RandomAccessDataSource):
@@ -243,14 +272,44 @@ def batched(rows: grain.IterDataset, batch_size: int, perm: np.ndarray | None, *
     return ds
 
 
+def dataset_fingerprint(data_dir: str, meta: dict, split: str = "train") -> dict:
+    """What identifies one split's documents, cheaply: the tokenizer, the split's document and
+    token counts, and each file's name, counts and size in bytes. A dataset prepared again from
+    the same input is byte-identical, so it has the same fingerprint; another corpus (or another
+    tokenizer) written at the same path has another."""
+    info = meta["splits"].get(split) or {}
+    files = []
+    for entry in info.get("files", []):
+        path = os.path.join(data_dir, entry["path"])
+        files.append({"path": entry["path"], "num_documents": entry["num_documents"],
+                      "num_tokens": entry.get("num_tokens"),
+                      "bytes": os.path.getsize(path) if os.path.isfile(path) else None})
+    return {"tokenizer": meta["tokenizer"], "vocab_size": meta["vocab_size"],
+            "pad_id": meta["pad_id"], "split": split,
+            "num_documents": info.get("num_documents"), "num_tokens": info.get("num_tokens"),
+            "files": files}
+
+
 class BatchIterator:
     """Yields dicts of global `jax.Array`s `[global_batch, seq_len]` (see packing.KEYS)."""
 
     def __init__(self, ds: grain.IterDataset, mesh, shard: sharding_lib.DataShard,
-                 global_batch_size: int, seq_len: int, metadata: dict):
+                 global_batch_size: int, seq_len: int, metadata: dict, fingerprint: dict | None = None):
         self.grain_iterator = iter(ds)
         self.mesh, self.shard, self.metadata = mesh, shard, metadata
         self.global_batch_size, self.seq_len = global_batch_size, seq_len
+        self.fingerprint = fingerprint
+
+    def stream_record(self) -> dict:
+        """What this iterator's saved state means beyond the config, the same on every process:
+        each process's data shard (`{"0": {"index", "count", "rows": [start, stop]}, ...}`;
+        processes of one sp group share one) and the dataset's fingerprint. A state restored
+        under another map would have the processes of one sp group feed different rows into
+        one sequence."""
+        shards = sharding_lib.data_shards(self.mesh, self.global_batch_size, self.seq_len)
+        return {"shards": {str(p): {"index": s.index, "count": s.count,
+                                    "rows": [s.row_start, s.row_stop]} for p, s in shards.items()},
+                "dataset": self.fingerprint}
 
     def __iter__(self):
         return self
@@ -322,4 +381,5 @@ def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data
     perm = layout_permutation(layout, d.seq_len, sp)
     ds = batched(rows, shard.local_batch_size, perm, num_workers=d.num_workers if train else 0,
                  prefetch_buffer_size=d.prefetch_buffer_size)
-    return BatchIterator(ds, mesh, shard, d.global_batch_size, d.seq_len, meta)
+    return BatchIterator(ds, mesh, shard, d.global_batch_size, d.seq_len, meta,
+                         dataset_fingerprint(data_dir, meta, _SPLIT_NAMES.get(split, split)))

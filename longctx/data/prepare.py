@@ -11,9 +11,16 @@ Output directory layout (what `scripts/prepare_data.py` writes and the pipeline 
   tokenizer.json                 only for hf: tokenizers (copied, with a tokenizer_config.json that
                                  names its BOS/EOS/PAD); metadata.json records "hf:tokenizer.json"
 
+  .longctx-dataset               a marker, written first: this directory is prepare_data's output
+                                 (or being written), never its input
+
 Inputs: plain files (one document each), `.jsonl` (one document per non-blank line, taken from
 `text_field`), and directories (every file below that matches `glob`, walked in sorted order).
-Empty documents are skipped. A plain file that is not text in `encoding` (default UTF-8: it does
+A dataset directory met in a walk (the marker, or a metadata.json of this format: e.g. the
+output itself when --output lies inside an input directory, or its temporary sibling) is left
+out, and giving one, or a file inside one, as an input is an error: prepare_data never reads its
+own output. Blank documents (empty or whitespace only) are dropped and counted
+(`num_empty_documents`, `empty_document_example`). A plain file that is not text in `encoding` (default UTF-8: it does
 not decode, or it holds NUL characters) is skipped and counted (`num_skipped_files` and
 `skipped_file_example` in metadata.json): binary files in a directory of text would otherwise
 become documents of noise. Documents are tokenized as UTF-8 (a UTF-8 file's bytes as they are). Each document goes to validation when a hash of its key
@@ -45,6 +52,7 @@ from longctx.data import tokenizer as tokenizer_lib
 from longctx.errors import ConfigError, MissingFileError
 
 METADATA = "metadata.json"
+DATASET_MARKER = ".longctx-dataset"
 FORMAT = "longctx.tokens.v1"
 SPLITS = ("train", "validation")
 TOKENIZER_FILE = "tokenizer.model"
@@ -65,17 +73,41 @@ class Source:
     key: str
 
 
+def is_dataset_dir(path: str) -> bool:
+    """True for a directory that prepare_data wrote or is writing: its marker, or (a dataset from
+    before the marker) a metadata.json of this format."""
+    if os.path.isfile(os.path.join(path, DATASET_MARKER)):
+        return True
+    try:
+        with open(os.path.join(path, METADATA)) as f:
+            return json.load(f).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):  # none, unreadable, not JSON, not an object
+        return False
+
+
+def _not_a_dataset(inp: str) -> None:
+    """ConfigError for an input that is a dataset directory or a file inside one."""
+    where = inp if os.path.isdir(inp) else os.path.dirname(os.path.abspath(inp))
+    if is_dataset_dir(where):
+        what = "is" if where is inp else f"is a file of {where}, which is"
+        raise ConfigError(f"input {inp} {what} a prepared longctx dataset, not text to prepare; "
+                          "give the text it was prepared from.")
+
+
 def list_sources(inputs: Sequence[str], glob: str = "*",
                  exclude_dirs: frozenset = frozenset()) -> list[Source]:
-    """Expands files and directory trees (sorted walk, pruning `exclude_dirs`) into input files."""
+    """Expands files and directory trees (sorted walk, pruning `exclude_dirs` and dataset
+    directories) into input files."""
     if not inputs:
         raise ConfigError("no --input given.")
     out: list[Source] = []
     for inp in inputs:
         if os.path.isdir(inp):
+            _not_a_dataset(inp)
             found = []
             for d, dirs, files in os.walk(inp):
-                dirs[:] = sorted(x for x in dirs if x not in exclude_dirs)
+                dirs[:] = sorted(x for x in dirs if x not in exclude_dirs
+                                 and not is_dataset_dir(os.path.join(d, x)))
                 for f in sorted(files):
                     if fnmatch.fnmatch(f, glob):
                         full = os.path.join(d, f)
@@ -84,6 +116,7 @@ def list_sources(inputs: Sequence[str], glob: str = "*",
                 raise ConfigError(f"input directory {inp} has no files matching --glob {glob!r}.")
             out.extend(found)
         elif os.path.isfile(inp):
+            _not_a_dataset(inp)
             out.append(Source(inp, os.path.basename(inp)))
         else:
             raise MissingFileError(f"input {inp} does not exist.")
@@ -109,12 +142,15 @@ class NotText(Exception):
         self.path, self.reason = path, reason
 
 
-def iter_documents(src: Source, text_field: str = "text",
-                   encoding: str = "utf-8") -> Iterator[tuple[str, bytes]]:
-    """(key, utf-8 bytes) for every non-empty document in one input file.
+def iter_documents(src: Source, text_field: str = "text", encoding: str = "utf-8",
+                   blank: list | None = None) -> Iterator[tuple[str, bytes]]:
+    """(key, utf-8 bytes) for every document in one input file that is not blank; the keys of
+    blank documents (empty or whitespace only: nothing to learn from, and a whitespace-only
+    document would pass as one) are appended to `blank` instead.
 
     Raises NotText, before yielding anything, for a plain file that is not text in `encoding`.
     """
+    blank = [] if blank is None else blank
     if src.path.endswith(".jsonl"):
         with open(src.path, "rb") as f:
             for lineno, line in enumerate(f, 1):
@@ -130,18 +166,26 @@ def iter_documents(src: Source, text_field: str = "text",
                 text = obj[text_field]
                 if not isinstance(text, str):
                     raise ConfigError(f"{src.path}:{lineno} field {text_field!r} is not a string.")
-                if text:
+                if text.strip():
                     yield f"{src.key}:{lineno}", text.encode("utf-8")
+                else:
+                    blank.append(f"{src.key}:{lineno}")
     else:
         with open(src.path, "rb") as f:
             data = f.read()
-        if data:
-            problem = text_problem(data, encoding)
-            if problem is not None:
-                raise NotText(src.path, problem)
-            if _codec(encoding) != "utf-8":
-                data = data.decode(encoding).encode("utf-8")
-            yield src.key, data
+        if not data:
+            blank.append(src.key)
+            return
+        problem = text_problem(data, encoding)
+        if problem is not None:
+            raise NotText(src.path, problem)
+        text = data.decode(encoding)
+        if not text.strip():
+            blank.append(src.key)
+            return
+        if _codec(encoding) != "utf-8":
+            data = text.encode("utf-8")
+        yield src.key, data
 
 
 def _codec(encoding: str) -> str:
@@ -187,7 +231,7 @@ class _ShardWriter:
 def _write_splits(sources, tok, out_dir, *, text_field, encoding, val_fraction, shard_bytes,
                   force_val, progress):
     """One pass over the inputs; returns (per-split stats, key of the smallest-hash document,
-    the files skipped as not text)."""
+    the files skipped as not text, the keys of the blank documents dropped)."""
     from tqdm import tqdm
 
     writers = {s: _ShardWriter(out_dir, s, shard_bytes) for s in SPLITS}
@@ -195,9 +239,10 @@ def _write_splits(sources, tok, out_dir, *, text_field, encoding, val_fraction, 
     min_key, min_h = None, 2.0
     tokens = 0
     skipped: list[NotText] = []
+    blank: list[str] = []
     bar = tqdm(sources, unit="file", desc="prepare", disable=not progress, dynamic_ncols=True)
     for src in bar:
-        for key, data in _text_documents(src, text_field, encoding, skipped):
+        for key, data in _text_documents(src, text_field, encoding, skipped, blank):
             h = split_hash(key)
             if h < min_h:
                 min_key, min_h = key, h
@@ -219,13 +264,14 @@ def _write_splits(sources, tok, out_dir, *, text_field, encoding, val_fraction, 
             "num_tokens": sum(f["num_tokens"] for f in w.files),
             "max_document_tokens": max_len[s],
         }
-    return stats, min_key, skipped
+    return stats, min_key, skipped, blank
 
 
-def _text_documents(src: Source, text_field: str, encoding: str, skipped: list):
+def _text_documents(src: Source, text_field: str, encoding: str, skipped: list,
+                    blank: list | None = None):
     """`iter_documents`, where a file that is not text yields nothing and joins `skipped`."""
     try:
-        yield from iter_documents(src, text_field, encoding)
+        yield from iter_documents(src, text_field, encoding, blank)
     except NotText as e:  # raised before the file's first document, so nothing half-done
         skipped.append(e)
 
@@ -249,6 +295,9 @@ def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte
         _codec(encoding)
     except LookupError:
         raise ConfigError(f"--encoding {encoding!r} is not a text encoding Python knows.") from None
+    # First, so that a walk of an input directory that holds `out_dir` leaves it out.
+    with open(os.path.join(out_dir, DATASET_MARKER), "w") as f:
+        f.write("written by longctx prepare_data: a dataset, never read as its input\n")
     sources = list_sources(inputs, glob, exclude_dirs)
 
     if train_sentencepiece:
@@ -275,18 +324,19 @@ def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte
 
     kw = dict(text_field=text_field, encoding=encoding, val_fraction=val_fraction,
               shard_bytes=shard_bytes, progress=progress)
-    stats, min_key, skipped = _write_splits(sources, tok, out_dir, force_val=None, **kw)
+    stats, min_key, skipped, blank = _write_splits(sources, tok, out_dir, force_val=None, **kw)
     n_docs = sum(s["num_documents"] for s in stats.values())
     if n_docs == 0:
         why = (f"all inputs are empty or not {encoding} text: {len(skipped)} of {len(sources)} "
-               f"file(s) skipped, e.g. {skipped[0]}" if skipped else "all inputs are empty")
+               f"file(s) skipped, e.g. {skipped[0]}" if skipped else
+               "all documents are empty or whitespace only")
         raise ConfigError(f"no documents found in {', '.join(inputs)} ({why}).")
     if val_fraction > 0 and stats["validation"]["num_documents"] == 0 and n_docs >= 2:
         # Rare on real corpora; a second pass keeps the split a pure function of the input.
         for f in os.listdir(out_dir):
             if f.endswith(".array_record"):
                 os.remove(os.path.join(out_dir, f))
-        stats, _, _ = _write_splits(sources, tok, out_dir, force_val=min_key, **kw)
+        stats, _, _, _ = _write_splits(sources, tok, out_dir, force_val=min_key, **kw)
 
     meta = {
         "format": FORMAT,
@@ -303,6 +353,8 @@ def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte
         "num_source_files": len(sources),
         "num_skipped_files": len(skipped),
         "skipped_file_example": f"{skipped[0].path} ({skipped[0].reason})" if skipped else None,
+        "num_empty_documents": len(blank),
+        "empty_document_example": blank[0] if blank else None,
         "encoding": _codec(encoding),
         "glob": glob,
         "text_field": text_field,
@@ -312,6 +364,24 @@ def write_dataset(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "byte
         json.dump(meta, f, indent=2, sort_keys=True)
         f.write("\n")
     return meta
+
+
+def empty_split_warnings(meta: dict) -> list[str]:
+    """One sentence for each empty split of a prepared dataset: the trainer refuses a dataset
+    without train documents, and one without validation documents when it evaluates."""
+    splits, n, fraction = meta["splits"], meta["num_documents"], meta["val_fraction"]
+    out = []
+    if not splits["validation"]["num_documents"]:
+        why = "--val-fraction is 0" if not fraction else f"{n} document(s) cannot fill two splits"
+        out.append(f"the validation split is empty ({why}), so training with evaluation "
+                   "(train.eval_every > 0) refuses this dataset; prepare it again with "
+                   "--val-fraction above 0 from more documents, or train with "
+                   "--config.train.eval_every=0.")
+    if not splits["train"]["num_documents"]:
+        out.append(f"the train split is empty (all {n} document(s) went to validation with "
+                   f"--val-fraction {fraction}), so training refuses this dataset; prepare it "
+                   "again with a smaller --val-fraction or from more documents.")
+    return out
 
 
 def prepare(inputs: Sequence[str], output: str, *, overwrite: bool = False, **kwargs) -> dict:

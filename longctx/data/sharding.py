@@ -46,6 +46,16 @@ def data_shard(mesh, global_batch_size: int, seq_len: int, process_index: int | 
     simulate several processes on one host.
     """
     process_index = jax.process_index() if process_index is None else process_index
+    shards = data_shards(mesh, global_batch_size, seq_len, process_of)
+    if process_index not in shards:
+        raise ConfigError(f"process {process_index} owns no device of the mesh.")
+    return shards[process_index]
+
+
+def data_shards(mesh, global_batch_size: int, seq_len: int,
+                process_of: Callable[[jax.Device], int] | None = None) -> dict[int, DataShard]:
+    """`{process: its DataShard}` for every process that owns a device of `mesh`: the whole
+    process -> rows map, the same on every process (a saved data-iterator state records it)."""
     process_of = process_of or (lambda d: d.process_index)
     num_rows = mesh.shape[mesh_lib.DP] * mesh.shape[mesh_lib.FSDP]
     if global_batch_size % num_rows:
@@ -65,16 +75,14 @@ def data_shard(mesh, global_batch_size: int, seq_len: int, process_index: int | 
                 raise ConfigError(f"process {proc} holds non-contiguous batch rows {blocks}; the "
                                   "mesh device order must give each process a contiguous block.")
         ranges[proc] = (blocks[0][0], blocks[-1][1])
-    if process_index not in ranges:
-        raise ConfigError(f"process {process_index} owns no device of the mesh.")
     distinct = sorted(set(ranges.values()))
     sizes = {b - a for a, b in distinct}
     covered = [r for a, b in distinct for r in range(a, b)]
     if len(sizes) != 1 or covered != list(range(global_batch_size)):
         raise ConfigError(f"processes feed overlapping or unequal batch rows {distinct}; each "
                           "process must hold whole, equal, disjoint blocks of rows.")
-    start, stop = ranges[process_index]
-    return DataShard(distinct.index((start, stop)), len(distinct), start, stop)
+    return {proc: DataShard(distinct.index((start, stop)), len(distinct), start, stop)
+            for proc, (start, stop) in sorted(ranges.items())}
 
 
 def make_global_batch(local: dict[str, np.ndarray], mesh, global_batch_size: int,
