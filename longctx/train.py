@@ -27,6 +27,7 @@ from longctx import config as config_lib
 from longctx import data as data_lib
 from longctx import errors
 from longctx import flops as flops_lib
+from longctx import lease as lease_lib
 from longctx import mesh as mesh_lib
 from longctx import ops
 from longctx import workdir as workdir_lib
@@ -256,6 +257,7 @@ class _StopRequest:
 
 
 def check_workdir(workdir: str) -> None:
+    workdir_lib.check_named(workdir)
     why = workdir_lib.check_writable(workdir)
     if why is not None:
         raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {why}.")
@@ -266,6 +268,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     mesh_lib.maybe_initialize_distributed(config.distributed)
     sizes = config_lib.validate(config)
     check_workdir(workdir)
+    with lease_lib.hold(workdir):  # one run per workdir: a second one is refused here
+        return _train_and_evaluate_held(config, workdir, sizes)
+
+
+def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, sizes: dict) -> dict:
     try:
         data_dir = data_lib.resolve_dataset(config)
         metadata = data_lib.load_metadata(data_dir)

@@ -17,6 +17,7 @@ from longctx import cli
 cli.start(cpu_devices=None)  # the training runs it starts set up their own devices
 
 from longctx import ablation  # noqa: E402
+from longctx import workdir as workdir_lib  # noqa: E402
 
 
 def main() -> int:
@@ -25,6 +26,7 @@ def main() -> int:
     parser.add_argument("--workdir", required=True, help="one sub-directory per variant goes here")
     parser.add_argument("--dry-run", action="store_true", help="print the commands (for a cluster) and stop")
     args = parser.parse_args()
+    workdir_lib.check_named(args.workdir)
     variants = ablation.run_grid(args.grid, args.workdir, dry_run=args.dry_run)
     if args.dry_run:
         return 0
