@@ -60,7 +60,6 @@ import threading
 import time
 from typing import Callable
 
-import jax
 import numpy as np
 
 from longctx import errors
@@ -472,9 +471,11 @@ class _NotHeld:
 
 def _from_process_0(message: str) -> str:
     """Process 0's `message` on every process (one all-gather of a fixed-size byte array)."""
+    import jax  # (here, not above: the lease itself needs no jax, and starts without it)
+    from jax.experimental import multihost_utils
+
     if jax.process_count() == 1:
         return message
-    from jax.experimental import multihost_utils
 
     data = message.encode()[:_MESSAGE_BYTES]
     buffer = np.zeros(_MESSAGE_BYTES, np.uint8)
@@ -490,6 +491,8 @@ def _say(line: str) -> None:
 def hold(workdir: str) -> Lease | _NotHeld:
     """The run's lease of `workdir` (use it as a context manager). Process 0 takes it; every process
     raises the same ConfigError when it cannot be taken (another run holds it)."""
+    import jax
+
     lease, failure = None, None
     if jax.process_index() == 0:
         try:
