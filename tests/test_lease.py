@@ -30,6 +30,9 @@ LOCAL = os.path.join(ROOT, "launch", "local.py")
 
 SMALL_RUN = [  # the tiny preset, smaller: a few seconds per step on 8 CPU devices
     "--config=configs/base.py:tiny",
+    "--config.model.d_model=64",
+    "--config.model.mlp_dim=128",
+    "--config.model.head_dim=16",
     "--config.data.seq_len=512",
     "--config.data.global_batch_size=2",
     "--config.attention.block_size=128",
@@ -317,12 +320,18 @@ def test_a_second_trainer_on_a_workdir_is_refused(tmp_path):
     """Trainer A runs; trainer B on the same workdir exits 2 with one sentence naming A, before it
     compiles or writes anything (its different seed would show in run_info.json); A, stopped by
     SIGTERM, exits 0 and releases the lease."""
-    workdir = str(tmp_path / "run")
-    a = subprocess.Popen([sys.executable, TRAIN, f"--workdir={workdir}", *SMALL_RUN, "--config.train.num_steps=1000"],
-                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workdir, log = str(tmp_path / "run"), tmp_path / "a.log"
+
+    def a_says(text: str) -> bool:
+        return text in log.read_text()
+
+    with open(log, "w") as a_output:
+        a = subprocess.Popen([sys.executable, TRAIN, f"--workdir={workdir}", *SMALL_RUN,
+                              "--config.train.num_steps=1000"], cwd=ROOT, env=_env(), stdout=a_output,
+                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not os.path.isdir(os.path.join(workdir, lease.LEASE_DIR)) and a.poll() is None:
+        while not a_says("process(es)") and a.poll() is None:  # A has started (and is compiling)
             assert time.monotonic() < deadline
             time.sleep(0.1)
         b = subprocess.run([sys.executable, TRAIN, f"--workdir={workdir}", *SMALL_RUN, "--config.seed=7",
@@ -336,15 +345,16 @@ def test_a_second_trainer_on_a_workdir_is_refused(tmp_path):
                             r"to finish, stop it, or pass another --workdir\.", lines[0]), lines[0]
         assert "process(es)" not in b.stdout and "fresh start" not in b.stdout, b.stdout  # refused first
         # A is training (its first step logged), then stopped as a preemption would.
-        while not os.path.exists(os.path.join(workdir, "metrics.jsonl")) and a.poll() is None:
+        while not a_says("step 1: loss=") and a.poll() is None:  # inside the loop, which handles SIGTERM
             assert time.monotonic() < deadline
             time.sleep(0.1)
         a.send_signal(signal.SIGTERM)
-        out, _ = a.communicate(timeout=300)
+        a.wait(timeout=300)
     finally:
         if a.poll() is None:
             a.kill()
-            a.communicate()
+            a.wait()
+    out = log.read_text()
     assert a.returncode == 0, out[-3000:]
     assert "stop requested; saved step" in out, out[-3000:]
     with open(os.path.join(workdir, "run_info.json")) as f:
