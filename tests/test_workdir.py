@@ -1,10 +1,13 @@
 """longctx.workdir.check_writable: a probe per process (pods run Python as PID 1), and a file in
-the way named as a file."""
+the way named as a file; check_named: an empty --workdir is refused."""
 
 import os
 import re
 
+import pytest
+
 from longctx import workdir
+from longctx.errors import ConfigError
 
 
 def test_probe_names_are_unique_per_process_even_with_one_pid(monkeypatch):
@@ -44,3 +47,12 @@ def test_a_file_where_the_workdir_should_be_is_named_as_a_file(tmp_path):
     assert workdir.check_writable(str(blocker / "run")) == f"{blocker} is a file, not a directory"
     assert blocker.read_text() == "keep me"
     assert workdir.check_writable(str(tmp_path / "new" / "run")) is None
+
+
+def test_an_empty_directory_name_is_refused_not_taken_as_the_current_directory():
+    for empty in ("", "  ", None):
+        with pytest.raises(ConfigError, match=r"^--workdir is empty: name a directory, e\.g\. --workdir=runs/demo\.$"):
+            workdir.check_named(empty)
+    with pytest.raises(ConfigError, match=r"^--out is empty"):
+        workdir.check_named("", "--out")
+    workdir.check_named("runs/demo")
