@@ -356,8 +356,8 @@ def acquire(workdir: str, *, files=None, refresh_s: float = REFRESH_S, clock: Ca
             if verdict.kind == "watch":
                 if watching is None or watching[0] != number:
                     watching = (number, record.run_id, now)
-                    say(f"longctx: workdir {workdir} is leased by {record.holder()} on another machine, "
-                        f"last refreshed {max(now - record.refreshed, 0):.0f} s ago; watching it for up "
+                    say(f"longctx: workdir {workdir} is leased by {record.holder()}, whose pid cannot be "
+                        f"checked from here, last refreshed {max(now - record.refreshed, 0):.0f} s ago; watching it for up "
                         f"to {watch_deadline_s(record, now):.0f} s to see whether that run is alive.")
                 sleep(_POLL_S)
                 continue

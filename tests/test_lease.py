@@ -157,7 +157,8 @@ def test_a_holder_elsewhere_that_refreshes_while_watched_is_refused(tmp_path):
     with pytest.raises(errors.ConfigError) as error:
         lease.acquire(workdir, clock=clock, sleep=clock.sleep, say=said.append, start_refreshing=False)
     assert clock.now - start <= 8 + lease._POLL_S  # refused at the first refresh it saw, not later
-    assert len(said) == 1 and "is leased by host elsewhere, pid 4242" in said[0] and "watching it" in said[0]
+    assert len(said) == 1 and "is leased by host elsewhere, pid 4242" in said[0]
+    assert "whose pid cannot be checked from here" in said[0] and "watching it" in said[0]
     message = str(error.value)
     assert message.startswith(f"workdir {workdir} is in use by another run (host elsewhere, pid 4242, since ")
     assert message.endswith("wait for that run to finish, stop it, or pass another --workdir.")
