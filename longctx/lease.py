@@ -2,7 +2,8 @@
 
 Two trainers started on one workdir used to both start "fresh" and overwrite each other's
 checkpoints, metrics.jsonl and run_info.json. Now `hold(workdir)` (in `train_and_evaluate`, after
-the workdir is checked and before anything in it is read or written) takes `workdir/.lease/`:
+the config, the workdir and the data are checked, before anything in the workdir is read or
+written) takes `workdir/.lease/`:
 
 - free (no lease, or the last holder released it): taken, silently;
 - held by a live run: refused with one sentence naming the holder (host, pid, since when) and the

@@ -268,11 +268,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     mesh_lib.maybe_initialize_distributed(config.distributed)
     sizes = config_lib.validate(config)
     check_workdir(workdir)
-    with lease_lib.hold(workdir):  # one run per workdir: a second one is refused here
-        return _train_and_evaluate_held(config, workdir, sizes)
-
-
-def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, sizes: dict) -> dict:
     try:
         data_dir = data_lib.resolve_dataset(config)
         metadata = data_lib.load_metadata(data_dir)
@@ -282,6 +277,11 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
         raise config_lib.ConfigError(
             f"model.vocab_size={config.model.vocab_size} is smaller than the dataset's tokenizer "
             f"vocabulary ({metadata['vocab_size']} in {data_dir}/metadata.json).")
+    with lease_lib.hold(workdir):  # one run per workdir: a second one is refused here
+        return _train_and_evaluate_held(config, workdir, sizes, data_dir)
+
+
+def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, sizes: dict, data_dir: str) -> dict:
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
 
     mesh = mesh_lib.make_mesh(config.mesh)
