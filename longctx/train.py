@@ -32,6 +32,7 @@ from longctx import config as config_lib
 from longctx import data as data_lib
 from longctx import errors
 from longctx import flops as flops_lib
+from longctx import lease as lease_lib
 from longctx import mesh as mesh_lib
 from longctx import ops
 from longctx import workdir as workdir_lib
@@ -341,6 +342,7 @@ class _StopRequest:
 
 
 def check_workdir(workdir: str) -> None:
+    workdir_lib.check_named(workdir)
     why = workdir_lib.check_writable(workdir)
     if why is not None:
         raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {why}.")
@@ -379,6 +381,7 @@ def check_inputs(config, workdir: str, sizes: dict) -> str:
     """`--validate_only`'s checks past `config_lib.validate`, none of which writes anything: the
     workdir can be created, the dataset (data.path, or the embedded corpus when it is prepared
     already) is whole and fits model.vocab_size. Returns what was checked, in words."""
+    workdir_lib.check_named(workdir)
     if not workdir_lib.is_remote(workdir):
         here = os.path.abspath(workdir)
         for path in [here] + _parents(here):
@@ -407,6 +410,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # This host's files: a failure on one process is raised on all (cli.agreed), not left to
     # hang the others in the first collective.
     data_dir = cli.agreed(lambda: _local_inputs(config, workdir))
+    with lease_lib.hold(workdir):  # one run per workdir: a second one is refused here
+        return _train_and_evaluate_held(config, workdir, sizes, data_dir)
+
+
+def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, sizes: dict, data_dir: str) -> dict:
+    """`train_and_evaluate` once the inputs are checked and this run holds `workdir`."""
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
 
     mesh = mesh_lib.make_mesh(config.mesh)

@@ -13,6 +13,8 @@ import sys
 
 from etils import epath
 
+from longctx.errors import ConfigError
+
 
 def is_remote(path: str) -> bool:
     return "://" in str(path)
@@ -21,6 +23,13 @@ def is_remote(path: str) -> bool:
 def resolve(path: str) -> epath.Path:
     """An absolute epath for a local path or a URL (gs://bucket/dir stays as it is)."""
     return epath.Path(path if is_remote(path) else os.path.abspath(path))
+
+
+def check_named(path: str | None, flag: str = "--workdir") -> None:
+    """Refuses an empty (or blank) directory name: `--workdir=` would otherwise be the current
+    directory, and a run would fill it (or a tool read it) without anyone having asked for that."""
+    if not str(path or "").strip():
+        raise ConfigError(f"{flag} is empty: name a directory, e.g. {flag}=runs/demo.")
 
 
 def check_writable(path: str) -> str | None:

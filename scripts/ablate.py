@@ -17,6 +17,7 @@ from longctx import cli
 cli.start(cpu_devices=None)  # the training runs it starts set up their own devices
 
 from longctx import ablation, devices  # noqa: E402
+from longctx import workdir as workdir_lib  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
 
 
@@ -43,6 +44,7 @@ def main() -> int:
     parser.add_argument("--workdir", required=True, help="one sub-directory per variant goes here")
     parser.add_argument("--dry-run", action="store_true", help="print the commands (for a cluster) and stop")
     args = parser.parse_args()
+    workdir_lib.check_named(args.workdir)
     if cli.validate_only():
         cli.validated(validate_grid(args.grid))
     variants = ablation.run_grid(args.grid, args.workdir, dry_run=args.dry_run)

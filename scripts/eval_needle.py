@@ -37,6 +37,7 @@ from longctx import data as data_lib  # noqa: E402
 from longctx import inference  # noqa: E402
 from longctx import needle  # noqa: E402
 from longctx import params_io  # noqa: E402
+from longctx import workdir as workdir_lib  # noqa: E402
 from longctx.data import tokenizer as tokenizer_lib  # noqa: E402
 from longctx.errors import ConfigError, MissingFileError  # noqa: E402
 
@@ -155,6 +156,7 @@ def main(argv=None) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.ERROR)  # Orbax's notes about read-only checkpoint directories
+    workdir_lib.check_named(args.workdir)  # "" would read the current directory
     if args.samples < 1 or args.depths < 1:
         raise ConfigError("--samples and --depths must be at least 1.")
 

@@ -41,6 +41,7 @@ from longctx import checkpoint as checkpoint_lib
 from longctx import checkpoint_compat
 from longctx import config as config_lib
 from longctx import data as data_lib
+from longctx import lease
 from longctx import mesh as mesh_lib
 from longctx import train as train_lib
 
@@ -154,8 +155,12 @@ def _tmp_dirs(workdir) -> list[str]:
 
 
 def _snapshot(directory) -> dict[str, tuple[int, int]]:
+    """Every file's size and mtime, but the lease's (.lease/ says which run held the workdir last: a
+    run refused by its checks held it while it checked)."""
     out = {}
     for dirpath, _, files in os.walk(directory):
+        if os.path.relpath(dirpath, directory).split(os.sep)[0] == lease.LEASE_DIR:
+            continue
         for name in files:
             path = os.path.join(dirpath, name)
             st = os.stat(path)

@@ -1,10 +1,15 @@
 """longctx.workdir.check_writable: a probe per process (pods run Python as PID 1), and a file in
-the way named as a file."""
+the way named as a file; check_named: an empty --workdir is refused."""
 
 import os
 import re
+import subprocess
+import sys
+
+import pytest
 
 from longctx import workdir
+from longctx.errors import ConfigError
 
 
 def test_probe_names_are_unique_per_process_even_with_one_pid(monkeypatch):
@@ -44,3 +49,29 @@ def test_a_file_where_the_workdir_should_be_is_named_as_a_file(tmp_path):
     assert workdir.check_writable(str(blocker / "run")) == f"{blocker} is a file, not a directory"
     assert blocker.read_text() == "keep me"
     assert workdir.check_writable(str(tmp_path / "new" / "run")) is None
+
+
+def test_an_empty_directory_name_is_refused_not_taken_as_the_current_directory():
+    for empty in ("", "  ", None):
+        with pytest.raises(ConfigError, match=r"^--workdir is empty: name a directory, e\.g\. --workdir=runs/demo\.$"):
+            workdir.check_named(empty)
+    with pytest.raises(ConfigError, match=r"^--out is empty"):
+        workdir.check_named("", "--out")
+    workdir.check_named("runs/demo")
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("ablate.py", ["--grid=configs/ablations/masks.py", "--dry-run"]),
+    ("eval_needle.py", []),
+])
+def test_scripts_refuse_an_empty_workdir(tmp_path, script, flags):
+    """`--workdir=` was the current directory: ablate.py put its variants' runs there, eval_needle.py
+    read it as a run."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    flags = [f.replace("configs/", os.path.join(root, "configs") + "/") for f in flags]
+    r = subprocess.run([sys.executable, os.path.join(root, "scripts", script), "--workdir=", *flags],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "longctx: --workdir is empty: name a directory, e.g. --workdir=runs/demo."
+    assert os.listdir(tmp_path) == []
