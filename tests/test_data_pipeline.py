@@ -197,20 +197,27 @@ def test_resume_after_every_batch_is_exact(long_docs_dir, packer, shard_index, s
             f"restored after batch {k}")
 
 
-def test_orbax_checkpoint_of_grain_iterator(data_dir, tmp_path):
+@pytest.mark.parametrize("dataset,packer,saved_after", [
+    ("data_dir", "best_fit", 2),
+    ("long_docs_dir", "concat_then_split", 1),  # between the pieces of the first document
+])
+def test_orbax_checkpoint_of_grain_iterator(request, tmp_path, dataset, packer, saved_after):
     import grain
     import orbax.checkpoint as ocp
 
-    c = tiny_config()
+    data_dir = request.getfixturevalue(dataset)
+    c = tiny_config(packer=packer)
     mesh = mesh_of(c)
     it = make_batch_iterator(c, mesh, layout="contiguous", data_dir=data_dir)
-    take(it, 2)
+    take(it, saved_after)
     mngr = ocp.CheckpointManager(str(tmp_path / "ckpt"))
-    mngr.save(2, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it.grain_iterator)))
+    mngr.save(saved_after,
+              args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it.grain_iterator)))
     mngr.wait_until_finished()
     expected = take(it, 5)
     fresh = make_batch_iterator(c, mesh, layout="contiguous", data_dir=data_dir)
-    mngr.restore(2, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh.grain_iterator)))
+    mngr.restore(saved_after,
+                 args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh.grain_iterator)))
     assert same(take(fresh, 5), expected)
     mngr.close()
 
