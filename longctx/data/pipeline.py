@@ -240,12 +240,11 @@ def packed_rows(data_dir: str, split: str, *, seq_len: int, packer: str, seed: i
     it = gx.FlatMapIterDataset(it, packing.SplitDocument(seq_len))
     it = packing.pack(it, packer, seq_len, batch_size=batch_size, pad_id=int(meta["pad_id"]),
                       seed=seed, num_bins=num_bins,
-                      pairs_per_epoch=_pairs_per_shard_epoch(meta, split, shard_count))
+                      pairs_per_epoch=pairs_per_shard_epoch(meta, split, shard_count))
     return it.map(packing.RowFeatures(int(meta["pad_id"])))
 
 
-
-def _pairs_per_shard_epoch(meta: dict, split: str, shard_count: int) -> int | None:
+def pairs_per_shard_epoch(meta: dict, split: str, shard_count: int) -> int | None:
     """(input, target) pairs in one epoch of one data shard (a document of n tokens has n - 1),
     on average; None when metadata.json does not count the split's tokens."""
     info = meta["splits"][split]
