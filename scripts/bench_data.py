@@ -45,7 +45,8 @@ def bench_one(data_dir, meta, packer, seq_len, workers, batch_size, tokens, sp=4
         it.close()
     total = n_batches * batch_size * seq_len
     return {"packer": packer, "seq_len": seq_len, "workers": workers, "batch_size": batch_size,
-            "bins": packing.num_packing_bins(packer, seq_len, batch_size)
+            "bins": packing.num_packing_bins(packer, seq_len, batch_size,
+                                             pipeline.pairs_per_shard_epoch(meta, "train", 1))
             if packer != "concat_then_split" else None,
             "tokens": total, "seconds": round(dt, 3), "tokens_per_s": round(total / dt),
             "non_padding": round(real / total, 5), "first_batch_s": round(first, 2)}

@@ -202,10 +202,9 @@ def test_resume_across_a_mesh_change_restarts_the_stream(data_dir, tmp_path):
     assert not {r.tobytes() for r in p0["resumed"].reshape(-1, SEQ)} & {
         r.tobytes() for r in p1["resumed"].reshape(-1, SEQ)}
 
-    # The same mesh: each process's state is restored and its stream continues exactly. (first_fit:
-    # concat_then_split's Grain state does not always restore exactly when saved inside the first
-    # documents, a Grain matter that this test is not about.)
-    (p0, p1), notes = resume_two(data_dir, tmp_path / "dp_to_dp", "dp", "dp", "first_fit")
+    # The same mesh: each process's state is restored and its stream continues exactly (also
+    # concat_then_split's, saved while data shard 1 is inside its first document's pieces).
+    (p0, p1), notes = resume_two(data_dir, tmp_path / "dp_to_dp", "dp", "dp", "concat_then_split")
     assert all(n.endswith(f"(step {SAVED_AT}), data iterator included") for n in notes), notes
     for p in (p0, p1):
         assert np.array_equal(p["resumed"], p["uninterrupted"])

@@ -163,3 +163,43 @@ def test_layout_permutation_round_trip(corpus, layout):
         lay = set(zip(*(laid[k][b].tolist() for k in packing.KEYS)))
         assert nat == lay
     assert not np.array_equal(laid["positions"], batch["positions"])
+
+
+@pytest.fixture
+def alarm():
+    """Fails the test (TimeoutError) after `seconds` instead of letting a hung loop hang CI."""
+    import signal
+
+    def raise_timeout(signum, frame):
+        raise TimeoutError("no packed row within the time limit")
+
+    previous = signal.signal(signal.SIGALRM, raise_timeout)
+    yield signal.alarm
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("packer", packing.PACKERS)
+def test_tiny_split_yields_rows_after_one_epoch_or_two(tmp_path, packer, alarm, monkeypatch):
+    """Three documents of 7-18 tokens: the first rows come after at most two epochs of reads
+    (plus grain's read-ahead of 64 records), repeating the split. First/best-fit used to fill 1024
+    bins first: ~5,000 documents (37 s) at seq_len 64, ~10 minutes at 1024."""
+    (tmp_path / "tiny.jsonl").write_text("".join(
+        json.dumps({"text": t}) + "\n" for t in ("hello", "tiny doc here", "abcdefghijklmnop")))
+    prepare.prepare([str(tmp_path / "tiny.jsonl")], str(tmp_path / "data"), val_fraction=0.0,
+                    progress=False)
+    reads = []
+    read = pipeline.TokenSource.__getitem__
+    monkeypatch.setattr(pipeline.TokenSource, "__getitem__",
+                        lambda self, i: reads.append(i) or read(self, i))
+    alarm(30)
+    it = iter(pipeline.packed_rows(str(tmp_path / "data"), "train", seq_len=SEQ, packer=packer,
+                                   seed=0, batch_size=8))
+    rows = [next(it) for _ in range(4)]
+    alarm(0)
+    # A row holds at most SEQ pairs and a document gives at least 6 ("hello": BOS + 5 + EOS), so
+    # 4 rows take at most 4 * (SEQ // 6 + 1) documents; grain reads up to 64 ahead of them.
+    assert len(reads) <= 4 * (SEQ // 6 + 1) + 64
+    # The split repeats to fill rows: the packers close a row only when the next piece (at most
+    # 17 pairs, the longest document) does not fit in it.
+    assert all(int(r["loss_mask"].sum()) > SEQ - 17 for r in rows)

@@ -13,6 +13,9 @@ from longctx import layout as layout_lib
 from longctx import mesh as mesh_lib
 from longctx.data import (layout_sample, make_batch_iterator, load_metadata, packed_rows, prepare,
                           resolve_dataset)
+from longctx.data.packing import PACKERS
+from longctx.data.pipeline import batched
+from longctx.data.tokenizer import BYTE_BOS
 from tests.test_data_packing import make_corpus
 
 SEQ = 64
@@ -153,20 +156,68 @@ def test_restore_mid_epoch_yields_identical_next_batches(data_dir, packer, worke
     fresh.close()
 
 
-def test_orbax_checkpoint_of_grain_iterator(data_dir, tmp_path):
+RESUME_BATCHES = 8
+
+
+@pytest.fixture(scope="module")
+def long_docs_dir(tmp_path_factory):
+    """16 documents of SEQ+1 to 4*SEQ characters: whatever the shuffle and the data shard, the
+    stream starts inside a document cut into full-length pieces and a partial one."""
+    root = tmp_path_factory.mktemp("long_docs")
+    rng = np.random.default_rng(0)
+    lines = [json.dumps({"text": "".join(rng.choice(list("abcdefgh "), rng.integers(SEQ + 1, 4 * SEQ)))})
+             for _ in range(16)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    prepare.prepare([str(root / "docs.jsonl")], str(root / "data"), val_fraction=0.0,
+                    progress=False)
+    return str(root / "data")
+
+
+@pytest.mark.parametrize("packer", PACKERS)
+@pytest.mark.parametrize("shard_index,shard_count", [(0, 1), (0, 2), (1, 2)])
+def test_resume_after_every_batch_is_exact(long_docs_dir, packer, shard_index, shard_count):
+    """A state saved after any batch k (JSON round trip, as Orbax writes it) restores into a fresh
+    iterator that yields exactly the uninterrupted run's batches k+1, ...: also between the
+    pieces of a long document (concat-then-split lost a piece there, see packing.JsonRestorable)."""
+    def make():
+        rows = packed_rows(long_docs_dir, "train", seq_len=SEQ, packer=packer, seed=3,
+                           shard_index=shard_index, shard_count=shard_count, batch_size=2)
+        return iter(batched(rows, 2, None, prefetch_buffer_size=0))
+
+    it, run, states = make(), [], []
+    for _ in range(RESUME_BATCHES):
+        run.append(next(it))
+        states.append(json.loads(json.dumps(it.get_state())))
+    # The saved states cover long documents cut into pieces (a row that starts mid-document).
+    assert any(batch["tokens"][r, 0] != BYTE_BOS for batch in run for r in range(2))
+    for k in range(1, RESUME_BATCHES):
+        fresh = make()
+        fresh.set_state(states[k - 1])
+        assert same([next(fresh) for _ in range(RESUME_BATCHES - k)], run[k:]), (
+            f"restored after batch {k}")
+
+
+@pytest.mark.parametrize("dataset,packer,saved_after", [
+    ("data_dir", "best_fit", 2),
+    ("long_docs_dir", "concat_then_split", 1),  # between the pieces of the first document
+])
+def test_orbax_checkpoint_of_grain_iterator(request, tmp_path, dataset, packer, saved_after):
     import grain
     import orbax.checkpoint as ocp
 
-    c = tiny_config()
+    data_dir = request.getfixturevalue(dataset)
+    c = tiny_config(packer=packer)
     mesh = mesh_of(c)
     it = make_batch_iterator(c, mesh, layout="contiguous", data_dir=data_dir)
-    take(it, 2)
+    take(it, saved_after)
     mngr = ocp.CheckpointManager(str(tmp_path / "ckpt"))
-    mngr.save(2, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it.grain_iterator)))
+    mngr.save(saved_after,
+              args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it.grain_iterator)))
     mngr.wait_until_finished()
     expected = take(it, 5)
     fresh = make_batch_iterator(c, mesh, layout="contiguous", data_dir=data_dir)
-    mngr.restore(2, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh.grain_iterator)))
+    mngr.restore(saved_after,
+                 args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh.grain_iterator)))
     assert same(take(fresh, 5), expected)
     mngr.close()
 

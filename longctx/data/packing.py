@@ -47,7 +47,8 @@ class SplitDocument(gx.FlatMapTransform):
         return [{FEATURE: pairs[i:i + self.seq_len]} for i in range(0, len(pairs), self.seq_len)]
 
 
-def num_packing_bins(packer: str, seq_len: int, batch_size: int) -> int:
+def num_packing_bins(packer: str, seq_len: int, batch_size: int,
+                     pairs_per_epoch: int | None = None) -> int:
     """Bins the first/best-fit packers fill before emitting them all as rows.
 
     Grain emits every bin as soon as one piece fits in none, so more bins = less padding, at the
@@ -55,25 +56,69 @@ def num_packing_bins(packer: str, seq_len: int, batch_size: int) -> int:
     before the first row, and per-document search time (linear in bins). Calibrated on the
     stdlib corpus with scripts/bench_data.py: 1024 bins give best-fit >= 0.99 non-padding at 8K
     and 32K (512 gave 0.988); the budget of 8 Mi positions (128 MiB) caps very long rows.
+
+    `pairs_per_epoch` (the (input, target) pairs one epoch of the data shard holds) caps the bins
+    at the rows one epoch fills: filling 1024 bins from a split of a few short documents would
+    repeat it thousands of times (minutes to hours, at O(bins) per document) before the first
+    row. A corpus of more than 1024 rows per epoch is unaffected.
     """
     del packer
-    return max(8, batch_size, min(1024, (8 << 20) // seq_len))
+    bins = max(8, batch_size, min(1024, (8 << 20) // seq_len))
+    if pairs_per_epoch is not None:
+        bins = min(bins, max(1, -(-pairs_per_epoch // seq_len)))
+    return bins
 
 
 def pack(ds: grain.IterDataset, packer: str, seq_len: int, *, batch_size: int, pad_id: int,
-         seed: int, num_bins: int | None = None) -> grain.IterDataset:
+         seed: int, num_bins: int | None = None,
+         pairs_per_epoch: int | None = None) -> grain.IterDataset:
     """Packs `{FEATURE: [n<=seq_len, 2]}` elements into `seq_len` rows with grain's packers."""
     length = {FEATURE: seq_len}
     if packer in ("first_fit", "best_fit"):
         cls = gx.FirstFitPackIterDataset if packer == "first_fit" else gx.BestFitPackIterDataset
-        return cls(ds, length_struct=length,
-                   num_packing_bins=num_bins or num_packing_bins(packer, seq_len, batch_size),
+        bins = num_bins or num_packing_bins(packer, seq_len, batch_size, pairs_per_epoch)
+        return cls(ds, length_struct=length, num_packing_bins=bins,
                    seed=seed, shuffle_bins=True, padding_struct={FEATURE: pad_id})
     if packer == "concat_then_split":
         # Full-length pieces pass straight through instead of being cut at an arbitrary offset.
-        return gx.ConcatThenSplitIterDataset(ds, length_struct=length,
-                                             split_full_length_features=False)
+        return JsonRestorable(gx.ConcatThenSplitIterDataset(ds, length_struct=length,
+                                                            split_full_length_features=False))
     raise ConfigError(f"data.packer={packer!r} is not one of {PACKERS}.")
+
+
+class JsonRestorable(grain.IterDataset):
+    """Grain's concat-then-split iterator, restorable from its state after a JSON round trip.
+
+    Its state marks "no partly packed piece" with the tuple (-1, -1) per feature and tests it with
+    `!=`; Orbax writes iterator states as JSON, which turns the tuple into the list [-1, -1], so
+    a restored state seemed to hold a piece: the restore read the next piece from the parent as
+    that remainder, packed an empty slice of it and dropped the rest (grain 0.2.18). Every state
+    saved with no remainder (between the full-length pieces of a long document, for one) then
+    restored to different rows. This restores the tuples; the state itself is unchanged, so
+    states saved before stay valid.
+    """
+
+    def __init__(self, parent: grain.IterDataset):
+        super().__init__(parent)
+
+    def __iter__(self):
+        return _JsonRestorableIterator(self._parent.__iter__())
+
+
+class _JsonRestorableIterator(grain.DatasetIterator):
+    _MUTATES_ELEMENT_SPEC = False
+
+    def __next__(self):
+        return next(self._parent)
+
+    def get_state(self):
+        return self._parent.get_state()
+
+    def set_state(self, state):
+        slices = state.get("remainder_slices")
+        if isinstance(slices, dict):
+            state = dict(state, remainder_slices={k: tuple(v) for k, v in slices.items()})
+        self._parent.set_state(state)
 
 
 def segment_positions(segment_ids: np.ndarray) -> np.ndarray:

@@ -239,9 +239,18 @@ def packed_rows(data_dir: str, split: str, *, seq_len: int, packer: str, seed: i
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
     it = gx.FlatMapIterDataset(it, packing.SplitDocument(seq_len))
     it = packing.pack(it, packer, seq_len, batch_size=batch_size, pad_id=int(meta["pad_id"]),
-                      seed=seed, num_bins=num_bins)
+                      seed=seed, num_bins=num_bins,
+                      pairs_per_epoch=pairs_per_shard_epoch(meta, split, shard_count))
     return it.map(packing.RowFeatures(int(meta["pad_id"])))
 
+
+def pairs_per_shard_epoch(meta: dict, split: str, shard_count: int) -> int | None:
+    """(input, target) pairs in one epoch of one data shard (a document of n tokens has n - 1),
+    on average; None when metadata.json does not count the split's tokens."""
+    info = meta["splits"][split]
+    if info.get("num_tokens") is None or info.get("num_documents") is None:
+        return None
+    return -(-(int(info["num_tokens"]) - int(info["num_documents"])) // shard_count)
 
 
 @functools.lru_cache(maxsize=16)
