@@ -213,10 +213,12 @@ def test_ctrl_c_is_acknowledged_while_the_main_thread_is_busy_outside_python(mon
     stop, heard = None, []  # (when, what, whether the handler had run) of each write to "stderr"
     listener = threading.Thread(target=lambda: [heard.append((time.monotonic(), data, stop.requested))
                                                 for data in iter(lambda: os.read(read, 4096), b"")])
-    rounds = 20_000
+    rounds = 200_000
     took = time.monotonic()
     hashlib.pbkdf2_hmac("sha256", b"x", b"y", rounds)  # C code that releases the GIL and no signal stops
-    rounds = int(rounds * 3.0 / max(time.monotonic() - took, 1e-3))  # about 3 s of it
+    # About 6 s of it as measured now; on a loaded machine the measurement and the run can differ
+    # by 2-3x, which still leaves the listener seconds to hear the line while the call runs.
+    rounds = int(rounds * 6.0 / max(time.monotonic() - took, 1e-3))
     stop = train._StopRequest()
     listener.start()
     try:
@@ -229,7 +231,8 @@ def test_ctrl_c_is_acknowledged_while_the_main_thread_is_busy_outside_python(mon
         os.close(write)
         listener.join()
         os.close(read)
-    # Said once (not again by the handler), while the main thread was still busy.
+    # Said once (not again by the handler), while the main thread was still busy: before the
+    # handler had run (False), and read before the busy call returned.
     assert [(data, requested) for _, data, requested in heard] == [
         (b"longctx: stopping at the next step (it will be saved); Ctrl-C again to abandon.\n", False)]
-    assert heard[0][0] < busy_until - 1.0, (heard, busy_until)
+    assert heard[0][0] < busy_until, (heard, busy_until)
