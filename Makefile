@@ -21,7 +21,8 @@ demo: $(STAMP)
 
 # Two pytest workers, one per core here: compiling is mostly single-threaded. A fresh clone's
 # `make test` has taken 9:29, 17:22 and 28:08 on three 2-core machines (about 50 CPU-minutes on
-# the slowest); one worker took 14-15 minutes on the first, with fewer tests.
+# the slowest); one worker took 14-15 minutes on the first, with fewer tests. With issue 36's
+# tests (735) it took 18:09 and 19:04 on this project's 2-core machine (12-03, 34 CPU-minutes).
 # --dist loadfile keeps each file on one worker, so that a module's fixtures
 # (test_checkpoint.py's training runs, for one) run once.
 test: $(STAMP)
