@@ -50,6 +50,7 @@ TRAIN = os.path.join(ROOT, "scripts", "train.py")
 STALLED_SAVE = os.path.join(ROOT, "tests", "stalled_save.py")
 sys.path.insert(0, ROOT)
 from configs import base as base_config  # noqa: E402
+from tests import child_env  # noqa: E402
 
 NUM_STEPS = 8
 CUT_AT = 4  # the mesh-change runs resume from ref's step CUT_AT
@@ -92,11 +93,7 @@ def _config(**mesh):
 
 
 def _env(devices: int = 8) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_")}
-    env["LONGCTX_CPU_DEVICES"] = str(devices)  # the child's device count
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return child_env.script_env(LONGCTX_CPU_DEVICES=str(devices))  # the child's device count
 
 
 class Run:

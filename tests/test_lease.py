@@ -22,7 +22,7 @@ import pytest
 
 from longctx import errors
 from longctx import lease
-from tests import child_output
+from tests import child_env, child_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
@@ -43,12 +43,7 @@ SMALL_RUN = [  # the tiny preset, smaller: a few seconds per step on 8 CPU devic
 ]
 
 
-def _env(**extra) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
+_env = child_env.script_env
 
 
 def _records(workdir) -> dict[int, dict]:

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from tests import child_output
+from tests import child_env, child_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = os.path.join(ROOT, "launch", "local.py")
@@ -47,12 +47,7 @@ OVERRIDES = [
 ]
 
 
-def _env(**extra) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
+_env = child_env.script_env
 
 
 def _losses(workdir) -> dict[int, float]:
