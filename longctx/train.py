@@ -369,25 +369,14 @@ def _local_inputs(config, workdir: str) -> str:
     return data_dir
 
 
-def _parents(path: str) -> list[str]:
-    parents = []
-    while os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-        parents.append(path)
-    return parents
-
-
 def check_inputs(config, workdir: str, sizes: dict) -> str:
     """`--validate_only`'s checks past `config_lib.validate`, none of which writes anything: the
     workdir can be created, the dataset (data.path, or the embedded corpus when it is prepared
     already) is whole and fits model.vocab_size. Returns what was checked, in words."""
     workdir_lib.check_named(workdir)
-    if not workdir_lib.is_remote(workdir):
-        here = os.path.abspath(workdir)
-        for path in [here] + _parents(here):
-            if os.path.isfile(path):
-                raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {path} is a "
-                                             "file, not a directory.")
+    in_the_way = workdir_lib.file_in_the_way(workdir)  # (None for gs://)
+    if in_the_way is not None:
+        raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {in_the_way}.")
     if config.data.path:
         try:
             data_dir = data_lib.resolve_dataset(config)

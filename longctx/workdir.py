@@ -47,7 +47,7 @@ def check_writable(path: str) -> str | None:
         probe.write_text("ok")
         probe.unlink()
     except Exception as e:  # noqa: BLE001  (OSError locally; assorted errors from GCS clients)
-        return _file_in_the_way(path) or getattr(e, "strerror", None) or str(e).splitlines()[0]
+        return file_in_the_way(path) or getattr(e, "strerror", None) or str(e).splitlines()[0]
     return None
 
 
@@ -72,7 +72,7 @@ def _process_index() -> int:
         return 0
 
 
-def _file_in_the_way(path: str) -> str | None:
+def file_in_the_way(path: str) -> str | None:
     """'<file> is a file, not a directory' when `path` or a parent of it is a file (local paths)."""
     if is_remote(path):
         return None
