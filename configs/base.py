@@ -61,7 +61,7 @@ def _base() -> ml_collections.ConfigDict:
             head_dim=64,
             mlp_dim=512,
             rope_theta=500_000.0,
-            # RoPE context extension (longctx/rope.py); Hugging Face's names in parentheses.
+            # RoPE context extension (longctx/model/rope.py); Hugging Face's names in parentheses.
             rope_scaling=ml_collections.ConfigDict(dict(
                 type="none",  # none | linear | llama3 | yarn  (rope_type; "default" is none)
                 factor=1.0,  # linear, llama3, yarn: how many times the trained context is stretched
@@ -102,7 +102,7 @@ def _base() -> ml_collections.ConfigDict:
             # q/kv block of the ring's tables and kernels; off TPU, 256 or 128 is faster on short
             # packed documents (skipping is per block: README, bench_ring_blocks.py)
             block_size=512,
-            # What the ring's backward keeps per layer (longctx/attention.py): save_qkv |
+            # What the ring's backward keeps per layer (longctx/model/attention.py): save_qkv |
             # recompute_qkv (q/k/v recomputed from the layer input) | offload_qkv (to host memory)
             residuals="save_qkv",
         )
@@ -142,7 +142,7 @@ def _base() -> ml_collections.ConfigDict:
             log_every=10,
             eval_every=200,
             eval_steps=4,
-            # Passkey retrieval (longctx/needle.py) on validation haystacks every N steps; 0 = never.
+            # Passkey retrieval (longctx/evals/needle.py) on validation haystacks every N steps; 0 = never.
             eval_needle_every=0,
             loss_chunk_size=512,  # tokens per chunk of the output projection + cross-entropy
             on_nonfinite="stop",  # stop | skip
@@ -163,7 +163,7 @@ def _base() -> ml_collections.ConfigDict:
             keep_period=_optional_int(),  # also keep every keep_period-th step permanently
             init_from="",  # checkpoint directory to take parameters from on a fresh start
             # init_from's model must compute the same function (RoPE, norm_eps, mask: the keys in
-            # longctx/checkpoint_compat.py INIT_FROM_KEYS); "key,key" accepts these differences.
+            # longctx/train/checkpoint_compat.py INIT_FROM_KEYS); "key,key" accepts these differences.
             init_from_allow="",
             async_save=True,
         )

@@ -12,7 +12,7 @@ Every pod runs the same command, `python3 scripts/train.py --config=... --workdi
 slices over the data-centre network, and the config's (dp, fsdp, sp) sizes apply within each slice.
 GKE gives every pod TPU_WORKER_ID / TPU_WORKER_HOSTNAMES (and the MEGASCALE_* variables of a
 multi-slice job), from which `jax.distributed.initialize()` finds its peers
-(`longctx.mesh.maybe_initialize_distributed`).
+(`longctx.parallel.mesh.maybe_initialize_distributed`).
 
 The JobSet annotation `alpha.jobset.sigs.k8s.io/exclusive-topology: cloud.google.com/gke-nodepool`
 keeps each slice's pods on one node pool (one physical slice). Pods get

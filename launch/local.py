@@ -4,8 +4,8 @@
   python launch/local.py --num-processes 2 --devices-per-process 4 -- \
       .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/mp
 
-Every child gets the environment that `longctx.mesh.maybe_initialize_distributed` and
-`longctx.devices.configure_cpu_devices` read:
+Every child gets the environment that `longctx.parallel.mesh.maybe_initialize_distributed` and
+`longctx.parallel.devices.configure_cpu_devices` read:
 
   LONGCTX_COORDINATOR=127.0.0.1:<port>   (a free port, or --port)
   LONGCTX_NUM_PROCESSES=P   LONGCTX_PROCESS_ID=i   LONGCTX_CPU_DEVICES=D

@@ -57,7 +57,7 @@ import traceback
 import warnings
 from typing import Callable
 
-from longctx import devices
+from longctx.parallel import devices
 from longctx.errors import ConfigError, LongctxError, MissingFileError, RunError
 
 PREFIX = "longctx: "

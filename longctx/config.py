@@ -8,27 +8,44 @@ from __future__ import annotations
 
 import math
 
+import jax
 import ml_collections
 
-from longctx import blocks
-from longctx import mesh as mesh_lib
+from longctx import ops
+from longctx.data import packing
 from longctx.errors import ConfigError  # noqa: F401  (re-exported: callers use config.ConfigError)
+from longctx.model import attention, decoder, rope
+from longctx.ops import blocks
+from longctx.parallel import layout
+from longctx.parallel import mesh as mesh_lib
 
 DTYPES = ("float32", "bfloat16")  # (not float16: it needs loss scaling, which longctx does not do)
 NONFINITE_ACTIONS = ("stop", "skip")
 
 
+# Config keys that, besides the shapes, define the function a model's parameters compute: a run
+# started (checkpoint.init_from) from parameters trained with other values trains another
+# function, e.g. a converted Llama read with the wrong rope_theta or without its window. A
+# difference is refused unless checkpoint.init_from_allow names the key (train/checkpoint_compat.py
+# compares them). model.rope_scaling is one key: its type and the values that type reads.
+INIT_FROM_KEYS = ("model.rope_theta", "model.rope_scaling", "model.norm_eps", "model.final_logits_soft_cap",
+                  "attention.causal", "attention.sliding_window", "attention.chunk_size",
+                  "attention.logits_soft_cap")
+
+
+def init_from_allowed(config) -> tuple[str, ...]:
+    """The keys of `checkpoint.init_from_allow` ("key,key"; absent from older configs)."""
+    text = config.checkpoint.get("init_from_allow") or ""
+    return tuple(k.strip() for k in text.split(",") if k.strip())
+
+
 def _choices() -> dict[str, tuple]:
     """Allowed values of the keys that name an implementation, each from the module that
-    implements them (imported here, not at the top: they import jax, and the model imports
-    this module)."""
-    from longctx import attention, layout, model, ops
-    from longctx.data import packing
-
+    implements them."""
     return {"attention.impl": ops.IMPLS, "attention.layout": layout.LAYOUTS + ("auto",),
             "attention.residuals": attention.RESIDUAL_POLICIES, "data.packer": packing.PACKERS,
             "model.dtype": DTYPES, "model.param_dtype": DTYPES,
-            "model.remat_policy": tuple(model.REMAT_POLICIES), "train.on_nonfinite": NONFINITE_ACTIONS}
+            "model.remat_policy": tuple(decoder.REMAT_POLICIES), "train.on_nonfinite": NONFINITE_ACTIONS}
 
 
 def _require(condition: bool, message: str) -> None:
@@ -55,8 +72,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     `num_devices` defaults to `jax.device_count()` (after distributed start-up, all processes).
     """
     if num_devices is None:
-        import jax
-
         num_devices = jax.device_count()
 
     m, a, d, o, t, c = (config.model, config.attention, config.data, config.optimizer,
@@ -85,7 +100,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(m.num_heads % m.num_kv_heads == 0,
              f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}.")
     _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE.")
-    # Parameters are split over fsdp x sp along d_model (longctx.mesh.PARAM_AXES); the optimizer
+    # Parameters are split over fsdp x sp along d_model (longctx.parallel.mesh.PARAM_AXES); the optimizer
     # state over dp too with optimizer.shard_state_over_dp.
     over_dp = bool(o.get("shard_state_over_dp", False))
     mesh_sizes = {mesh_lib.DP: dp, mesh_lib.FSDP: fsdp, mesh_lib.SP: sp}
@@ -159,12 +174,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
 
 def _check_init_from_allow(config) -> None:
     """checkpoint.init_from_allow names only keys that init_from compares."""
-    from longctx import checkpoint_compat
-
-    for key in checkpoint_compat.init_from_allowed(config):
-        _require(key in checkpoint_compat.INIT_FROM_KEYS,
+    for key in init_from_allowed(config):
+        _require(key in INIT_FROM_KEYS,
                  f"checkpoint.init_from_allow names {key!r}, which init_from does not compare; it takes "
-                 f"a comma-separated list of {', '.join(checkpoint_compat.INIT_FROM_KEYS)}.")
+                 f"a comma-separated list of {', '.join(INIT_FROM_KEYS)}.")
 
 
 def _divisor_below(n: int, limit: int) -> int:
@@ -178,7 +191,7 @@ def _multiple_above(n: int, factor: int) -> int:
 
 
 def _check_splash_block(block: int, shard_len: int, impl: str, layout: str) -> None:
-    """The kernel's own rule on blocks (longctx/blocks.py), with the block to use where one fits."""
+    """The kernel's own rule on blocks (longctx/ops/blocks.py), with the block to use where one fits."""
     problem = blocks.block_problem(block, shard_len, impl)
     if problem is None:
         return
@@ -193,9 +206,7 @@ def _check_splash_block(block: int, shard_len: int, impl: str, layout: str) -> N
 
 
 def _check_rope_scaling(s) -> None:
-    """The keys `model.rope_scaling.type` reads (longctx/rope.py) must describe a real stretch."""
-    from longctx import rope
-
+    """The keys `model.rope_scaling.type` reads (longctx/model/rope.py) must describe a real stretch."""
     if s is None:
         return
     _require(s.type in rope.ROPE_TYPES, f"model.rope_scaling.type={s.type!r} is not one of "
@@ -229,18 +240,3 @@ def num_params_estimate(config) -> int:
     per_layer = attn + mlp + 2 * m.d_model
     embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
     return m.num_layers * per_layer + embed + m.d_model + (m.num_heads * m.num_layers if config.attention.attention_sinks else 0)
-
-
-
-def mask_kwargs(attention_config) -> dict:
-    """The mask keywords of `ring_attention` / `resolve_layout` for `config.attention`.
-
-    The config's `sliding_window=w` is a causal window (token i sees [i - w, i]); the ring takes
-    (left, right) so that two-sided windows are expressible too.
-    """
-    a = attention_config
-    return {
-        "causal": bool(a.causal),
-        "sliding_window": None if a.sliding_window is None else (int(a.sliding_window), 0),
-        "chunk_size": None if a.chunk_size is None else int(a.chunk_size),
-    }

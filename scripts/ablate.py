@@ -16,8 +16,9 @@ from longctx import cli
 
 cli.start(cpu_devices=None)  # the training runs it starts set up their own devices
 
-from longctx import ablation, devices  # noqa: E402
-from longctx import workdir as workdir_lib  # noqa: E402
+from longctx.evals import ablation  # noqa: E402
+from longctx.parallel import devices  # noqa: E402
+from longctx.train import workdir as workdir_lib  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
 
 

@@ -31,7 +31,7 @@ check-logits takes int token ids [batch, n] (or [n]) from a .npy, or an .npz wit
 optionally `positions`, `segment_ids` (packed rows; positions default to restarting per document),
 `logits` (expected values) and `positions_index` (the positions `logits` are given at, the same
 for every row; default all). Rows are padded to the shortest length the ring accepts with the
-checkpoint's attention impl (or --impl; splash's blocks are multiples of 128, longctx/blocks.py),
+checkpoint's attention impl (or --impl; splash's blocks are multiples of 128, longctx/ops/blocks.py),
 padded with empty rows to a multiple of the mesh's dp x fsdp, laid out as in training and run on
 the --mesh; the logits of the real rows are written to --out and, when expected ones are given,
 compared: it prints the max |difference| and exits 1 if it exceeds --tolerance.
@@ -47,11 +47,11 @@ import os  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from longctx import checkpoint as checkpoint_lib  # noqa: E402
-from longctx import hf  # noqa: E402
-from longctx import inference  # noqa: E402
-from longctx import params_io  # noqa: E402
-from longctx import staging  # noqa: E402
+from longctx.train import checkpoint as checkpoint_lib  # noqa: E402
+from longctx.interop import hf  # noqa: E402
+from longctx.evals import inference  # noqa: E402
+from longctx.interop import params_io  # noqa: E402
+from longctx.interop import staging  # noqa: E402
 from longctx.errors import ConfigError, MissingFileError  # noqa: E402
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "base.py")
@@ -181,8 +181,8 @@ def _logit_positions(rows: dict, n: int, source: str) -> np.ndarray:
 def check_logits(args) -> int:
     import jax
 
-    from longctx import blocks
-    from longctx import mesh as mesh_lib
+    from longctx.ops import blocks
+    from longctx.parallel import mesh as mesh_lib
 
     config, _, _ = params_io.read_config(args.checkpoint)
     source = f"--tokens={args.tokens}"

@@ -37,10 +37,10 @@ import sys  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-import bench_common as bc  # noqa: E402  (scripts/ is on sys.path when run as a script)
-from longctx import aot  # noqa: E402
+from longctx.plan import aot  # noqa: E402
 from longctx import config as config_lib  # noqa: E402
-from longctx import mesh as mesh_lib  # noqa: E402
+from longctx import reports  # noqa: E402
+from longctx.parallel import mesh as mesh_lib  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:llama3_8b_128k.",
@@ -152,7 +152,7 @@ def _source_digest() -> str:
 def sweep(config, searches, lo_limit, hi_limit, out_stem) -> dict:
     """Doubling search of the longest per-chip shard L (power of two) that fits, for each
     (topology, sp, first L) of `searches`."""
-    results = {"command": bc.command_line(), "model": _model_line(config),
+    results = {"command": reports.command_line(), "model": _model_line(config),
                "source": _source_digest(), "points": [], "best": [],
                "search": _SWEEP_GROW.value or _SWEEP_SHRINK.value}
     # Points of an earlier sweep of the same model by the same code are reused (compiles take
@@ -254,8 +254,8 @@ def _model_line(config) -> str:
 
 def _save_sweep(out_stem: str, results: dict) -> None:
     """Writes the sweep so far (JSON + markdown): a long sweep keeps what it has if interrupted."""
-    bc.write_json(out_stem + ".json", results)
-    bc.write_markdown(out_stem + ".md", _sweep_markdown(results))
+    reports.write_json(out_stem + ".json", results)
+    reports.write_markdown(out_stem + ".md", _sweep_markdown(results))
 
 
 def _sweep_markdown(results) -> str:
@@ -277,7 +277,7 @@ def _sweep_markdown(results) -> str:
                      b["longest_shard_len"] or "-",
                      f"{b['total_gib_at_best']:.1f}" if b["total_gib_at_best"] else "-",
                      b["compiles"], "; ".join(b["errors"])[:200] or ""])
-    lines.append(bc.table(["topology", "chip", "HBM GiB/device", "sp", "fsdp", "longest S",
+    lines.append(reports.table(["topology", "chip", "HBM GiB/device", "sp", "fsdp", "longest S",
                            "L = S/sp", "GiB/device at that S", "compiles", "errors"], rows))
     lines.append("\n## Every compile\n")
     prow = []
@@ -291,7 +291,7 @@ def _sweep_markdown(results) -> str:
                          g("temp_bytes") + (" (compiler OOM)" if p["oom_at_compile"] else ""),
                          g("total_bytes"), "fits" if p["fits"] else "no",
                          f"{p['compile_seconds']:.0f}" if "compile_seconds" in p else "-"])
-    lines.append(bc.table(["topology", "sp", "S", "L", "arguments GiB", "temporaries GiB",
+    lines.append(reports.table(["topology", "sp", "S", "L", "arguments GiB", "temporaries GiB",
                            "total GiB", "fits", "compile s"], prow))
     return "\n".join(lines) + "\n"
 

@@ -34,10 +34,10 @@ import os  # noqa: E402
 import numpy as np  # noqa: E402
 
 from longctx import data as data_lib  # noqa: E402
-from longctx import inference  # noqa: E402
-from longctx import needle  # noqa: E402
-from longctx import params_io  # noqa: E402
-from longctx import workdir as workdir_lib  # noqa: E402
+from longctx.evals import inference  # noqa: E402
+from longctx.evals import needle  # noqa: E402
+from longctx.interop import params_io  # noqa: E402
+from longctx.train import workdir as workdir_lib  # noqa: E402
 from longctx.data import tokenizer as tokenizer_lib  # noqa: E402
 from longctx.errors import ConfigError, MissingFileError  # noqa: E402
 
@@ -114,7 +114,7 @@ def _mesh_overrides(args, config) -> dict:
     """--mesh as overrides, and a batch that the mesh's dp x fsdp divides."""
     import jax
 
-    from longctx import mesh as mesh_lib
+    from longctx.parallel import mesh as mesh_lib
 
     overrides = {}
     if args.mesh:

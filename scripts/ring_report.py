@@ -42,7 +42,8 @@ from longctx import cli
 
 cli.start()  # longctx.ops imports jax: CPU platform set before
 
-from longctx import masks, ops  # noqa: E402
+from longctx.ops import masks  # noqa: E402
+from longctx import ops  # noqa: E402
 from longctx.ops import tables  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
 
@@ -100,9 +101,9 @@ def _documents_report(a, mask_kw) -> int:
     ids = _doc_rows(a)
     spec = masks.make_mask_spec(**mask_kw)
     # what a training run on these rows would pick (train.resolve_layout), and by the mask alone
-    auto = masks.resolve_layout("auto", a.seq_len, a.sp, block_size=a.block, segment_ids=ids,
+    auto = ops.resolve_layout("auto", a.seq_len, a.sp, block_size=a.block, segment_ids=ids,
                                 **mask_kw)
-    by_mask = masks.resolve_layout("auto", a.seq_len, a.sp, block_size=a.block, **mask_kw)
+    by_mask = ops.resolve_layout("auto", a.seq_len, a.sp, block_size=a.block, **mask_kw)
     report = {}
     for layout in ("contiguous", "zigzag", "striped"):
         _say_when_large(a, layout)
@@ -158,7 +159,7 @@ def _say_when_large(a, layout) -> None:
 
 def _check_arguments(a) -> str:
     """--validate_only: what the report would refuse, checked without working out a schedule."""
-    from longctx import layout as layout_lib
+    from longctx.parallel import layout as layout_lib
 
     if a.layout is None and not (a.doc_lengths or a.data):
         raise ConfigError("--layout is required (or give documents: --doc-lengths or --data).")
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
         raise ConfigError("--layout is required (or give documents: --doc-lengths or --data).")
     try:
         _say_when_large(a, a.layout)
-        layout = masks.resolve_layout(a.layout, a.seq_len, a.sp, **mask_kw)
+        layout = ops.resolve_layout(a.layout, a.seq_len, a.sp, **mask_kw)
         sched = ops.ring_schedule(a.seq_len, a.sp, a.block, layout, **mask_kw)
     except ValueError as e:  # masks' messages name the argument
         raise ConfigError(str(e)) from None

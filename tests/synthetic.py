@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from longctx import layout as layout_lib
+from longctx.parallel import layout as layout_lib
 
 
 def packed_rows(batch: int, seq_len: int, vocab: int, seed: int, mean_doc_len: int = 64):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from longctx import ablation
+from longctx.evals import ablation
 from longctx.config import ConfigError
 
 GRID = "configs/ablations/smoke.py"

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from longctx import aot
-from longctx import mesh as mesh_lib
-from longctx import train as train_lib
+from longctx.plan import aot
+from longctx.parallel import mesh as mesh_lib
+from longctx.train import loop as train_lib
 from tests import synthetic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Smoke test of scripts/bench_ring.py --quick on a small subset, run as a user would run it.
+"""Smoke test of benchmarks/bench_ring.py --quick on a small subset, run as a user would run it.
 
 Asserts only what load on a shared machine cannot change: the run finishes, every variant is
 timed and matches the dense oracle, times are positive and sane, document skipping never
@@ -16,7 +16,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 def test_bench_ring_quick(tmp_path):
     out_json, out_md = tmp_path / "bench_ring.json", tmp_path / "benchmarks.md"
     p = subprocess.run(
-        [sys.executable, "scripts/bench_ring.py", "--quick", "--cases", "causal,docs9",
+        [sys.executable, "benchmarks/bench_ring.py", "--quick", "--cases", "causal,docs9",
          "--seq-lens", "1024", "--layouts", "zigzag", "--repeats", "3",
          "--json", str(out_json), "--md", str(out_md)],
         cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=900)

@@ -1,4 +1,4 @@
-"""Smoke test of scripts/bench_ring_blocks.py on a small ring, run as a user would run it.
+"""Smoke test of benchmarks/bench_ring_blocks.py on a small ring, run as a user would run it.
 
 Asserts what load on a shared machine cannot change: one row per (case, block), every variant
 timed and matching the dense oracle, a smaller block computing no more (query, key) pairs with
@@ -15,7 +15,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 def test_bench_ring_blocks_small(tmp_path):
     out_json, out_md = tmp_path / "blocks.json", tmp_path / "benchmarks.md"
     p = subprocess.run(
-        [sys.executable, "scripts/bench_ring_blocks.py", "--blocks", "256,128", "--cases",
+        [sys.executable, "benchmarks/bench_ring_blocks.py", "--blocks", "256,128", "--cases",
          "docs_s32", "--seq-len", "2048", "--impls", "xla", "--layouts", "contiguous",
          "--repeats", "1", "--json", str(out_json), "--md", str(out_md)],
         cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""Smoke test of scripts/bench_ring_overhead.py on a small ring, run as a user would run it.
+"""Smoke test of benchmarks/bench_ring_overhead.py on a small ring, run as a user would run it.
 
 Timings on a shared machine can take any value, so it asserts what they cannot change: the run
 finishes, the four variants compute the blocks they should (the documents fewer than one
@@ -18,7 +18,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 def test_bench_ring_overhead_small(tmp_path):
     out_json, out_md = tmp_path / "overhead.json", tmp_path / "benchmarks.md"
     p = subprocess.run(
-        [sys.executable, "scripts/bench_ring_overhead.py", "--impls", "xla", "--sps", "2",
+        [sys.executable, "benchmarks/bench_ring_overhead.py", "--impls", "xla", "--sps", "2",
          "--seq-len", "2048", "--repeats", "1", "--json", str(out_json), "--md", str(out_md)],
         cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

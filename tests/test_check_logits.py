@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from configs import base
-from longctx import blocks, hf, inference
+from longctx.ops import blocks
+from longctx.interop import hf
+from longctx.evals import inference
 from longctx import config as config_lib
 from longctx.errors import ConfigError
 

@@ -37,13 +37,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from longctx import checkpoint as checkpoint_lib
-from longctx import checkpoint_compat
+from longctx.train import checkpoint as checkpoint_lib
+from longctx.train import checkpoint_compat
 from longctx import config as config_lib
 from longctx import data as data_lib
-from longctx import lease
-from longctx import mesh as mesh_lib
-from longctx import train as train_lib
+from longctx.train import lease
+from longctx.parallel import mesh as mesh_lib
+from longctx.train import loop as train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")

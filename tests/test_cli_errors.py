@@ -434,7 +434,8 @@ def test_validated_ends_a_validate_only_run_with_one_line_and_status_0(capsys, m
 def test_every_script_stops_at_validated_under_validate_only():
     """Each script with a main checks what it can and stops (cli.validated); scripts/train.py's
     point is inside longctx.train.train_and_evaluate."""
-    scripts = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.py"))) + [os.path.join(ROOT, "launch", "local.py")]
+    scripts = (sorted(glob.glob(os.path.join(ROOT, "scripts", "*.py"))) + sorted(glob.glob(os.path.join(ROOT, "benchmarks", "*.py")))
+               + [os.path.join(ROOT, "launch", "local.py")])
     missing = []
     for path in scripts:
         text = open(path).read()
@@ -443,7 +444,7 @@ def test_every_script_stops_at_validated_under_validate_only():
         if not re.search(r"cli\.validated\(|validate_command\(", text):
             missing.append(os.path.relpath(path, ROOT))
     assert missing == ["scripts/train.py"]
-    assert "cli.validated(check_inputs(" in open(os.path.join(ROOT, "longctx", "train.py")).read()
+    assert "cli.validated(check_inputs(" in open(os.path.join(ROOT, "longctx", "train", "loop.py")).read()
 
 
 def test_train_validate_only_checks_and_writes_nothing(dataset, tmp_path):
@@ -478,7 +479,7 @@ def test_ring_report_says_it_is_working_before_a_large_schedule():
 
 
 def test_estimate_says_what_it_compiles_before_the_compile_starts():
-    from longctx import aot
+    from longctx.plan import aot
 
     if not aot.libtpu_available():
         pytest.skip("libtpu is not installed (the [tpu] extra)")
@@ -622,7 +623,7 @@ def test_library_log_lines_are_kept_out_unless_verbose(tmp_path):
 
 
 @pytest.mark.parametrize("where, kept", [
-    ("longctx/checkpoint.py", True), ("scripts/train.py", True),
+    ("longctx/train/checkpoint.py", True), ("scripts/train.py", True),
     (".venv/lib/python3.11/site-packages/orbax/checkpoint/x.py", False),  # `make`'s venv is in the repo
     ("/usr/lib/python3/site-packages/tensorboardX/x2num.py", False),
 ])

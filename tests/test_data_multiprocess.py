@@ -25,13 +25,13 @@ SEQ, BATCH, STEPS = 64, 4, 3
 
 def worker(data_dir: str, out_dir: str, dp: int, sp: int) -> None:
     sys.path.insert(0, ROOT)  # for configs/ (longctx itself is installed)
-    from longctx import devices
+    from longctx.parallel import devices
 
     devices.configure_cpu_devices()
     import jax
 
     from configs import base
-    from longctx import mesh as mesh_lib
+    from longctx.parallel import mesh as mesh_lib
     from longctx.data import make_batch_iterator
 
     c = base.get_config("tiny")
@@ -61,15 +61,15 @@ def resume_worker(data_dir: str, out_dir: str, saved_on: str, resumed_on: str, p
     state of a 1-layer model: only the data iterator matters here), then resumes on `resumed_on`
     with the trainer's restore path and records the note and the next STEPS local batches."""
     sys.path.insert(0, ROOT)
-    from longctx import devices
+    from longctx.parallel import devices
 
     devices.configure_cpu_devices()
     import jax
 
     from configs import base
-    from longctx import checkpoint as checkpoint_lib
-    from longctx import mesh as mesh_lib
-    from longctx import train as train_lib
+    from longctx.train import checkpoint as checkpoint_lib
+    from longctx.parallel import mesh as mesh_lib
+    from longctx.train import loop as train_lib
     from longctx.data import make_batch_iterator
 
     c = base.get_config("tiny")

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from longctx import layout as layout_lib
+from longctx.parallel import layout as layout_lib
 from longctx.data import packing, pipeline, prepare, sharding
 from longctx.data.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_PAD
 

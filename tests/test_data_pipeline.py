@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from configs import base
-from longctx import layout as layout_lib
-from longctx import mesh as mesh_lib
+from longctx.parallel import layout as layout_lib
+from longctx.parallel import mesh as mesh_lib
 from longctx.data import (layout_sample, make_batch_iterator, load_metadata, packed_rows, prepare,
                           resolve_dataset)
 from longctx.data.packing import PACKERS

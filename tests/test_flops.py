@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from configs import base
-from longctx import config as config_lib
-from longctx import flops
-from longctx import masks
+from longctx.model import attention as attention_lib
+from longctx.model import flops
+from longctx.ops import masks
 
 
 @pytest.mark.parametrize("mask, expected", [
@@ -25,7 +25,7 @@ from longctx import masks
 def test_kept_pairs_by_hand(mask, expected):
     assert flops.kept_pairs(8, **mask) == expected
     # ... and the same as the mask the ring applies (config keys -> ring keywords -> dense mask).
-    attention = config_lib.mask_kwargs(ml_collections.ConfigDict(mask))
+    attention = attention_lib.mask_kwargs(ml_collections.ConfigDict(mask))
     spec = masks.make_mask_spec(**attention)
     pos = np.arange(8)
     assert int(spec.allowed(pos[:, None], pos[None, :]).sum()) == expected

@@ -22,7 +22,8 @@ import pytest
 
 from configs import base
 from longctx import config as config_lib
-from longctx import hf, inference, params_io
+from longctx.interop import hf, params_io
+from longctx.evals import inference
 from longctx.errors import ConfigError
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets", "hf")
@@ -154,7 +155,7 @@ def spelled(source: dict, key: str) -> dict:
 
 def longctx_rotary(hf_config: dict):
     """The frequencies longctx computes for a config.json (as converted)."""
-    from longctx import rope
+    from longctx.model import rope
 
     config = base.get_config()
     hf.apply_overrides(config, hf.config_overrides(hf_config))
@@ -244,9 +245,9 @@ def test_init_from_accepts_a_converted_checkpoint(converted, tmp_path):
     """The trainer's own restore path (checkpoint.init_from) takes the converted parameters."""
     import jax
 
-    from longctx import checkpoint as checkpoint_lib
-    from longctx import mesh as mesh_lib
-    from longctx import train
+    from longctx.train import checkpoint as checkpoint_lib
+    from longctx.parallel import mesh as mesh_lib
+    from longctx.train import loop as train
 
     config = converted_config(os.path.join(ASSETS, "llama_tied"))
     config.checkpoint.init_from = converted["llama_tied"]
@@ -281,7 +282,7 @@ def test_init_from_accepts_a_converted_checkpoint(converted, tmp_path):
 def test_init_from_refuses_a_model_that_computes_another_function(converted, tmp_path, change, refused):
     """Same shapes, another function: refused before anything is compiled, in one sentence naming
     the key and the flag that accepts it; accepted when checkpoint.init_from_allow names it."""
-    from longctx import checkpoint as checkpoint_lib
+    from longctx.train import checkpoint as checkpoint_lib
 
     config = converted_config(os.path.join(ASSETS, "llama_untied"), **change)
     config.checkpoint.init_from = converted["llama_untied"]
@@ -304,7 +305,7 @@ def test_init_from_refuses_a_model_that_computes_another_function(converted, tmp
 def test_init_from_lists_the_context_extension_and_refuses_other_scaling(converted, tmp_path):
     """README's recipe: the converted model plus RoPE scaling and a longer seq_len starts, and the
     start-up line lists both; changing the scaling a model already has is refused."""
-    from longctx import checkpoint as checkpoint_lib
+    from longctx.train import checkpoint as checkpoint_lib
 
     extension = {"model.rope_scaling.type": "llama3", "model.rope_scaling.factor": 8.0,
                  "model.rope_scaling.original_max_position": 512, "data.seq_len": 1024,
@@ -371,7 +372,7 @@ def test_export_into_a_used_directory(converted, tmp_path, monkeypatch):
 
 
 def test_overwrite_never_deletes_what_the_export_reads(tmp_path):
-    from longctx import staging
+    from longctx.interop import staging
 
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     for out in (tmp_path, tmp_path / "run"):
@@ -447,7 +448,7 @@ def test_llama31_config_gives_the_extend_preset_model():
 def test_extend_recipe_passes_the_init_from_check():
     """README's recipe: Llama-3-8B converted with the default --config, then the
     llama3_8b_extend_128k preset started from it: nothing refused, two changes listed."""
-    from longctx import checkpoint_compat as compat
+    from longctx.train import checkpoint_compat as compat
 
     llama3 = {k: v for k, v in LLAMA31_8B.items() if k != "rope_scaling"}
     converted = base.get_config()

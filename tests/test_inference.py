@@ -1,4 +1,4 @@
-"""longctx.inference with packed documents and chunked attention, and the host's count of chunks.
+"""longctx.evals.inference with packed documents and chunked attention, and the host's count of chunks.
 
 The ring counts chunked attention's chunks from each document's start: it names a chunk by the
 column where it starts, column - (in-document position mod chunk_size), so the positions decide
@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 
 from configs import base
-from longctx import flops, hf, inference, masks
+from longctx.model import flops
+from longctx.interop import hf
+from longctx.evals import inference
+from longctx.ops import masks
 from longctx.errors import ConfigError
 from longctx.ops import tables
 
@@ -94,7 +97,7 @@ def _needed_blocks(seg, chunk, layout, seq_len, sp, block):
     """Blocks (row, device, ring step, q block, kv block) holding a pair that causal chunked
     attention per document keeps: same document, key not after query, same chunk of the
     document (in-document position // chunk), by brute force."""
-    from longctx import layout as layout_lib
+    from longctx.parallel import layout as layout_lib
 
     pos = layout_lib.shard_positions(layout, seq_len, sp)
     col = np.arange(seq_len)
@@ -162,8 +165,8 @@ def test_run_info_counts_the_steps_the_ring_visits_with_chunks_per_document(tmp_
 
     from jax.sharding import PartitionSpec as P
 
-    from longctx import mesh as mesh_lib
-    from longctx import train
+    from longctx.parallel import mesh as mesh_lib
+    from longctx.train import loop as train
     from longctx.ops import ring as ring_lib
 
     seq_len, sp, block, chunk = 4096, 8, 128, 256

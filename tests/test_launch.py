@@ -83,7 +83,7 @@ def _read_pid(path) -> int:
 ONE_JOB = """
 import json, os, sys
 
-from longctx import devices
+from longctx.parallel import devices
 devices.configure_cpu_devices()
 
 import jax
@@ -92,7 +92,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from configs import base
-from longctx import mesh as mesh_lib
+from longctx.parallel import mesh as mesh_lib
 
 mesh_lib.maybe_initialize_distributed(base.get_config("tiny").distributed)  # empty settings: env
 pid = jax.process_index()

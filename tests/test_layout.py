@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from longctx import layout
+from longctx.parallel import layout
 
 
 @pytest.mark.parametrize("name", layout.LAYOUTS)

@@ -1,4 +1,4 @@
-"""One run per workdir (longctx/lease.py): a second trainer is refused before it compiles or
+"""One run per workdir (longctx/train/lease.py): a second trainer is refused before it compiles or
 writes anything, a stale lease is taken over with a note, racing starters cannot both win, and a
 multi-process run refuses on every process at once.
 
@@ -21,7 +21,7 @@ import time
 import pytest
 
 from longctx import errors
-from longctx import lease
+from longctx.train import lease
 from tests import child_env, child_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -242,7 +242,7 @@ def test_the_bucket_storage_through_fsspec(tmp_path):
 
 HOLDER = """
 import sys, time
-from longctx import lease
+from longctx.train import lease
 lease.acquire(sys.argv[1])
 print("held", flush=True)
 time.sleep(600)
@@ -250,7 +250,8 @@ time.sleep(600)
 
 RACER = """
 import os, sys, time
-from longctx import errors, lease
+from longctx import errors
+from longctx.train import lease
 go, hold_s = sys.argv[2], float(sys.argv[3])
 print("ready", flush=True)
 while not os.path.exists(go):

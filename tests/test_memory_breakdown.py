@@ -12,11 +12,11 @@ import jax
 import pytest
 
 from configs import base
-from longctx import aot
+from longctx.plan import aot
 from longctx import config as config_lib
-from longctx import memory
-from longctx import mesh as mesh_lib
-from longctx import train
+from longctx.plan import memory
+from longctx.parallel import mesh as mesh_lib
+from longctx.train import loop as train
 
 pytestmark = [pytest.mark.tpu_aot,
               pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed (the [tpu] extra)")]

@@ -10,7 +10,7 @@ import struct
 
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 
-from longctx.metrics import MetricsWriter
+from longctx.train.metrics import MetricsWriter
 
 
 def _crc32c(data: bytes) -> int:

@@ -1,7 +1,7 @@
 """Passkey retrieval: haystacks, greedy exact-match scoring, and a model that retrieves across the ring.
 
 The retrieval test trains the tiny model (the real train_step, 8 CPU devices, mesh 1x2x4, ring
-over sp=4, zigzag, 128-token rows) on the synthetic task of longctx.needle: the needle (a marker
+over sp=4, zigzag, 128-token rows) on the synthetic task of longctx.evals.needle: the needle (a marker
 and a value token, 10 values, chance = 0.1) always sits on another ring shard than the question,
 so a right answer needs keys and values that came around the ring. Seeded data and a
 deterministic CPU backend make it the same run every time. Measured on 128 held-out rows after
@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 
 from configs import base
-from longctx import hf, needle, train
-from longctx import layout as layout_lib
-from longctx import mesh as mesh_lib
+from longctx.interop import hf
+from longctx.evals import needle
+from longctx.train import loop as train
+from longctx.parallel import layout as layout_lib
+from longctx.parallel import mesh as mesh_lib
 from longctx.data.tokenizer import byte_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from configs import base
-from longctx import mesh as mesh_lib
-from longctx import train
-from longctx.model import weight_decay_mask
+from longctx.parallel import mesh as mesh_lib
+from longctx.train import loop as train
+from longctx.model.decoder import weight_decay_mask
 
 NOT_DECAYED = {"attn_norm", "mlp_norm", "final_norm", "sinks"}
 

@@ -179,8 +179,8 @@ def test_no_validation_documents_warned_at_prepare_refused_at_start(tmp_path, mo
     from configs import base
     from longctx import data as data_lib
     from longctx import errors
-    from longctx import mesh as mesh_lib
-    from longctx import train as train_lib
+    from longctx.parallel import mesh as mesh_lib
+    from longctx.train import loop as train_lib
 
     (tmp_path / "book.txt").write_text(sentence(random.Random(2), 3000))
     out = tmp_path / "data"

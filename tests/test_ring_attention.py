@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from longctx import layout as layout_lib
+from longctx.parallel import layout as layout_lib
 from longctx.ops import reference_attention, resolve_layout, ring_attention
 from longctx.ops import reference as reference_lib
 
@@ -296,7 +296,7 @@ def test_ring_stops_after_the_last_step_with_a_live_block(layout, case):
     tables.document_schedule) calls its visited steps. Every device of the mesh agrees, also
     across rings (here one row per ring): a ring that stopped earlier than another would leave
     the other's collectives waiting."""
-    from longctx import masks
+    from longctx.ops import masks
     from longctx.ops import tables
 
     sp, seq_len = 4, SHARD * 4

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from longctx import aot
+from longctx.plan import aot
 from longctx.ops import ring_attention
 
 pytestmark = [

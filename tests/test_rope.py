@@ -17,9 +17,10 @@ import pytest
 
 from configs import base
 from longctx import config as config_lib
-from longctx import hf, rope
+from longctx.interop import hf
+from longctx.model import rope
 from longctx.errors import ConfigError
-from longctx.model import apply_rope
+from longctx.model.decoder import apply_rope
 
 GOLDEN = json.load(open(os.path.join(os.path.dirname(__file__), "assets", "hf", "rope_golden.json")))
 

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from configs import base
-from longctx import aot
+from longctx.plan import aot
 from longctx import config as config_lib
-from longctx import flops
+from longctx.model import flops
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import bench_common  # noqa: E402
 
@@ -165,7 +165,7 @@ def test_largest_square_finds_score_matrices():
 
 
 def test_bench_attention_quick(tmp_path):
-    p = run("scripts/bench_attention.py", "--quick", "--json", str(tmp_path / "a.json"),
+    p = run("benchmarks/bench_attention.py", "--quick", "--json", str(tmp_path / "a.json"),
             "--md", str(tmp_path / "b.md"))
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.load(open(tmp_path / "a.json"))
@@ -200,7 +200,7 @@ def test_bench_attention_quick(tmp_path):
 
 
 def test_bench_memory_quick_cpu(tmp_path):
-    p = run("scripts/bench_memory.py", "--quick", "--no-tpu", "--cpu-layers", "unrolled",
+    p = run("benchmarks/bench_memory.py", "--quick", "--no-tpu", "--cpu-layers", "unrolled",
             "--json", str(tmp_path / "m.json"),
             "--md", str(tmp_path / "b.md"))
     assert p.returncode == 0, p.stderr[-2000:]
@@ -231,7 +231,7 @@ def test_bench_memory_quick_cpu(tmp_path):
 
 
 def test_bench_train_quick(tmp_path):
-    p = run("scripts/bench_train.py", "--quick", "--json", str(tmp_path / "t.json"),
+    p = run("benchmarks/bench_train.py", "--quick", "--json", str(tmp_path / "t.json"),
             "--md", str(tmp_path / "b.md"))
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.load(open(tmp_path / "t.json"))
@@ -251,7 +251,7 @@ def test_bench_train_quick(tmp_path):
 
 
 def test_bench_data_quick(tmp_path):
-    p = run("scripts/bench_data.py", "--seq-lens", "8192", "--packers", "best_fit", "concat_then_split",
+    p = run("benchmarks/bench_data.py", "--seq-lens", "8192", "--packers", "best_fit", "concat_then_split",
             "--workers", "0", "--tokens", "1e5", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr[-2000:]
     results = {r["packer"]: r for r in json.load(open(tmp_path / "bench_data.json"))["results"]}
@@ -265,7 +265,7 @@ def test_bench_data_quick(tmp_path):
 
 
 def test_bench_checkpoint_small(tmp_path):
-    p = run("scripts/bench_checkpoint.py", "--d-model", "128", "--num-layers", "1", "--mlp-dim", "256",
+    p = run("benchmarks/bench_checkpoint.py", "--d-model", "128", "--num-layers", "1", "--mlp-dim", "256",
             "--saves", "3", "--out", str(tmp_path), timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.load(open(tmp_path / "bench_checkpoint.json"))

@@ -10,10 +10,10 @@ import sys
 import jax
 import numpy as np
 
-from longctx import checkpoint as checkpoint_lib
+from longctx.train import checkpoint as checkpoint_lib
 from longctx import data as data_lib
-from longctx import mesh as mesh_lib
-from longctx import train as train_lib
+from longctx.parallel import mesh as mesh_lib
+from longctx.train import loop as train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

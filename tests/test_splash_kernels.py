@@ -22,7 +22,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
 from jax.sharding import PartitionSpec as P
 
-from longctx import layout as layout_lib
+from longctx.parallel import layout as layout_lib
 from longctx.ops import reference_attention, ring_attention
 from longctx.ops import splash_kernels as kernels
 from longctx.ops import tables

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longctx import layout as layout_lib
-from longctx import masks
+from longctx.parallel import layout as layout_lib
+from longctx.ops import masks
 from longctx.ops import tables
 
 MASKS = {

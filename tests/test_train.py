@@ -6,9 +6,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import base
-from longctx import mesh as mesh_lib
-from longctx import train
-from longctx.metrics import MetricsWindow
+from longctx.parallel import mesh as mesh_lib
+from longctx.train import loop as train
+from longctx.train.metrics import MetricsWindow
 from tests import synthetic
 
 

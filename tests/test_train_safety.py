@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import pytest
 
 from configs import base
-from longctx import checkpoint as checkpoint_lib
+from longctx.train import checkpoint as checkpoint_lib
 from longctx import errors
-from longctx import mesh as mesh_lib
-from longctx import train
+from longctx.parallel import mesh as mesh_lib
+from longctx.train import loop as train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
@@ -152,7 +152,8 @@ def test_disk_full_during_a_save_is_one_line_and_the_next_start_resumes(small_di
 
 METRICS_ON_A_FULL_DISK = """
 import sys
-from longctx import errors, metrics
+from longctx import errors
+from longctx.train import metrics
 disk = sys.argv[1]
 writer = metrics.MetricsWriter(disk + "/run", enabled=True)
 try:
@@ -186,7 +187,7 @@ import jax, numpy as np
 import tensorstore as ts
 from orbax.checkpoint._src.serialization import limits, serialization
 from configs import base
-from longctx import checkpoint
+from longctx.train import checkpoint
 checkpoint.Checkpointer(tempfile.mkdtemp(), base.get_config("tiny"))
 
 # A TensorStore write in flight when its save's loop is closed (as Orbax closes a failed save's):

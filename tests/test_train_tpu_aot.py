@@ -3,7 +3,7 @@
 import pytest
 
 from configs import base
-from longctx import aot
+from longctx.plan import aot
 
 pytestmark = [
     pytest.mark.tpu_aot,

@@ -1,4 +1,4 @@
-"""longctx.workdir.check_writable: a probe per process (pods run Python as PID 1), and a file in
+"""longctx.train.workdir.check_writable: a probe per process (pods run Python as PID 1), and a file in
 the way named as a file; check_named: an empty --workdir is refused."""
 
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from longctx import workdir
+from longctx.train import workdir
 from longctx.errors import ConfigError
 
 

@@ -54,7 +54,7 @@ def num_packing_bins(packer: str, seq_len: int, batch_size: int,
     Grain emits every bin as soon as one piece fits in none, so more bins = less padding, at the
     cost of buffer memory (16 bytes per position: the pair, segment id, position), documents read
     before the first row, and per-document search time (linear in bins). Calibrated on the
-    stdlib corpus with scripts/bench_data.py: 1024 bins give best-fit >= 0.99 non-padding at 8K
+    stdlib corpus with benchmarks/bench_data.py: 1024 bins give best-fit >= 0.99 non-padding at 8K
     and 32K (512 gave 0.988); the budget of 8 Mi positions (128 MiB) caps very long rows.
 
     `pairs_per_epoch` (the (input, target) pairs one epoch of the data shard holds) caps the bins

@@ -30,7 +30,7 @@ and restores in place. A restored iterator continues exactly where the saved one
 the same data directory, config (seq_len, batch, packer, seeds, num_workers), process count and
 process -> data shard map. `BatchIterator.stream_record()` is what, beyond the config, a saved state
 depends on: every process's data shard and the train split's fingerprint (`dataset_fingerprint`);
-longctx.checkpoint saves it beside the state and restarts the stream when it differs.
+longctx.train.checkpoint saves it beside the state and restarts the stream when it differs.
 `BatchIterator.get_state()/set_state()` give the same JSON-serializable dict for other uses.
 
 Validation uses the same packer with no shuffle, fixed seeds, few bins and no worker processes,
@@ -42,7 +42,7 @@ the count; past one pass the documents repeat). Training order depends on data.s
 Batch format (packing.py has the details): int32 `[global_batch, seq_len]` arrays `tokens`,
 `segment_ids` (1, 2, ... per document in a row; 0 = padding), `positions` (restart at 0 per
 segment), `targets` (next token of the same document), `loss_mask` (1 on real tokens, 0 on
-padding), all permuted along the sequence by `longctx.layout.permutation(layout, seq_len, sp)`.
+padding), all permuted along the sequence by `longctx.parallel.layout.permutation(layout, seq_len, sp)`.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from longctx.data import packing
 from longctx.data import prepare as prepare_lib
 from longctx.data import sharding as sharding_lib
 from longctx.errors import ConfigError, MissingFileError
+from longctx.parallel import layout as layout_lib
 
 _SPLIT_NAMES = {"train": "train", "validation": "validation", "eval": "validation"}
 _REQUIRED_META = ("tokenizer", "vocab_size", "bos_id", "eos_id", "pad_id", "splits")
@@ -255,9 +256,7 @@ def pairs_per_shard_epoch(meta: dict, split: str, shard_count: int) -> int | Non
 
 @functools.lru_cache(maxsize=16)
 def layout_permutation(layout: str, seq_len: int, num_shards: int) -> np.ndarray | None:
-    """`longctx.layout.permutation`, or None when it is the identity (nothing to move)."""
-    from longctx import layout as layout_lib
-
+    """`longctx.parallel.layout.permutation`, or None when it is the identity (nothing to move)."""
     perm = np.asarray(layout_lib.permutation(layout, seq_len, num_shards))
     return None if np.array_equal(perm, np.arange(seq_len)) else perm
 

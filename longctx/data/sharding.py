@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from longctx import mesh as mesh_lib
+from longctx.parallel import mesh as mesh_lib
 from longctx.errors import ConfigError
 
 

@@ -13,7 +13,7 @@ Public API:
                  chunk_size=None, block_size=None) -> str
       The concrete layout ring_attention uses for `layout` ("auto" -> the layout whose ring
       finishes first for the mask). The data pipeline permutes every row with
-      `longctx.layout.permutation(resolve_layout(...), seq_len, sp)` so that tokens arrive in
+      `longctx.parallel.layout.permutation(resolve_layout(...), seq_len, sp)` so that tokens arrive in
       the order the attention expects; call it with the same mask keywords as the model.
       block_size scores the layouts with the ring's block; then give the model the concrete
       layout (ring_attention's own "auto" scores with default blocks, as block_size=None does).
@@ -23,7 +23,7 @@ Public API:
       concrete layout (benchmarks, configs). `ring_schedule(...)` returns the full Schedule:
       computed_blocks [device, step], run_steps, efficiency, steps, critical_path.
 """
-from longctx.masks import resolve_layout
+from longctx.ops.auto_layout import resolve_layout
 from longctx.ops.reference import reference_attention
 from longctx.ops.ring import IMPLS, ring_attention
 from longctx.ops.tables import ring_schedule, ring_schedule_efficiency

@@ -4,7 +4,7 @@ Einsum letters:
   b batch   t query position   s key/value position
   k kv head   g query heads per kv head (GQA group)   h head_dim
 
-It is written independently of `longctx.masks` on purpose (the mask is re-derived here from
+It is written independently of `longctx.ops.masks` on purpose (the mask is re-derived here from
 positions), so the ring and its block tables are checked against a separate formulation.
 """
 from __future__ import annotations

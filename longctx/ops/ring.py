@@ -43,10 +43,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from longctx import layout as layout_lib
-from longctx import masks
+from longctx.ops import auto_layout, masks, xla
 from longctx.ops import tables as tables_lib
 from longctx.ops.shmap import max_over_devices, pick, sum_over_devices, vary_like
+from longctx.parallel import layout as layout_lib
 
 # The per-step backends: the Pallas TPU splash kernel, and the same math in plain XLA.
 IMPLS = ("splash", "xla")
@@ -77,11 +77,11 @@ class RingConfig:
 
 
 def _backend(cfg):
-    # Imported when first used: the splash backend pulls in Pallas.
     if cfg.impl == "splash":
+        # Imported when first used (lazily, not to break a circle): the splash backend pulls in
+        # Pallas, which an impl="xla" run never needs.
         from longctx.ops import splash
         return splash
-    from longctx.ops import xla
     return xla
 
 
@@ -308,7 +308,7 @@ def ring_fn(cfg: RingConfig):
 
 def _block_sizes(block_sizes, shard_len, impl, layout):
     """(bq, bkv, bkv_compute, bkv_dkv_compute) from None | int | splash BlockSizes."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # (Pallas: lazily)
     if block_sizes is None:
         b = masks.default_block_size(shard_len, layout)
         sizes = (b, b, b, b)
@@ -346,7 +346,7 @@ def _block_sizes(block_sizes, shard_len, impl, layout):
 def _fused_backward(block_sizes) -> bool:
     """Whether splash's backward runs as one fused kernel (dq, dk, dv in one pass; ops/splash.py)
     or as its dq and dkv kernels: fused unless a splash BlockSizes asks otherwise."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # (Pallas: lazily)
     return not isinstance(block_sizes, sk.BlockSizes) or block_sizes.use_fused_bwd_kernel
 
 
@@ -367,7 +367,7 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
 
     Call inside `jax.shard_map` with `axis_name` bound. query [b, L, heads, head_dim] and
     key/value [b, L, kv_heads, head_dim] are this device's shards in `layout` order; masks are
-    evaluated on global natural-order positions (see longctx.layout). Segment ids [b, L] int32
+    evaluated on global natural-order positions (see longctx.parallel.layout). Segment ids [b, L] int32
     (documents) travel with K/V; an id <= 0 is padding, which attends to nothing and is attended
     by nothing. Blocks whose queries and keys share no document are skipped (ops/tables.py).
     positions [b, L]: each token's position in its document (the model's RoPE positions); with
@@ -393,7 +393,7 @@ def ring_attention_forward(query, key, value, q_segment_ids=None, kv_segment_ids
                            softmax_aux=None, **kwargs):
     """`ring_attention`'s forward alone: (out, lse), lse [b, L, heads] float32 the logsumexp of
     each query's scores (sinks included). For callers that write their own VJP around the ring
-    (longctx.attention keeps fewer residuals than `ring_attention` does); the same keywords."""
+    (longctx.model.attention keeps fewer residuals than `ring_attention` does); the same keywords."""
     cfg, q_ids, kv_ids, aux = _prepare(query, key, value, q_segment_ids, kv_segment_ids,
                                        softmax_aux, **kwargs)
     return _forward(cfg, query, key, value, q_ids, kv_ids, aux)
@@ -457,7 +457,7 @@ def _prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, p
         raise ValueError(f"axis_name={axis_name!r} is not bound: call ring_attention inside "
                          "jax.shard_map over a mesh with that axis") from e
     seq_len = L * sp
-    layout = masks.resolve_layout(layout, seq_len, sp, causal=causal,
+    layout = auto_layout.resolve_layout(layout, seq_len, sp, causal=causal,
                                   sliding_window=sliding_window, chunk_size=chunk_size)
     if q_segment_ids is not None:
         q_segment_ids, kv_segment_ids = _kernel_segment_ids(

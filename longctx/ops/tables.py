@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from longctx import layout as layout_lib
-from longctx.masks import (MaskSpec, default_block_size, document_chunk_ids, make_mask_spec,
+from longctx.parallel import layout as layout_lib
+from longctx.ops.masks import (MaskSpec, default_block_size, document_chunk_ids, make_mask_spec,
                            within_chunk_window)
 
 def block_runs(layout: str, seq_len: int, num_shards: int, block: int):

@@ -1,0 +1,70 @@
+"""Process start-up for CPU runs: how many virtual CPU devices, and which platform, before jax starts.
+
+Entry points (scripts, launch/local.py children) call `configure_cpu_devices()` first thing (it is
+also `longctx.cli.configure_cpu_devices`). On a machine with a TPU or GPU nothing changes but the
+CPU backend's device count; on a CPU-only machine the host is split into N virtual devices so that
+(dp, fsdp, sp) meshes can be exercised, where N is, first found:
+
+  LONGCTX_CPU_DEVICES   the user-facing knob (launch/local.py sets it per child)
+  JAX_NUM_CPU_DEVICES   jax's own setting, if the user set it
+  `default`             8 unless the script asks for more
+
+N goes to jax as `JAX_NUM_CPU_DEVICES` (jax's `jax_num_cpu_devices` option, which takes precedence
+over `--xla_force_host_platform_device_count` in `XLA_FLAGS`; `XLA_FLAGS` is left alone).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from longctx.errors import ConfigError
+
+ENV = "LONGCTX_CPU_DEVICES"
+JAX_ENV = "JAX_NUM_CPU_DEVICES"
+
+
+def cpu_device_count(default: int = 8) -> int:
+    """The number of virtual CPU devices this process asks for (see the module docstring)."""
+    for name in (ENV, JAX_ENV):
+        text = os.environ.get(name, "").strip()
+        if text:
+            try:
+                count = int(text)
+            except ValueError:
+                count = 0
+            if count < 1:
+                raise ConfigError(f"{name}={text!r} must be a positive number of CPU devices.")
+            return count
+    return default
+
+
+def configure_cpu_devices(default: int = 8) -> int:
+    """Sets the CPU device count (and JAX_PLATFORMS=cpu without an accelerator); returns the count.
+
+    Must run before jax's backends start: best before jax is imported (through the environment);
+    if jax is already imported, through `jax.config` (RuntimeError once a backend is running).
+    """
+    count = cpu_device_count(default)
+    os.environ[JAX_ENV] = str(count)
+    if not has_accelerator():
+        # libtpu is installed for ahead-of-time TPU compiles; without a TPU, skip its probing.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if "jax" in sys.modules:  # the environment has been read already; tell jax directly
+        import jax
+
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+            if os.environ.get("JAX_PLATFORMS"):
+                jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+        except RuntimeError as e:
+            raise RuntimeError("longctx.parallel.devices.configure_cpu_devices() must run before any jax "
+                               f"computation starts a backend ({e}).") from None
+    return count
+
+
+def has_accelerator() -> bool:
+    """Whether this machine has a TPU or GPU jax may use (JAX_PLATFORMS, when set, decides)."""
+    if os.environ.get("JAX_PLATFORMS"):
+        return os.environ["JAX_PLATFORMS"] != "cpu"
+    return os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio") or os.path.exists("/dev/nvidia0")

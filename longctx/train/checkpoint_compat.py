@@ -1,0 +1,202 @@
+"""Does a saved checkpoint fit this run? The comparisons behind every resume decision.
+
+A checkpoint that reads fine can still belong to another run. Three questions, each answered from
+the small parts of a step (its config JSON and its arrays' shapes), before any array is read:
+  - model shape: the config keys that fix parameter shapes differ -> an error (`ConfigError`);
+  - train-state structure: the arrays themselves differ (e.g. another optimizer chain) -> an error
+    listing them;
+  - data stream: the process count, the keys that define the training stream, the process ->
+    data shard map or the dataset's fingerprint differ -> the saved iterator state means nothing,
+    and the data restarts (the caller decides how; `data_state_mismatch` says why).
+Other differences are only reported.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from longctx import config as config_lib
+from longctx.model import rope
+from longctx.errors import ConfigError
+
+# Config keys that fix the shapes (or presence) of parameters: a difference is an error on resume.
+SHAPE_KEYS = tuple(f"model.{k}" for k in (
+    "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+    "tie_embeddings", "param_dtype")) + ("attention.attention_sinks",)
+# Data keys that define the training stream: if one differs, the saved iterator state means nothing.
+STREAM_KEYS = tuple(f"data.{k}" for k in (
+    "path", "seq_len", "global_batch_size", "packer", "shuffle_seed", "num_workers"))
+# The key of the saved metadata that holds the train iterator's `BatchIterator.stream_record()`.
+DATA_STREAM = "data_stream"
+_MAX_LISTED = 12
+_MAX_LISTED_DATA = 3
+_NEW_WORKDIR = "Use a new workdir, or checkpoint.init_from to start from its parameters."
+
+
+def _get(config: dict, dotted: str):
+    section, key = dotted.split(".", 1)
+    return (config.get(section) or {}).get(key)
+
+
+def config_differences(saved: dict, current: dict, keys) -> list[str]:
+    """`"key: checkpoint X vs config Y"` for each dotted key whose value differs."""
+    return [f"{k}: checkpoint {_get(saved, k)!r} vs config {_get(current, k)!r}"
+            for k in keys if _get(saved, k) != _get(current, k)]
+
+
+def section_differences(saved: dict, current: dict, section: str, skip=()) -> list[str]:
+    """Every differing key of one config section, except those in `skip`."""
+    keys = sorted(set(saved.get(section) or {}) | set(current.get(section) or {}))
+    return config_differences(saved, current, [f"{section}.{k}" for k in keys
+                                                if f"{section}.{k}" not in skip])
+
+
+def flat_arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+    """`{"params/embed/value": (shape, dtype)}` for a tree of arrays, ShapeDtypeStructs or Orbax
+    ArrayMetadata (dataclass fields, dict keys and named-tuple fields all give plain names)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path, simple=True, separator="/").replace("/.", "/"):
+            (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in leaves}
+
+
+def structure_differences(saved: dict, current: dict) -> list[str]:
+    """The arrays (from `flat_arrays`) that only one side has or that differ, at most a dozen."""
+    out = []
+    for name in sorted(set(saved) | set(current)):
+        if name not in current:
+            out.append(f"{name} only in the checkpoint")
+        elif name not in saved:
+            out.append(f"{name} only in this run")
+        elif saved[name] != current[name]:
+            (s_shape, s_dtype), (c_shape, c_dtype) = saved[name], current[name]
+            out.append(f"{name}: checkpoint {s_dtype}{list(s_shape)} vs this run {c_dtype}{list(c_shape)}")
+    if len(out) > _MAX_LISTED:
+        out = out[:_MAX_LISTED] + [f"... and {len(out) - _MAX_LISTED} more"]
+    return out
+
+
+def model_shape_error(config, where: str, saved_config: dict) -> ConfigError | None:
+    """The error for a checkpoint whose model shape differs from `config`'s, or None."""
+    diffs = config_differences(saved_config, config.to_dict(), SHAPE_KEYS)
+    if not diffs:
+        return None
+    return ConfigError(f"the model in {where} differs from this config: " + "; ".join(diffs)
+                       + f". {_NEW_WORKDIR}")
+
+
+def check_fits(config, where: str, saved_config: dict, saved_arrays: dict, target) -> None:
+    """Raises ConfigError when a readable step is not this run's: another model shape, or another
+    train-state structure (`target` is this run's abstract state)."""
+    error = model_shape_error(config, where, saved_config)
+    if error:
+        raise error
+    diffs = structure_differences(saved_arrays, flat_arrays(target))
+    if diffs:
+        raise ConfigError(f"the train state in {where} does not fit this run's (optimizer or model "
+                          f"settings changed?): " + "; ".join(diffs) + f". {_NEW_WORKDIR}")
+
+
+def data_state_mismatch(saved_config: dict, saved_metadata: dict, current_config: dict,
+                        current_record: dict, process_count: int) -> str | None:
+    """Why a saved train-iterator state cannot continue this run's stream (a phrase that follows
+    "the data iterator state"), or None when it can.
+
+    Each process's Grain state describes its own share of one particular stream: it continues
+    that stream only with the same process count, the same stream keys, the same process -> data
+    shard map (else processes that now share one sp group would restore different states and
+    feed different rows into one sequence) and the same dataset (else the same path holds other
+    documents)."""
+    saved_processes = saved_metadata.get("process_count")
+    if saved_processes != process_count:
+        return f"was saved by {saved_processes} process(es) and this run has {process_count}"
+    diffs = config_differences(saved_config, current_config, STREAM_KEYS)
+    if diffs:
+        return "belongs to another data stream (" + "; ".join(diffs) + ")"
+    saved = saved_metadata.get(DATA_STREAM)
+    if not saved:
+        return "was saved without a record of its data shards and dataset (an older longctx)"
+    diffs = shard_differences(saved.get("shards") or {}, current_record["shards"])
+    if diffs:
+        return ("was saved under another process -> data shard map (" + _listed(diffs) + ")")
+    diffs = fingerprint_differences(saved.get("dataset") or {}, current_record["dataset"])
+    if diffs:
+        return "belongs to another dataset (" + _listed(diffs) + ")"
+    return None
+
+
+def _describe_shard(shard: dict | None) -> str:
+    if not shard:
+        return "no rows"
+    start, stop = shard["rows"]
+    return f"data shard {shard['index']} of {shard['count']}, batch rows {start}-{stop - 1}"
+
+
+def shard_differences(saved: dict, current: dict) -> list[str]:
+    """`"process 0: data shard 0 of 2, batch rows 0-1 then, data shard 0 of 1, batch rows 0-3
+    now"` for each process whose data shard differs."""
+    out = []
+    for p in sorted(set(saved) | set(current), key=int):
+        if saved.get(p) != current.get(p):
+            out.append(f"process {p}: {_describe_shard(saved.get(p))} then, "
+                       f"{_describe_shard(current.get(p))} now")
+    return out
+
+
+def fingerprint_differences(saved: dict, current: dict) -> list[str]:
+    """What differs between two `longctx.data.pipeline.dataset_fingerprint`s: the tokenizer, the
+    split's counts, and each file's counts and size."""
+    out = [f"{key}: {saved.get(key)!r} then vs {current.get(key)!r} now"
+           for key in sorted(set(saved) | set(current)) if key != "files"
+           and saved.get(key) != current.get(key)]
+    saved_files = {f["path"]: f for f in saved.get("files", [])}
+    current_files = {f["path"]: f for f in current.get("files", [])}
+    for path in sorted(set(saved_files) | set(current_files)):
+        then, now = saved_files.get(path), current_files.get(path)
+        if then is None or now is None:
+            out.append(f"{path} {'only now' if then is None else 'no longer there'}")
+        elif then != now:
+            out.extend(f"{path} {key}: {then.get(key)!r} then vs {now.get(key)!r} now"
+                       for key in sorted(set(then) | set(now)) if then.get(key) != now.get(key))
+    return out
+
+
+def _listed(items: list[str]) -> str:
+    more = len(items) - _MAX_LISTED_DATA
+    return "; ".join(items[:_MAX_LISTED_DATA]) + (f"; and {more} more" if more > 0 else "")
+
+
+# ----------------------------------------------------------------------------- init_from
+
+# Changed on purpose by context extension (README "Extend a released model"): listed, never refused.
+_EXTENSION_KEYS = ("data.seq_len",)
+
+
+def _rope_scaling(config: dict) -> str:
+    """'none', or 'llama3(factor=8.0, ...)': the type and only the values it reads."""
+    scaling = (config.get("model") or {}).get("rope_scaling") or {"type": "none"}
+    kind = scaling.get("type", "none")
+    values = ", ".join(f"{k}={scaling.get(k)!r}" for k in rope.KEYS_BY_TYPE.get(kind, ()) if scaling.get(k) is not None)
+    return f"{kind}({values})" if values else kind
+
+
+def init_from_differences(saved: dict, current: dict, allowed) -> tuple[list[str], list[str]]:
+    """(changes to list, changes to refuse) between init_from's saved config and this run's.
+
+    Listed: the context-extension changes (data.seq_len; RoPE scaling added to a model that had
+    none) and the differences `allowed` names. Refused: every other config.INIT_FROM_KEYS difference."""
+    listed, refused = config_differences(saved, current, _EXTENSION_KEYS), []
+    for key in config_lib.INIT_FROM_KEYS:
+        if key == "model.rope_scaling":
+            before, after = _rope_scaling(saved), _rope_scaling(current)
+            if before == after:
+                continue
+            text = f"{key}: checkpoint {before} vs config {after}"
+            extension = before == "none"
+        else:
+            (text,) = config_differences(saved, current, [key]) or (None,)
+            if text is None:
+                continue
+            extension = False
+        (listed if extension or key in allowed else refused).append(text)
+    return listed, refused

@@ -1,0 +1,700 @@
+"""Training: the train state, a pure `train_step`, evaluation, and `train_and_evaluate`.
+
+Shapes: every batch array is int32 [global_batch, seq_len], batch sharded over (dp, fsdp) and the
+sequence over sp, tokens already in the ring layout (the data pipeline permuted them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from longctx.train import checkpoint as checkpoint_lib
+from longctx.train import checkpoint_compat as compat
+from longctx import cli
+from longctx import config as config_lib
+from longctx import data as data_lib
+from longctx import errors
+from longctx.model import attention as attention_lib
+from longctx.model import flops as flops_lib
+from longctx.train import lease as lease_lib
+from longctx.parallel import mesh as mesh_lib
+from longctx import ops
+from longctx.train import workdir as workdir_lib
+from longctx.ops import tables
+from longctx.train.metrics import MetricsWindow, MetricsWriter
+from longctx.model.decoder import Decoder, model_nll, weight_decay_mask
+
+BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: jax.Array  # per-step randomness is fold_in(rng, step), so a resumed run is the same run
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def learning_rate_schedule(config) -> optax.Schedule:
+    o, steps = config.optimizer, config.train.num_steps
+    warmup = min(o.warmup_steps, steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.learning_rate, warmup_steps=warmup,
+        decay_steps=max(steps, warmup + 1), end_value=o.learning_rate * o.min_learning_rate_ratio)
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+    o = config.optimizer
+    adamw = optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
+                        weight_decay=o.weight_decay, mask=weight_decay_mask)
+    if o.grad_clip_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
+
+
+# The keys `learning_rate_schedule` reads.
+SCHEDULE_KEYS = ("optimizer.learning_rate", "optimizer.min_learning_rate_ratio", "optimizer.warmup_steps",
+                 "train.num_steps")
+
+
+def optimizer_notes(config, saved_config: dict | None = None, updates: int = 0) -> list[str]:
+    """One line each, for the start-up, about what the optimizer will do that the config does not
+    say outright: a warmup longer than the run (cut to the run), AdamW's moments in bfloat16, and,
+    on a resume (`saved_config`: the checkpoint's, `updates`: the updates it had applied), a
+    schedule that differs from the one the run started with."""
+    o, t, notes = config.optimizer, config.train, []
+    if o.warmup_steps > t.num_steps:
+        notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than train.num_steps={t.num_steps}: "
+                     f"the warmup is cut to {t.num_steps} steps, so the learning rate rises until the last "
+                     f"step, never reaching optimizer.learning_rate={o.learning_rate:g}, and never decays.")
+    if config.model.param_dtype == "bfloat16":
+        notes.append("model.param_dtype=bfloat16: AdamW's moments are kept in bfloat16 too (optax follows "
+                     "the parameters' dtype), so updates much smaller than a weight round away; "
+                     "model.param_dtype=float32 keeps parameters and moments in full precision.")
+    if saved_config is not None:
+        changed = compat.config_differences(saved_config, config.to_dict(), SCHEDULE_KEYS)
+        if changed:
+            before = learning_rate_schedule(ml_collections.ConfigDict(saved_config))(updates)
+            after = learning_rate_schedule(config)(updates)
+            stretched = (f"its cosine decay is re-stretched to end at step {t.num_steps}, and "
+                         if any(d.startswith("train.num_steps") for d in changed) else "")
+            notes.append(f"the learning-rate schedule differs from the checkpoint's ({'; '.join(changed)}): "
+                         f"{stretched}the rate of update {updates + 1} is {float(after):.3g}, where the "
+                         f"checkpoint's schedule had {float(before):.3g}.")
+    return notes
+
+
+# ----------------------------------------------------------------------------- state & shardings
+
+
+def resolve_layout(config, sp: int, documents=None) -> str:
+    """The concrete sequence layout for this run: "auto" resolved by the ring's schedule with the
+    run's attention.block_size, on `documents` (segment ids of rows the run will see, e.g.
+    data.layout_sample's) where given and attention.use_segment_ids masks them."""
+    if not config.attention.use_segment_ids:
+        documents = None
+    return ops.resolve_layout(config.attention.layout, config.data.seq_len, sp,
+                              block_size=config.attention.block_size, segment_ids=documents,
+                              **attention_lib.mask_kwargs(config.attention))
+
+
+def _logical_shardings(mesh, tree, rules=None):
+    """NamedShardings for a tree that holds nnx Variables (parameters carry logical axis names)."""
+    specs = nnx.get_partition_spec(tree)  # logical names, e.g. P('layers', 'embed', 'mlp')
+    return jax.tree.map(lambda spec: NamedSharding(mesh, mesh_lib.logical_to_spec(tuple(spec), rules)),
+                        specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def state_shardings(config, mesh, abstract_state: TrainState) -> TrainState:
+    """Parameters by the logical rules (over fsdp x sp); the optimizer state the same, or also over
+    dp with optimizer.shard_state_over_dp (ZeRO-1)."""
+    shardings = _logical_shardings(mesh, abstract_state)
+    over_dp = bool(config.optimizer.get("shard_state_over_dp", False))
+    return shardings.replace(opt_state=_logical_shardings(
+        mesh, abstract_state.opt_state, mesh_lib.optimizer_rules(over_dp)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything static about a run's state: how to rebuild the model and how it is sharded."""
+
+    graphdef: Any
+    abstract_state: TrainState
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    optimizer: optax.GradientTransformation
+    init: Callable[[jax.Array], TrainState]  # jitted, parameters born sharded
+
+
+def make_setup(config, mesh, layout: str) -> Setup:
+    """eval_shape -> shardings -> jit(init, out_shardings=...): no full copy ever on one device."""
+    optimizer = make_optimizer(config)
+    graphdefs = []  # the model's static structure, captured while tracing init
+
+    def init(rng):
+        model = Decoder(config, layout=layout, rngs=nnx.Rngs(params=rng))
+        graphdef, params = nnx.split(model, nnx.Param)
+        graphdefs.append(graphdef)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=optimizer.init(params), rng=rng)
+
+    abstract_state = jax.eval_shape(init, jax.random.PRNGKey(0))
+    graphdef = graphdefs[0]
+    shardings = state_shardings(config, mesh, abstract_state)
+    return Setup(graphdef=graphdef, abstract_state=abstract_state, state_shardings=shardings,
+                 batch_sharding=mesh_lib.batch_sharding(mesh), optimizer=optimizer,
+                 init=jax.jit(init, out_shardings=shardings))
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _masked_loss(graphdef, params, batch):
+    nll = model_nll(nnx.merge(graphdef, params), batch)
+    weights = batch["loss_mask"].astype(jnp.float32)
+    total, count = jnp.sum(nll * weights), jnp.sum(weights)
+    return total / jnp.maximum(count, 1.0), (nll, count)
+
+
+def applied_updates(opt_state) -> jax.Array:
+    """How many updates the optimizer has applied: its schedule's own count, which a skipped
+    (non-finite) step does not advance, unlike `TrainState.step`. The learning rate of the next
+    update is `schedule(applied_updates(opt_state))`."""
+    return optax.tree_utils.tree_get(
+        opt_state, "count",
+        filtering=lambda path, _: getattr(path[-1], "tuple_name", None) == "ScaleByScheduleState")
+
+
+def make_train_step(config, setup: Setup):
+    """The pure `train_step(state, batch) -> (state, metrics)`."""
+    schedule = learning_rate_schedule(config)
+    skip_nonfinite = config.train.on_nonfinite == "skip"
+
+    def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
+        grad_fn = jax.value_and_grad(_masked_loss, argnums=1, has_aux=True)
+        (loss, (_, count)), grads = grad_fn(setup.graphdef, state.params, batch)
+        updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.global_norm(grads)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        if skip_nonfinite:
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+            new_state = kept.replace(step=state.step + 1)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": count,
+                   "learning_rate": schedule(applied_updates(state.opt_state))}
+        return new_state, metrics
+
+    return train_step
+
+
+def num_position_buckets(seq_len: int) -> int:
+    """Log-spaced buckets of in-document position: [0,1), [1,3), [3,7), ... up to seq_len."""
+    return int(math.ceil(math.log2(seq_len + 1)))
+
+
+def make_eval_step(config, setup: Setup):
+    """`eval_step(params, batch)` -> summed NLL and counts, overall and by position bucket."""
+    n_buckets = num_position_buckets(config.data.seq_len)
+
+    def eval_step(params, batch):
+        _, (nll, count) = _masked_loss(setup.graphdef, params, batch)
+        weights = batch["loss_mask"].astype(jnp.float32)
+        bucket = jnp.floor(jnp.log2(batch["positions"].astype(jnp.float32) + 1.0)).astype(jnp.int32)
+        bucket = jnp.clip(bucket, 0, n_buckets - 1).reshape(-1)
+        by_position = jax.ops.segment_sum((nll * weights).reshape(-1), bucket, n_buckets)
+        by_position_count = jax.ops.segment_sum(weights.reshape(-1), bucket, n_buckets)
+        return {"nll_sum": jnp.sum(nll * weights), "count": count,
+                "nll_by_position": by_position, "count_by_position": by_position_count}
+
+    return eval_step
+
+
+def jit_steps(config, setup: Setup):
+    """The train step jitted once with explicit shardings and the state donated; and the eval step."""
+    replicated = NamedSharding(setup.batch_sharding.mesh, PartitionSpec())
+    batch_shardings = {k: setup.batch_sharding for k in BATCH_KEYS}
+    train_step = jax.jit(make_train_step(config, setup),
+                         in_shardings=(setup.state_shardings, batch_shardings),
+                         out_shardings=(setup.state_shardings, replicated), donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(config, setup),
+                        in_shardings=(setup.state_shardings.params, batch_shardings),
+                        out_shardings=replicated)
+    return train_step, eval_step
+
+
+def evaluate(config, eval_step, params, make_iterator) -> dict:
+    """Validation loss over the first `eval_steps` batches, and loss by in-document position."""
+    totals = None
+    iterator = make_iterator()
+    try:
+        for _ in range(config.train.eval_steps):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            out = jax.device_get(eval_step(params, batch))
+            totals = out if totals is None else jax.tree.map(np.add, totals, out)
+    finally:
+        iterator.close()  # its prefetch thread would otherwise outlive every evaluation
+    if totals is None:
+        return {}
+    counts = np.maximum(totals["count_by_position"], 1.0)
+    by_position = np.where(totals["count_by_position"] > 0, totals["nll_by_position"] / counts, np.nan)
+    return {"loss": float(totals["nll_sum"] / max(totals["count"], 1.0)),
+            "loss_by_position": [None if np.isnan(x) else float(x) for x in by_position],
+            "position_bucket_starts": [2 ** i - 1 for i in range(len(by_position))]}
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class _StopRequest:
+    """SIGTERM (a preemption) and a first Ctrl-C ask the loop to stop: it finishes the current step,
+    saves and exits cleanly ("stopped at step N (saved)"). Each is acknowledged on stderr when it
+    arrives; a second Ctrl-C abandons the run (KeyboardInterrupt: "interrupted", exit status 130).
+    With several processes the decision is agreed (any process asked -> all stop at the same step).
+
+    Python runs a signal's handler only when the main thread is next in Python, which a compile or
+    a long step can put off for minutes. So the acknowledgement also comes from a thread that reads
+    the signal numbers that `signal.set_wakeup_fd` writes into a pipe the moment a signal arrives
+    (whichever of the two is first says it, once); two Ctrl-Cs within one such wait reach the
+    handler as one, a stop. The line is written straight to the file descriptor: a handler that
+    interrupts a write to sys.stderr and writes there again fails ("reentrant call")."""
+
+    ACKNOWLEDGED = {signal.SIGINT: "stopping at {when} (it will be saved); Ctrl-C again to abandon.",
+                    signal.SIGTERM: "SIGTERM: stopping at {when} (it will be saved)."}
+
+    def __init__(self, *, after_progress_bar: bool = False):
+        self.requested = False
+        self._interrupts = 0
+        self._new_line = "\n" if after_progress_bar else ""  # (a bar's line has no end yet)
+        self._acknowledge = jax.process_index() == 0  # (logs are written once, by process 0)
+        # (processes agree at sync points only: see `_loop`)
+        self._when = "the next step" if jax.process_count() == 1 else "the next log or checkpoint step"
+        self._acknowledged = threading.Lock()  # taken, never released, by whoever says it
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.ACKNOWLEDGED}
+        read, self._wakeup = os.pipe()
+        os.set_blocking(self._wakeup, False)  # (set_wakeup_fd's condition)
+        self._previous_wakeup = signal.set_wakeup_fd(self._wakeup, warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, args=(read,), name="longctx-stop-request",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _watch(self, read: int) -> None:
+        try:
+            while data := os.read(read, 64):  # (empty: restore() closed the pipe)
+                for signum in data:
+                    if signum in self.ACKNOWLEDGED:
+                        self._say(signum)
+        finally:
+            os.close(read)
+
+    def _say(self, signum: int) -> None:
+        if self._acknowledge and self._acknowledged.acquire(blocking=False):
+            line = f"{self._new_line}longctx: {self.ACKNOWLEDGED[signal.Signals(signum)].format(when=self._when)}\n"
+            try:
+                os.write(sys.stderr.fileno(), line.encode())
+            except (OSError, ValueError):  # no stderr to write to: stopping is what matters
+                pass
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt
+        self._say(signum)
+        self.requested = True
+
+    def agreed(self) -> bool:
+        if jax.process_count() == 1:
+            return self.requested
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.array([self.requested], np.int32))
+        return bool(np.any(flags))
+
+    def restore(self):
+        signal.set_wakeup_fd(self._previous_wakeup)
+        os.close(self._wakeup)  # the watcher reads the pipe's end and stops
+        self._watcher.join()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def check_workdir(workdir: str) -> None:
+    workdir_lib.check_named(workdir)
+    why = workdir_lib.check_writable(workdir)
+    if why is not None:
+        raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {why}.")
+
+
+def check_vocab(config, data_dir: str, metadata: dict) -> None:
+    if metadata["vocab_size"] > config.model.vocab_size:
+        raise config_lib.ConfigError(
+            f"model.vocab_size={config.model.vocab_size} is smaller than the dataset's tokenizer "
+            f"vocabulary ({metadata['vocab_size']} in {data_dir}/metadata.json): "
+            f"set --config.model.vocab_size={metadata['vocab_size']}.")
+
+
+def _local_inputs(config, workdir: str) -> str:
+    """The start-up checks that read this host's files (no collectives): the workdir is
+    writable, the dataset whole and within model.vocab_size. Returns the data directory."""
+    check_workdir(workdir)
+    try:
+        data_dir = data_lib.resolve_dataset(config)
+        metadata = data_lib.load_metadata(data_dir)
+    except (OSError, ValueError) as e:  # the data module's messages name the file or key
+        raise config_lib.ConfigError(str(e)) from None
+    check_vocab(config, data_dir, metadata)
+    return data_dir
+
+
+def check_inputs(config, workdir: str, sizes: dict) -> str:
+    """`--validate_only`'s checks past `config_lib.validate`, none of which writes anything: the
+    workdir can be created, the dataset (data.path, or the embedded corpus when it is prepared
+    already) is whole and fits model.vocab_size. Returns what was checked, in words."""
+    workdir_lib.check_named(workdir)
+    in_the_way = workdir_lib.file_in_the_way(workdir)  # (None for gs://)
+    if in_the_way is not None:
+        raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {in_the_way}.")
+    if config.data.path:
+        try:
+            data_dir = data_lib.resolve_dataset(config)
+            check_vocab(config, data_dir, data_lib.load_metadata(data_dir))
+        except (OSError, ValueError) as e:
+            raise config_lib.ConfigError(str(e)) from None
+        data = f"data {data_dir}"
+    else:
+        data = "the embedded corpus (prepared on first use)"
+    mesh = " x ".join(f"{ax}={n}" for ax, n in sizes.items())
+    return f"config, mesh {mesh}, workdir {workdir} and {data} are fine"
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains (resuming if `workdir` holds a checkpoint) and returns the last logged metrics."""
+    mesh_lib.maybe_initialize_distributed(config.distributed)
+    sizes = config_lib.validate(config)
+    if cli.validate_only():
+        cli.validated(check_inputs(config, workdir, sizes))
+    # This host's files: a failure on one process is raised on all (cli.agreed), not left to
+    # hang the others in the first collective.
+    data_dir = cli.agreed(lambda: _local_inputs(config, workdir))
+    with lease_lib.hold(workdir):  # one run per workdir: a second one is refused here
+        return _train_and_evaluate_held(config, workdir, sizes, data_dir)
+
+
+def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, sizes: dict, data_dir: str) -> dict:
+    """`train_and_evaluate` once the inputs are checked and this run holds `workdir`."""
+    checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
+
+    mesh = mesh_lib.make_mesh(config.mesh)
+    # e.g. no validation documents to evaluate on (the count of data shards needs the mesh)
+    data_lib.check_splits(config, data_lib.load_metadata(data_dir), data_dir, mesh)
+    by_documents = config.attention.layout == "auto" and config.attention.use_segment_ids
+    documents = data_lib.layout_sample(config, data_dir) if by_documents else None
+    layout = resolve_layout(config, sizes[mesh_lib.SP], documents)
+    _write_run_info(config, workdir, mesh, layout, data_dir, documents)
+    if jax.process_index() == 0:
+        chosen = (f" (auto, chosen on the documents of {len(documents)} sampled rows)" if by_documents
+                  else " (auto, chosen by the mask)" if config.attention.layout == "auto" else "")
+        print(f"longctx: {jax.process_count()} process(es), {jax.device_count()} {jax.devices()[0].platform} "
+              f"devices, mesh {dict(mesh.shape)}, layout {layout}{chosen}, attention impl {config.attention.impl}, "
+              f"~{config_lib.num_params_estimate(config) / 1e6:.1f}M params, data {data_dir}", flush=True)
+
+    def make_train_iterator(seed_offset: int = 0):
+        return data_lib.make_batch_iterator(config, mesh, split="train", layout=layout, data_dir=data_dir,
+                                            seed_offset=seed_offset)
+
+    def make_eval_iterator():
+        return data_lib.make_batch_iterator(config, mesh, split="validation", layout=layout, data_dir=data_dir)
+
+    writer = train_iter = None
+    try:
+        with jax.set_mesh(mesh):
+            setup = make_setup(config, mesh, layout)
+            state, train_iter, resumed_from = checkpointer.restore_or_init(setup, make_train_iterator)
+            first_step = int(jax.device_get(state.step))
+            notes = _start_up_notes(config, checkpointer, state)
+            if jax.process_index() == 0:
+                for line in (resumed_from, *notes):
+                    print(f"longctx: {line}", flush=True)
+            if first_step >= config.train.num_steps:  # a finished run started again: no compile
+                if jax.process_index() == 0:
+                    print(f"longctx: nothing to do: the checkpoint is at step {first_step} and "
+                          f"train.num_steps={config.train.num_steps} (raise it to train further).", flush=True)
+                return {}
+            writer = MetricsWriter(workdir, resume_step=first_step)
+            train_step, eval_step = jit_steps(config, setup)
+            needle_eval = None
+            if config.train.get("eval_needle_every"):
+                from longctx.evals import needle  # (matplotlib and the tokenizer only when asked for)
+
+                needle_eval = needle.TrainingEvaluator(config, setup, mesh, layout, data_dir, workdir)
+            run = _Run(config, workdir, train_step, eval_step, make_eval_iterator, checkpointer, writer,
+                       needle_eval)
+            result, stopped_at = _loop(run, state, train_iter)
+    finally:
+        # Also on an error: files are closed and the save in flight completes. A save that failed
+        # is raised last, so it is the error the user sees: it names the checkpoint the next start
+        # resumes from (a full disk usually fails the metrics files too).
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            try:
+                checkpointer.close()
+            finally:
+                if train_iter is not None:  # Grain's prefetch thread / worker processes
+                    train_iter.close()
+    if jax.process_index() == 0 and result:
+        val = f", val loss {result['val_loss']:.4f}" if "val_loss" in result else ""
+        speed = f", {result['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in result else ""
+        ended = ("finished" if stopped_at is None else
+                 f"stopped at step {stopped_at} (saved to {checkpointer.directory}/{stopped_at}; the same "
+                 f"command resumes it)")
+        print(f"longctx: {ended}; last logged train loss {result['loss']:.4f}{val}{speed}; "
+              f"metrics in {workdir}/metrics.jsonl", flush=True)
+    return result
+
+
+def _start_up_notes(config, checkpointer, state) -> list[str]:
+    """`optimizer_notes` for this start: on a resume, against the config the checkpoint was saved with."""
+    step, saved = int(jax.device_get(state.step)), None
+    if step > 0:  # (a fresh start, init_from included, is at step 0)
+        saved = checkpointer.saved_config(step)
+    return optimizer_notes(config, saved, int(jax.device_get(applied_updates(state.opt_state))))
+
+
+def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str, documents=None) -> None:
+    """`workdir/run_info.json`: what this run is, for reports that compare runs (scripts/ablate.py).
+    The ring's schedule is the mask's (every row); `documents`: the rows "auto" was chosen on."""
+    if jax.process_index() != 0:
+        return
+    a = config.attention
+    schedule = ops.ring_schedule(config.data.seq_len, mesh.shape[mesh_lib.SP], a.block_size, layout=layout,
+                                 **attention_lib.mask_kwargs(a))
+    info = {
+        "mesh": {k: int(v) for k, v in mesh.shape.items()},
+        "process_count": jax.process_count(),
+        "platform": jax.devices()[0].platform,
+        "layout": layout,
+        "layout_chosen_on": (None if a.layout != "auto" else "the mask" if documents is None
+                             else f"the documents of {len(documents)} sampled rows"),
+        "ring_steps_run": int(len(schedule.run_steps)),
+        # K/V hops, which can exceed the steps with work where chunks count per document.
+        "ring_steps_visited": (tables.one_document_steps_visited(
+            config.data.seq_len, mesh.shape[mesh_lib.SP], a.block_size, layout, **attention_lib.mask_kwargs(a))
+            if a.use_segment_ids else int(len(schedule.run_steps))),
+        "ring_schedule_efficiency": float(schedule.efficiency),
+        "params": config_lib.num_params_estimate(config),
+        "tokens_per_step": config.data.global_batch_size * config.data.seq_len,
+        "data_dir": data_dir,
+        "config": config.to_dict(),
+    }
+    (workdir_lib.resolve(workdir) / "run_info.json").write_text(json.dumps(info, indent=1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """The fixed parts of a run that the loop uses."""
+
+    config: ml_collections.ConfigDict
+    workdir: str
+    train_step: Callable
+    eval_step: Callable
+    make_eval_iterator: Callable
+    checkpointer: checkpoint_lib.Checkpointer
+    writer: MetricsWriter
+    needle_eval: Callable | None = None  # train.eval_needle_every: (params, step) -> metrics
+
+
+class _Profiler:
+    """A trace of `train.profile_steps` steps from `train.profile_start`, stopped also when the
+    loop leaves early."""
+
+    def __init__(self, train_config, workdir: str):
+        self.start, self.steps = train_config.profile_start, train_config.profile_steps
+        self.directory = str(workdir_lib.resolve(workdir) / "profile")
+        self.running = False
+
+    def before(self, step: int) -> None:
+        if self.start is not None and step == self.start:
+            jax.profiler.start_trace(self.directory)
+            self.running = True
+
+    def after(self, done: int, state) -> None:
+        if self.running and done == self.start + self.steps:
+            jax.block_until_ready(state)
+            self.stop()
+
+    def stop(self) -> None:
+        if self.running:
+            self.running = False
+            jax.profiler.stop_trace()
+
+
+def _nonfinite_error(step: int, loss: float, grad_norm: float, checkpointer, *,
+                     skipped_in_a_row: int | None = None, limit: int | None = None) -> errors.RunError:
+    """The one line for a run stopped for non-finite steps: with on_nonfinite=stop, the first such
+    step; with skip, the last of `skipped_in_a_row` (at least train.max_consecutive_skips=`limit`)."""
+    try:
+        checkpointer.wait()
+    except errors.RunError:
+        pass  # reported by the checkpointer when it closes; the steps on disk are what counts
+    newest = checkpointer.manager.latest_step()
+    saved = ("no checkpoint was written" if newest is None else
+             f"the newest checkpoint, step {newest}, holds only finite steps")
+    if skipped_in_a_row is None:
+        streak, advice = "", "Set train.on_nonfinite=skip to skip such steps instead."
+    else:
+        streak = (f", the last of {skipped_in_a_row} steps in a row skipped for it "
+                  f"(train.max_consecutive_skips={limit})")
+        advice = ("Skipping does not get this run past them: check the data and the learning rate "
+                  "(or raise train.max_consecutive_skips).")
+    return errors.RunError(
+        f"non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}){streak}; "
+        f"stopped before saving it, and {saved}. {advice}")
+
+
+def _loop(run: _Run, state, train_iter) -> tuple[dict, int | None]:
+    """Steps until `train.num_steps`, a stop request or an error; returns the last logged metrics.
+
+    The host runs ahead of the device between sync points, by at most one step: a step is
+    dispatched, its loss and gradient norm join the metrics window as device scalars, and the
+    loop waits only for the step before it (a bounded queue; with hundreds of steps queued on
+    virtual CPU devices, XLA:CPU's all-gathers over 8 devices were seen to deadlock). At a sync
+    point (a log, eval or save step, the last step, or an agreed stop) the loop waits for the
+    device and, in this order: checks every step since the last check for a non-finite loss or
+    gradient (with on_nonfinite=stop this raises before anything is saved, so no checkpoint ever
+    holds such a state; with on_nonfinite=skip, it raises once train.max_consecutive_skips steps in
+    a row were skipped), logs, evaluates, saves, stops.
+
+    Returns (the last logged metrics, the step it stopped and saved at on request, or None)."""
+    config, t, checkpointer = run.config, run.config.train, run.checkpointer
+    peak = flops_lib.peak_tflops(jax.devices()[0].device_kind, t.peak_tflops_override)
+    tokens_per_step = config.data.global_batch_size * config.data.seq_len
+    first_step = int(jax.device_get(state.step))
+    progress = None
+    if jax.process_index() == 0:
+        from tqdm import tqdm
+
+        # disable=None: no bar when stderr is not a terminal (a log file would get every redraw).
+        progress = tqdm(total=t.num_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True,
+                        disable=None)
+    stop = _StopRequest(after_progress_bar=progress is not None and not progress.disable)
+    profiler = _Profiler(t, run.workdir)
+
+    def say(line: str) -> None:
+        if progress is not None:
+            progress.write(line)  # (above the bar, if there is one)
+            sys.stdout.flush()  # a redirected stdout is block-buffered: a log shows each line now
+
+    compile_start = time.perf_counter()
+    window = MetricsWindow(first_step, compile_start)
+    last: dict = {}
+    stopped_at = None
+    previous_loss = None  # the step before the one just dispatched
+    try:
+        for step in range(first_step, t.num_steps):
+            profiler.before(step)
+            state, metrics = run.train_step(state, next(train_iter))
+            if previous_loss is not None:
+                jax.block_until_ready(previous_loss)
+            previous_loss = metrics["loss"]
+            done = step + 1
+            window.add(done, metrics)
+            profiler.after(done, state)
+            if progress is not None:
+                progress.update(1)
+
+            log = step == first_step or done % t.log_every == 0 or done == t.num_steps
+            evaluate_now = bool(t.eval_every) and (done % t.eval_every == 0 or done == t.num_steps)
+            save = checkpointer.is_save_step(done) or done == t.num_steps
+            needle_now = run.needle_eval is not None and done % t.eval_needle_every == 0
+            sync = log or evaluate_now or save or needle_now
+            # Agreeing on a stop across processes is a collective that waits for the step: only at
+            # sync points (every step when there is one process, where it costs nothing).
+            stopping = stop.agreed() if (sync or jax.process_count() == 1) else False
+            if not (sync or stopping):
+                continue
+
+            bad = window.first_nonfinite()
+            if bad is not None and t.on_nonfinite == "stop":
+                raise _nonfinite_error(*bad, checkpointer)
+            streak = window.nonfinite_streak()  # (read at sync points only: no wait per step)
+            if streak is not None and streak[0] >= t.max_consecutive_skips:
+                raise _nonfinite_error(*streak[1], checkpointer, skipped_in_a_row=streak[0],
+                                       limit=t.max_consecutive_skips)
+            if log:
+                # The first step is logged on its own, untimed: it includes compilation.
+                now = time.perf_counter()
+                last = {**_step_metrics(metrics), **window.close(done, now, timed=step != first_step)}
+                if "step_time_s" in last:
+                    last.update(_throughput(last["step_time_s"], tokens_per_step, config, peak))
+                run.writer.write(done, last, prefix="train/")
+                say(_log_line(done, last, now - compile_start))
+            if evaluate_now:
+                val = evaluate(config, run.eval_step, state.params, run.make_eval_iterator)
+                if val:
+                    run.writer.write(done, val, prefix="val/")
+                    say(f"step {done}: val_loss={val['loss']:.4f}")
+                    last.update({f"val_{k}": v for k, v in val.items()})
+                window.restart_clock(done, time.perf_counter())
+            if needle_now:
+                found = run.needle_eval(state.params, done)
+                run.writer.write(done, found, prefix="needle/")
+                say(f"step {done}: passkey retrieval accuracy={found['accuracy']:.3f}")
+                window.restart_clock(done, time.perf_counter())
+            if save or stopping:
+                checkpointer.maybe_save(done, state, train_iter, force=True)
+            if stopping:
+                checkpointer.wait()
+                stopped_at = done
+                break
+    finally:
+        profiler.stop()
+        stop.restore()
+        if progress is not None:
+            progress.close()
+    return last, stopped_at
+
+
+def _step_metrics(metrics) -> dict:
+    """The last step's own metrics (gradient norm, learning rate, loss tokens) as floats."""
+    return {k: float(v) for k, v in jax.device_get(metrics).items() if k != "loss"}
+
+
+def _throughput(step_time: float, tokens_per_step: int, config, peak: float | None) -> dict:
+    model_tflops = flops_lib.flops_per_step(config) / step_time / 1e12 / jax.device_count()
+    return {"tokens_per_s": tokens_per_step / step_time, "model_tflops_per_device": model_tflops,
+            "mfu": model_tflops / peak if peak else "n/a"}
+
+
+def _log_line(step: int, m: dict, since_start: float) -> str:
+    if "step_time_s" not in m:
+        return f"step {step}: loss={m['loss']:.4f} (compiled and ran the first step in {since_start:.1f}s)"
+    mfu = m["mfu"] if isinstance(m["mfu"], str) else f"{m['mfu']:.3f}"
+    skipped = f" nonfinite_steps={m['nonfinite_steps']}" if m["nonfinite_steps"] else ""
+    return (f"step {step}: loss={m['loss']:.4f} grad_norm={m['grad_norm']:.3g} lr={m['learning_rate']:.3g} "
+            f"step_time={m['step_time_s']:.3f}s tokens/s={m['tokens_per_s']:.0f} mfu={mfu}{skipped}")
