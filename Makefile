@@ -1,4 +1,6 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
+# Benchmarks are not run here: benchmarks/bench_*.py, each writing its figures into docs/
+# (index: docs/benchmarks.md); the user commands are in scripts/.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python

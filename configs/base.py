@@ -15,7 +15,7 @@ Presets:
   long_cpu         a few steps of a tiny model on one 65,536-token sequence over 8 CPU devices.
   llama3_8b_128k   Llama-3-8B shape, 131,072 tokens per sequence, ring over sp=16 on v5p-128.
   llama3_8b_extend_128k   Llama-3-8B converted from Hugging Face, extended to 131,072 tokens with
-                   llama3 RoPE scaling (README "Extend a released model"):
+                   llama3 RoPE scaling (docs/extend.md):
     python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --out=runs/llama3_8b_hf
     python scripts/prepare_data.py --input long_docs.jsonl --tokenizer hf:Meta-Llama-3-8B \
         --output data/llama3_long
@@ -100,7 +100,7 @@ def _base() -> ml_collections.ConfigDict:
             logits_soft_cap=_optional_float(),
             use_segment_ids=True,  # document masking: attend only within a packed document
             # q/kv block of the ring's tables and kernels; off TPU, 256 or 128 is faster on short
-            # packed documents (skipping is per block: README, bench_ring_blocks.py)
+            # packed documents (skipping is per block: docs/attention.md, bench_ring_blocks.py)
             block_size=512,
             # What the ring's backward keeps per layer (longctx/model/attention.py): save_qkv |
             # recompute_qkv (q/k/v recomputed from the layer input) | offload_qkv (to host memory)
@@ -189,7 +189,7 @@ def _long_cpu(c):
     c = _tiny(c)
     c.mesh.update(dp=1, fsdp=1, sp=8)
     # The corpus packs short documents, and skipping is per block: 128 took 0.80-0.86x the step
-    # time of 512 here (README, "The longest run here").
+    # time of 512 here (docs/long_context.md, "The longest run here").
     c.attention.update(impl="xla", block_size=128)
     c.data.update(seq_len=65_536, global_batch_size=1)
     c.train.update(num_steps=4, log_every=1, eval_every=0, eval_steps=1, loss_chunk_size=1024)
