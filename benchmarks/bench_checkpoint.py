@@ -4,7 +4,7 @@
   .venv/bin/python benchmarks/bench_checkpoint.py --d-model 1024 --num-layers 2 --saves 6
 
 The train state (parameters + AdamW moments + step + rng, float32) of a model a few hundred MB
-in size is built with `longctx.train.make_setup` on 8 virtual CPU devices (mesh dp=1, fsdp=8,
+in size is built with `longctx.train.state.make_setup` on 8 virtual CPU devices (mesh dp=1, fsdp=8,
 sp=1: every array sharded, as FSDP would) and saved through `longctx.train.checkpoint.Checkpointer`,
 the code path the training loop uses: Orbax CheckpointManager, async, with the Grain iterator
 state, config and metadata. Between saves a jitted, donated update touches every array of the
@@ -78,7 +78,7 @@ def main():
     from longctx.train import checkpoint as checkpoint_lib
     from longctx import data as data_lib
     from longctx.parallel import mesh as mesh_lib
-    from longctx.train import loop as train_lib
+    from longctx.train import state as train_state
 
     config = _config(args)
     mesh = mesh_lib.make_mesh(config.mesh)
@@ -91,7 +91,7 @@ def main():
                                             data_dir=data_dir, seed_offset=seed_offset)
 
     with jax.set_mesh(mesh):
-        setup = train_lib.make_setup(config, mesh, "contiguous")
+        setup = train_state.make_setup(config, mesh, "contiguous")
         state = jax.block_until_ready(setup.init(jax.random.PRNGKey(0)))
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
         num_params = sum(x.size for x in jax.tree.leaves(state.params))

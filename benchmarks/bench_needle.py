@@ -29,9 +29,10 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_common as bc  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from longctx.interop import hf  # noqa: E402
+import needle_synthetic as synthetic  # noqa: E402  (benchmarks/ is on sys.path too)
+from longctx import config as config_lib  # noqa: E402
 from longctx.evals import inference, needle  # noqa: E402
-from longctx.train import loop as train  # noqa: E402
+from longctx import train  # noqa: E402
 from longctx.data import prepare  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -57,14 +58,14 @@ def run_synthetic(seeds) -> tuple[list[dict], dict]:
     rows, grid = [], None
     for seed in seeds:
         config = load_base_config("tiny")
-        hf.apply_overrides(config, needle.SYNTHETIC_OVERRIDES)
+        config_lib.apply_overrides(config, synthetic.SYNTHETIC_OVERRIDES)
         start = time.time()
-        runner = needle.train_synthetic(config, seed)
-        found = needle.synthetic_report(runner)
+        runner = synthetic.train_synthetic(config, seed)
+        found = synthetic.synthetic_report(runner)
         rows.append({"seed": seed, **found, "seconds": round(time.time() - start, 1)})
         print(f"bench_needle: synthetic seed {seed}: {rows[-1]}", flush=True)
         if grid is None:
-            grid = needle.synthetic_grid(runner, GRID_LENGTHS, needle.DEFAULT_DEPTHS)
+            grid = synthetic.synthetic_grid(runner, GRID_LENGTHS, needle.DEFAULT_DEPTHS)
             grid["training_seed"] = seed
             needle.write_results(grid, os.path.join(DOCS, "needle_cpu"),
                                  title=f"synthetic retrieval over the sp=4 ring (seed {seed}, chance 0.10)")
@@ -110,7 +111,7 @@ def run_text(workdir: str, steps: int, num_docs: int, samples: int) -> dict:
     config.train.update(num_steps=steps, eval_every=0, log_every=50, eval_needle_every=max(1, steps // 4))
     config.checkpoint.update(every_steps=steps)
     start = time.time()
-    train.train_and_evaluate(config, os.path.join(workdir, "run"))
+    train.train_and_evaluate(config, os.path.join(workdir, "run"), evaluators=[needle.PASSKEY_EVALUATOR])
     trained_s = time.time() - start
     runner = inference.runner_from_checkpoint(os.path.join(workdir, "run"))
     tokenizer, documents = needle.validation_documents(runner.config, data_dir)

@@ -22,14 +22,15 @@ import numpy as np  # noqa: E402
 import bench_common as bc  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from longctx.parallel import layout as layout_lib  # noqa: E402
 from longctx.parallel import mesh as mesh_lib  # noqa: E402
-from longctx.train import loop as train  # noqa: E402
+from longctx.train import state as train_state  # noqa: E402
+from longctx.train import steps as train_steps  # noqa: E402
 
 SHAPES = [(1, 1, 8), (1, 2, 4), (2, 2, 2), (1, 8, 1), (8, 1, 1)]
 
 
 def synthetic_rows(batch, seq_len, vocab, seed=0, mean_doc=256):
     rng = np.random.default_rng(seed)
-    out = {k: np.zeros((batch, seq_len), np.int32) for k in train.BATCH_KEYS}
+    out = {k: np.zeros((batch, seq_len), np.int32) for k in train_steps.BATCH_KEYS}
     for b in range(batch):
         toks = rng.integers(0, vocab, seq_len + 1)
         t, seg = 0, 1
@@ -61,13 +62,13 @@ def bench_shape(shape, args):
     devices = jax.devices()[:int(np.prod(shape))]
     mesh = mesh_lib.make_mesh(c.mesh, devices=devices)
     sp = shape[2]
-    layout = train.resolve_layout(c, sp)
+    layout = train_state.resolve_layout(c, sp)
     perm = layout_lib.permutation(layout, args.seq_len, sp)
     rows = synthetic_rows(args.batch, args.seq_len, c.model.vocab_size)
     with jax.set_mesh(mesh):
-        setup = train.make_setup(c, mesh, layout)
+        setup = train_state.make_setup(c, mesh, layout)
         state = setup.init(jax.random.PRNGKey(0))
-        step, _ = train.jit_steps(c, setup)
+        step, _ = train_steps.jit_steps(c, setup)
         batch = {k: jax.device_put(v[:, perm], setup.batch_sharding) for k, v in rows.items()}
         start = time.perf_counter()
         state, metrics = step(state, batch)

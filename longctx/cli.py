@@ -179,7 +179,7 @@ def quiet_third_party_logs() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     if not sys.warnoptions and not os.environ.get("PYTHONWARNINGS"):
         warnings.simplefilter("ignore")
-    from absl import logging as absl_logging  # (light: no jax)
+    from absl import logging as absl_logging  # lazily, with the logs quieted (light: no jax)
 
     # absl's records (Orbax logs through absl) on their logger, whatever handler prints them;
     # other libraries' records on the handlers: absl's (absl apps) or, until then, a filtered
@@ -226,7 +226,7 @@ def agreed(check: Callable[[], object]):
     others the same kind of error with its message, naming the process. Returns `check()`'s value.
     `check` must not run collectives itself. (Imports jax: only after `start`.)
     """
-    import jax
+    import jax  # lazily: cli is imported before jax may be (cli.start sets its devices first)
 
     if jax.process_count() == 1:
         return check()
@@ -280,7 +280,7 @@ def _excepthook(kind, error, tb) -> None:
 def run_absl(main: Callable[[list[str]], int | None]) -> None:
     """`run` for absl scripts: `app.run(main)` with flag errors (unknown config keys included)
     turned into one-line ConfigErrors."""
-    from absl import app
+    from absl import app  # lazily, as all of absl here: scripts without absl flags never load it
 
     run(lambda: app.run(main, flags_parser=parse_absl_flags))
 
@@ -290,7 +290,7 @@ def run_absl(main: Callable[[list[str]], int | None]) -> None:
 
 def parse_absl_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, where every error is a ConfigError naming the flag."""
-    from absl import flags
+    from absl import flags  # lazily: only absl scripts parse absl flags
 
     try:
         rest = flags.FLAGS(argv)
@@ -325,7 +325,7 @@ def _flag_error_text(error: Exception) -> str:
 
 def _config_flags():
     """(name, flag) of every ml_collections config-file flag defined."""
-    from absl import flags
+    from absl import flags  # lazily: only absl scripts define config-file flags
     from ml_collections.config_flags import config_flags
 
     for name in list(flags.FLAGS):

@@ -33,6 +33,23 @@ INIT_FROM_KEYS = ("model.rope_theta", "model.rope_scaling", "model.norm_eps", "m
                   "attention.logits_soft_cap")
 
 
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> None:
+    """Sets dotted keys ("model.num_layers": 4) on a (locked) ConfigDict; ints become floats where
+    the field is a float. The one setter of dotted keys (the converter's overrides, a grid's
+    variants, a saved config changed for inference): an unknown key raises KeyError, a value of the
+    wrong type TypeError, for the caller to put in its own words."""
+    for key, value in overrides.items():
+        *sections, name = key.split(".")
+        node = config
+        for section in sections:
+            node = node[section]
+        if name not in node:
+            raise KeyError(key)
+        if isinstance(node[name], float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        node[name] = value
+
+
 def init_from_allowed(config) -> tuple[str, ...]:
     """The keys of `checkpoint.init_from_allow` ("key,key"; absent from older configs)."""
     text = config.checkpoint.get("init_from_allow") or ""

@@ -47,6 +47,7 @@ import os  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from longctx import config as config_lib  # noqa: E402
 from longctx.train import checkpoint as checkpoint_lib  # noqa: E402
 from longctx.interop import hf  # noqa: E402
 from longctx.evals import inference  # noqa: E402
@@ -107,12 +108,12 @@ def to_longctx(args) -> int:
     if hf.ignored_index(args.hf):
         print(f"convert_hf: {args.hf} holds both {hf.SINGLE_FILE} and {hf.INDEX_FILE}; reading "
               f"{hf.SINGLE_FILE}, as transformers does.")
-    hf.apply_overrides(config, overrides)
+    config_lib.apply_overrides(config, overrides)
     import jax
 
     run_config = config.copy_and_resolve_references()
     # Conversion only shards for memory: every device holds a slice of every weight (fsdp).
-    hf.apply_overrides(run_config, {**parse_mesh(args.mesh), "data.global_batch_size": jax.device_count()})
+    config_lib.apply_overrides(run_config, {**parse_mesh(args.mesh), "data.global_batch_size": jax.device_count()})
     runner = inference.make_runner(run_config, lambda abstract, shardings: hf.load_params(
         args.hf, config, abstract, shardings))
     step_dir = params_io.save(args.out, config, runner.params, source=os.path.abspath(args.hf),

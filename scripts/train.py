@@ -1,4 +1,5 @@
-"""Train a longctx model: flags -> config -> longctx.train.train_and_evaluate.
+"""Train a longctx model: flags -> config -> longctx.train.train_and_evaluate (with the passkey
+evaluator of longctx.evals.needle when --config.train.eval_needle_every > 0).
 
   .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
   .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/x --config.model.num_layers=4
@@ -16,6 +17,7 @@ from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from longctx import train  # noqa: E402
+from longctx.evals import needle  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:tiny.",
                                           lock_config=True)
@@ -26,7 +28,10 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    config = _CONFIG.value
+    # The loop runs evaluations it is given; it never imports them (they live above it).
+    evaluators = [needle.PASSKEY_EVALUATOR] if config.train.get("eval_needle_every") else []
+    train.train_and_evaluate(config, _WORKDIR.value, evaluators=evaluators)
 
 
 if __name__ == "__main__":

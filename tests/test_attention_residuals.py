@@ -14,7 +14,8 @@ from flax import nnx
 
 from longctx.plan import aot
 from longctx.parallel import mesh as mesh_lib
-from longctx.train import loop as train_lib
+from longctx.train import state as train_state
+from longctx.train import steps as train_steps
 from tests import synthetic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,13 +47,13 @@ def _result(policy: str, case: str, mlp_chunk_size=None):
 
 def _loss_and_grads(config, rows):
     mesh = mesh_lib.make_mesh(config.mesh)
-    layout = train_lib.resolve_layout(config, mesh.shape[mesh_lib.SP])
-    setup = train_lib.make_setup(config, mesh, layout)
+    layout = train_state.resolve_layout(config, mesh.shape[mesh_lib.SP])
+    setup = train_state.make_setup(config, mesh, layout)
     state = setup.init(jax.random.PRNGKey(0))
     batch = {k: jax.device_put(np.asarray(rows[k], np.int32), setup.batch_sharding)
-             for k in train_lib.BATCH_KEYS}
+             for k in train_steps.BATCH_KEYS}
     with jax.set_mesh(mesh):
-        loss_fn = lambda params, batch: train_lib._masked_loss(setup.graphdef, params, batch)  # noqa: E731
+        loss_fn = lambda params, batch: train_steps._masked_loss(setup.graphdef, params, batch)  # noqa: E731
         (loss, _), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params, batch)
     return float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 

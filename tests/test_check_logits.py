@@ -17,7 +17,6 @@ import pytest
 
 from configs import base
 from longctx.ops import blocks
-from longctx.interop import hf
 from longctx.evals import inference
 from longctx import config as config_lib
 from longctx.errors import ConfigError
@@ -133,7 +132,7 @@ def test_padded_length(impl, layout, n, sp, largest, want):
 
 def test_config_validation_refuses_a_block_splash_cannot_run():
     config = base.get_config()
-    hf.apply_overrides(config, {"mesh.dp": 1, "mesh.fsdp": 1, "mesh.sp": 8, "data.seq_len": 1024,
+    config_lib.apply_overrides(config, {"mesh.dp": 1, "mesh.fsdp": 1, "mesh.sp": 8, "data.seq_len": 1024,
                                 "attention.block_size": 64, "attention.impl": "splash",
                                 "train.loss_chunk_size": 64})
     with pytest.raises(ConfigError, match=r"^attention.block_size=64 must be a multiple of 128 for "

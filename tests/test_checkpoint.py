@@ -43,7 +43,7 @@ from longctx import config as config_lib
 from longctx import data as data_lib
 from longctx.train import lease
 from longctx.parallel import mesh as mesh_lib
-from longctx.train import loop as train_lib
+from longctx.train import state as train_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
@@ -381,9 +381,9 @@ def test_resume_on_mesh_1x1x8(runs):
 
 def _restore_in_process(workdir, config, devices=None):
     mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
-    layout = train_lib.resolve_layout(config, mesh.shape["sp"])
+    layout = train_state.resolve_layout(config, mesh.shape["sp"])
     data_dir = data_lib.resolve_dataset(config)
-    setup = train_lib.make_setup(config, mesh, layout)
+    setup = train_state.make_setup(config, mesh, layout)
 
     def make_iterator(seed_offset=0):
         return data_lib.make_batch_iterator(config, mesh, split="train", layout=layout, data_dir=data_dir,
@@ -435,7 +435,7 @@ def test_data_state_that_cannot_carry_over_restarts_the_stream(runs, tmp_path):
     assert note.endswith(f"(step {NUM_STEPS}); the data iterator state was saved by 2 process(es) and this run "
                          f"has 1, so data restarts from a fresh shuffle seeded with step {NUM_STEPS}"), note
     _assert_states_equal(jax.tree.map(np.asarray, state), _restore_raw(runs["ref"], NUM_STEPS))
-    layout = train_lib.resolve_layout(config, mesh.shape["sp"])
+    layout = train_state.resolve_layout(config, mesh.shape["sp"])
     fresh = data_lib.make_batch_iterator(config, mesh, split="train", layout=layout,
                                          data_dir=data_lib.resolve_dataset(config), seed_offset=NUM_STEPS)
     np.testing.assert_array_equal(_first_tokens(iterator), _first_tokens(fresh))
@@ -549,7 +549,7 @@ def test_keep_policy(tmp_path):
     mesh = mesh_lib.make_mesh(config.mesh)
     data_dir = data_lib.resolve_dataset(config)
     with jax.set_mesh(mesh):
-        setup = train_lib.make_setup(config, mesh, "contiguous")
+        setup = train_state.make_setup(config, mesh, "contiguous")
         state = setup.init(jax.random.PRNGKey(0))
         iterator = data_lib.make_batch_iterator(config, mesh, split="train", layout="contiguous",
                                                 data_dir=data_dir)
@@ -668,7 +668,7 @@ def test_dataset_replaced_at_the_same_path_restarts_the_stream(tmp_path):
     mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
     workdir = str(tmp_path / "w")
     with jax.set_mesh(mesh):
-        setup = train_lib.make_setup(config, mesh, "contiguous")
+        setup = train_state.make_setup(config, mesh, "contiguous")
         iterator = data_lib.make_batch_iterator(config, mesh, split="train", layout="contiguous",
                                                 data_dir=data)
         next(iterator)

@@ -69,7 +69,7 @@ def resume_worker(data_dir: str, out_dir: str, saved_on: str, resumed_on: str, p
     from configs import base
     from longctx.train import checkpoint as checkpoint_lib
     from longctx.parallel import mesh as mesh_lib
-    from longctx.train import loop as train_lib
+    from longctx.train import state as train_state
     from longctx.data import make_batch_iterator
 
     c = base.get_config("tiny")
@@ -90,7 +90,7 @@ def resume_worker(data_dir: str, out_dir: str, saved_on: str, resumed_on: str, p
 
         with jax.set_mesh(mesh):
             state, it, note = checkpointer.restore_or_init(
-                train_lib.make_setup(c, mesh, "contiguous"), make_iterator)
+                train_state.make_setup(c, mesh, "contiguous"), make_iterator)
         return checkpointer, state, it, note, make_iterator
 
     checkpointer, state, it, _, _ = start(saved_on)

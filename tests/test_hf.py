@@ -37,8 +37,8 @@ TOLERANCE = 1e-4
 
 def converted_config(hf_dir: str, **extra):
     config = base.get_config()
-    hf.apply_overrides(config, hf.config_overrides(hf.read_config(hf_dir), hf_dir))
-    hf.apply_overrides(config, {**RING, **extra})
+    config_lib.apply_overrides(config, hf.config_overrides(hf.read_config(hf_dir), hf_dir))
+    config_lib.apply_overrides(config, {**RING, **extra})
     return config
 
 
@@ -158,7 +158,7 @@ def longctx_rotary(hf_config: dict):
     from longctx.model import rope
 
     config = base.get_config()
-    hf.apply_overrides(config, hf.config_overrides(hf_config))
+    config_lib.apply_overrides(config, hf.config_overrides(hf_config))
     return rope.from_model_config(config.model)
 
 
@@ -181,8 +181,8 @@ def test_rope_scaling_exports_what_transformers_reads_as_the_source(kind, spelli
     case = EXPORT_GOLDEN["cases"][kind]
     source = spelled(case["source"], spelling)
     config = base.get_config()
-    hf.apply_overrides(config, hf.config_overrides(source))
-    hf.apply_overrides(config, {"data.seq_len": case["seq_len"]})
+    config_lib.apply_overrides(config, hf.config_overrides(source))
+    config_lib.apply_overrides(config, {"data.seq_len": case["seq_len"]})
     exported = hf.export_config(config, np.float32, template=source)
     assert {k: exported[k] for k in EXPORT_KEYS} == case["exported"]
     assert exported["bos_token_id"] == LLAMA31_8B["bos_token_id"]  # the template's other fields
@@ -247,13 +247,13 @@ def test_init_from_accepts_a_converted_checkpoint(converted, tmp_path):
 
     from longctx.train import checkpoint as checkpoint_lib
     from longctx.parallel import mesh as mesh_lib
-    from longctx.train import loop as train
+    from longctx.train import state as train_state
 
     config = converted_config(os.path.join(ASSETS, "llama_tied"))
     config.checkpoint.init_from = converted["llama_tied"]
     mesh = mesh_lib.make_mesh(config.mesh)
     with jax.set_mesh(mesh):
-        setup = train.make_setup(config, mesh, "zigzag")
+        setup = train_state.make_setup(config, mesh, "zigzag")
         checkpointer = checkpoint_lib.Checkpointer(str(tmp_path / "run"), config)
         try:
             state, _, note = checkpointer.restore_or_init(setup, lambda seed_offset=0: None)
@@ -452,7 +452,7 @@ def test_extend_recipe_passes_the_init_from_check():
 
     llama3 = {k: v for k, v in LLAMA31_8B.items() if k != "rope_scaling"}
     converted = base.get_config()
-    hf.apply_overrides(converted, hf.config_overrides(llama3))
+    config_lib.apply_overrides(converted, hf.config_overrides(llama3))
     preset = base.get_config("llama3_8b_extend_128k")
     listed, refused = compat.init_from_differences(converted.to_dict(), preset.to_dict(), ())
     assert refused == []
@@ -460,7 +460,7 @@ def test_extend_recipe_passes_the_init_from_check():
                       "model.rope_scaling: checkpoint none vs config llama3(factor=8.0, low_freq_factor=1.0, "
                       "high_freq_factor=4.0, original_max_position=8192)"]
     # Converted from Llama-3.1 (which has the scaling) but started without it: refused.
-    hf.apply_overrides(converted, hf.config_overrides(LLAMA31_8B))
+    config_lib.apply_overrides(converted, hf.config_overrides(LLAMA31_8B))
     listed, refused = compat.init_from_differences(converted.to_dict(), base.get_config("llama3_8b_128k").to_dict(), ())
     assert refused == ["model.rope_scaling: checkpoint llama3(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, "
                        "original_max_position=8192) vs config none"]
@@ -471,7 +471,7 @@ def test_mistral_window_maps_exactly():
                "sliding_window": 4096, "rope_scaling": None, "rope_theta": 10000.0}
     assert hf.config_overrides(mistral)["attention.sliding_window"] == 4095  # HF W keys = our w+1
     config = base.get_config()
-    hf.apply_overrides(config, hf.config_overrides(mistral))
+    config_lib.apply_overrides(config, hf.config_overrides(mistral))
     assert hf.export_config(config, np.float32)["sliding_window"] == 4096
     assert hf.config_overrides({**mistral, "sliding_window": None})["attention.sliding_window"] is None
 

@@ -17,7 +17,7 @@ import pytest
 
 from configs import base
 from longctx.model import flops
-from longctx.interop import hf
+from longctx import config as config_lib
 from longctx.evals import inference
 from longctx.ops import masks
 from longctx.errors import ConfigError
@@ -35,7 +35,7 @@ SMALL = {"mesh.dp": 1, "mesh.fsdp": 2, "mesh.sp": 4, "model.vocab_size": 64, "mo
 @pytest.fixture(scope="module")
 def runner():
     config = base.get_config("tiny")
-    hf.apply_overrides(config, SMALL)
+    config_lib.apply_overrides(config, SMALL)
     r = inference.make_runner(config, lambda *_: None)
     with jax.set_mesh(r.mesh):
         params = r.setup.init(jax.random.PRNGKey(0)).params
@@ -188,7 +188,7 @@ def test_run_info_counts_the_steps_the_ring_visits_with_chunks_per_document(tmp_
     assert tables.ring_schedule(seq_len, sp, block, "zigzag", causal=True, chunk_size=chunk).steps == 1
 
     config = base.get_config()
-    hf.apply_overrides(config, {"mesh.dp": 1, "mesh.fsdp": 1, "mesh.sp": sp, "data.seq_len": seq_len,
+    config_lib.apply_overrides(config, {"mesh.dp": 1, "mesh.fsdp": 1, "mesh.sp": sp, "data.seq_len": seq_len,
                                 "attention.block_size": block, "attention.chunk_size": chunk,
                                 "attention.layout": "zigzag"})
     train._write_run_info(config, str(tmp_path), mesh_lib.make_mesh(config.mesh), "zigzag", "data")

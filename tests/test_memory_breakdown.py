@@ -16,7 +16,8 @@ from longctx.plan import aot
 from longctx import config as config_lib
 from longctx.plan import memory
 from longctx.parallel import mesh as mesh_lib
-from longctx.train import loop as train
+from longctx.train import state as train_state
+from longctx.train import steps as train_steps
 
 pytestmark = [pytest.mark.tpu_aot,
               pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed (the [tpu] extra)")]
@@ -35,9 +36,9 @@ def _setup(c):
     devices = aot.topology_devices(TOPOLOGY)
     sizes = config_lib.validate(c, num_devices=len(devices))
     mesh = mesh_lib.make_mesh(c.mesh, devices=devices)
-    layout = train.resolve_layout(c, sizes[mesh_lib.SP])
+    layout = train_state.resolve_layout(c, sizes[mesh_lib.SP])
     with jax.default_device(jax.devices("cpu")[0]):
-        return mesh, layout, train.make_setup(c, mesh, layout)
+        return mesh, layout, train_state.make_setup(c, mesh, layout)
 
 
 def _bytes_by_hand(abstract, shardings, mesh_shape) -> int:
@@ -69,7 +70,7 @@ def test_state_bytes_match_an_independent_count(tiny_step):
     assert b.optimizer_bytes == _bytes_by_hand(state.opt_state, shardings.opt_state, mesh.shape) > 0
     assert b.gradient_bytes == b.parameter_bytes  # the estimate: grads sharded like the params
     rows = c.data.global_batch_size // (mesh.shape["dp"] * mesh.shape["fsdp"])
-    assert b.batch_bytes == len(train.BATCH_KEYS) * 4 * rows * (c.data.seq_len // mesh.shape["sp"])
+    assert b.batch_bytes == len(train_steps.BATCH_KEYS) * 4 * rows * (c.data.seq_len // mesh.shape["sp"])
     # The compiler's arguments are the state (+ step and rng scalars) and the batch, padded to TPU
     # tiles ((8, 128) and the like: this tiny model's 16-wide shards pad a lot, not 2x in all).
     held = b.parameter_bytes + b.optimizer_bytes + b.batch_bytes

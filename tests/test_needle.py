@@ -1,7 +1,7 @@
 """Passkey retrieval: haystacks, greedy exact-match scoring, and a model that retrieves across the ring.
 
 The retrieval test trains the tiny model (the real train_step, 8 CPU devices, mesh 1x2x4, ring
-over sp=4, zigzag, 128-token rows) on the synthetic task of longctx.evals.needle: the needle (a marker
+over sp=4, zigzag, 128-token rows) on the synthetic task of benchmarks/needle_synthetic.py: the needle (a marker
 and a value token, 10 values, chance = 0.1) always sits on another ring shard than the question,
 so a right answer needs keys and values that came around the ring. Seeded data and a
 deterministic CPU backend make it the same run every time. Measured on 128 held-out rows after
@@ -22,24 +22,28 @@ import numpy as np
 import pytest
 
 from configs import base
-from longctx.interop import hf
+from longctx import config as config_lib
+from longctx import train
 from longctx.evals import needle
-from longctx.train import loop as train
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from longctx.data.tokenizer import byte_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NUM_VALUES = needle.SYNTHETIC_NUM_VALUES
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the synthetic task lives with its benchmark
+
+import needle_synthetic as synthetic  # noqa: E402
+
+NUM_VALUES = synthetic.SYNTHETIC_NUM_VALUES
 SEQ_LEN = 128
 
 
 def test_retrieval_crosses_the_ring_and_stops_at_documents():
     config = base.get_config("tiny")
-    hf.apply_overrides(config, needle.SYNTHETIC_OVERRIDES)
-    runner = needle.train_synthetic(config, seed=0)
+    config_lib.apply_overrides(config, synthetic.SYNTHETIC_OVERRIDES)
+    runner = synthetic.train_synthetic(config, seed=0)
     assert dict(runner.mesh.shape) == {"dp": 1, "fsdp": 2, "sp": 4} and runner.layout == "zigzag"
-    found = needle.synthetic_report(runner)
+    found = synthetic.synthetic_report(runner)
     print(f"retrieval accuracy: cross-shard {found['cross_shard']:.2f}, cross-document "
           f"{found['cross_document']:.2f}, cross-document without the document mask "
           f"{found['cross_document_without_mask']:.2f} (chance {found['chance']:.2f})")
@@ -49,14 +53,14 @@ def test_retrieval_crosses_the_ring_and_stops_at_documents():
 
 
 def test_synthetic_needle_is_on_another_shard_than_the_question():
-    rows = needle.synthetic_rows(np.random.default_rng(0), 64, SEQ_LEN, 64, num_values=NUM_VALUES, sp=4,
+    rows = synthetic.synthetic_rows(np.random.default_rng(0), 64, SEQ_LEN, 64, num_values=NUM_VALUES, sp=4,
                                  layout="zigzag", split_documents=True)
     shard = np.empty(SEQ_LEN, int)
     for d, positions in enumerate(layout_lib.shard_positions("zigzag", SEQ_LEN, 4)):
         shard[positions] = d
     q = rows["question_at"]
     for b in range(64):
-        p = int(np.nonzero(rows["tokens"][b] == needle.NEEDLE_MARK)[0][0])
+        p = int(np.nonzero(rows["tokens"][b] == synthetic.NEEDLE_MARK)[0][0])
         assert rows["tokens"][b, p + 1] == rows["answers"][b] == rows["targets"][b, q]
         assert shard[p] != shard[q] and shard[p + 1] != shard[q]
         assert rows["segment_ids"][b, p + 1] == 1 and rows["segment_ids"][b, q] == 2
@@ -131,7 +135,7 @@ def test_training_hook_and_eval_script(tmp_path):
     config.attention.block_size = 64
     config.train.update(num_steps=2, log_every=1, eval_every=0, loss_chunk_size=128, eval_needle_every=2)
     workdir = str(tmp_path / "run")
-    train.train_and_evaluate(config, workdir)
+    train.train_and_evaluate(config, workdir, evaluators=[needle.PASSKEY_EVALUATOR])
     logged = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
     needle_rows = [row for row in logged if "needle/accuracy" in row]
     assert [row["step"] for row in needle_rows] == [2]
@@ -148,6 +152,20 @@ def test_training_hook_and_eval_script(tmp_path):
     result = json.load(open(os.path.join(out, "needle.json")))
     assert result["step"] == 2 and result["depths"] == [0.0, 0.5, 1.0] and result["layout"] == "zigzag"
     assert os.path.isfile(os.path.join(out, "needle.png"))
+
+
+def test_the_needle_hook_without_its_evaluator_is_one_sentence_before_any_compile(tmp_path):
+    """train_and_evaluate called directly with train.eval_needle_every and no evaluator given."""
+    config = base.get_config("tiny")
+    config.unlock()
+    config.train.eval_needle_every = 2
+    with pytest.raises(config_lib.ConfigError) as e:
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert str(e.value) == (
+        "train.eval_needle_every=2 needs its evaluator: pass "
+        "evaluators=[longctx.evals.needle.PASSKEY_EVALUATOR] to train_and_evaluate (scripts/train.py "
+        "does), or set train.eval_needle_every=0.")
+    assert not (tmp_path / "run").exists()  # failed before the workdir, the data or a compile
 
 
 def run_eval_needle(*args):

@@ -7,7 +7,8 @@ import pytest
 
 from configs import base
 from longctx.parallel import mesh as mesh_lib
-from longctx.train import loop as train
+from longctx.train import optimizer as train_optimizer
+from longctx.train import state as train_state
 from longctx.model.decoder import weight_decay_mask
 
 NOT_DECAYED = {"attn_norm", "mlp_norm", "final_norm", "sinks"}
@@ -35,7 +36,7 @@ def test_zero_gradients_decay_every_matrix_and_no_norm_or_sink(scan_layers):
     config = _config(scan_layers)
     mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:1])
     with jax.set_mesh(mesh):
-        setup = train.make_setup(config, mesh, "contiguous")
+        setup = train_state.make_setup(config, mesh, "contiguous")
         state = setup.init(jax.random.PRNGKey(0))
         # Every value non-zero (sinks start at 0, where a decay would be invisible).
         params = jax.tree.map(lambda p: jnp.full_like(p, 0.5), state.params)
@@ -58,7 +59,7 @@ def test_mask_reads_the_declaration_not_the_rank():
     config = _config(scan_layers=True)
     mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:1])
     with jax.set_mesh(mesh):
-        abstract = train.make_setup(config, mesh, "contiguous").abstract_state.params
+        abstract = train_state.make_setup(config, mesh, "contiguous").abstract_state.params
     mask = {_names(p).split("/")[-1]: m for p, m in jax.tree_util.tree_flatten_with_path(weight_decay_mask(abstract))[0]}
     shapes = {_names(p).split("/")[-1]: a.shape for p, a in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     assert len(shapes["attn_norm"]) == 2 and len(shapes["sinks"]) == 2  # [layers, d], [layers, heads]
@@ -83,7 +84,7 @@ def test_learning_rate_warms_up_linearly_then_decays_by_a_cosine_to_the_floor():
     at num_steps. (float32 arithmetic in optax: rtol 1e-6 is a few of its ulps.)"""
     config = _schedule_config(num_steps=1000, warmup_steps=100)
     peak, floor = 3e-3, 3e-4
-    schedule = train.learning_rate_schedule(config)
+    schedule = train_optimizer.learning_rate_schedule(config)
     rate = lambda n: float(schedule(n))  # noqa: E731
     assert rate(0) == 0.0
     for n in (1, 25, 50, 99):
@@ -102,27 +103,27 @@ def test_learning_rate_warms_up_linearly_then_decays_by_a_cosine_to_the_floor():
 
 def test_a_warmup_longer_than_the_run_is_cut_and_said():
     config = _schedule_config(num_steps=50, warmup_steps=100)
-    schedule = train.learning_rate_schedule(config)
+    schedule = train_optimizer.learning_rate_schedule(config)
     rates = np.array([float(schedule(n)) for n in range(50)])
     np.testing.assert_allclose(rates, 3e-3 * np.arange(50) / 50, rtol=1e-6)  # cut to the run
-    notes = train.optimizer_notes(config)
+    notes = train_optimizer.optimizer_notes(config)
     assert notes == ["optimizer.warmup_steps=100 is more than train.num_steps=50: the warmup is cut to "
                      "50 steps, so the learning rate rises until the last step, never reaching "
                      "optimizer.learning_rate=0.003, and never decays."]
-    assert train.optimizer_notes(_schedule_config(num_steps=100, warmup_steps=100)) == []
+    assert train_optimizer.optimizer_notes(_schedule_config(num_steps=100, warmup_steps=100)) == []
 
 
 def test_a_resume_with_more_steps_says_the_schedule_is_re_stretched():
     saved = _schedule_config(num_steps=200, warmup_steps=10)
     config = _schedule_config(num_steps=400, warmup_steps=10)
-    before = float(train.learning_rate_schedule(saved)(200))
-    after = float(train.learning_rate_schedule(config)(200))
+    before = float(train_optimizer.learning_rate_schedule(saved)(200))
+    after = float(train_optimizer.learning_rate_schedule(config)(200))
     assert before < after  # the old run had decayed to its floor; the new one is half-way down
-    assert train.optimizer_notes(config, saved.to_dict(), updates=200) == [
+    assert train_optimizer.optimizer_notes(config, saved.to_dict(), updates=200) == [
         "the learning-rate schedule differs from the checkpoint's (train.num_steps: checkpoint 200 vs "
         "config 400): its cosine decay is re-stretched to end at step 400, and the rate of update 201 "
         f"is {after:.3g}, where the checkpoint's schedule had {before:.3g}."]
-    assert train.optimizer_notes(config, config.to_dict(), updates=200) == []  # the same schedule
+    assert train_optimizer.optimizer_notes(config, config.to_dict(), updates=200) == []  # the same schedule
 
 
 # ----------------------------------------------------------------------------- precision
@@ -146,15 +147,15 @@ def test_bfloat16_parameters_make_bfloat16_moments_and_the_start_up_says_so():
     config.model.param_dtype = "bfloat16"
     mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:1])
     with jax.set_mesh(mesh):
-        abstract = train.make_setup(config, mesh, "contiguous").abstract_state
+        abstract = train_state.make_setup(config, mesh, "contiguous").abstract_state
     moments = [leaf for leaf in jax.tree.leaves(abstract.opt_state) if leaf.ndim > 0]
     assert moments and {leaf.dtype for leaf in moments} == {jnp.dtype(jnp.bfloat16)}  # what the note says
-    assert train.optimizer_notes(config) == [
+    assert train_optimizer.optimizer_notes(config) == [
         "model.param_dtype=bfloat16: AdamW's moments are kept in bfloat16 too (optax follows the "
         "parameters' dtype), so updates much smaller than a weight round away; "
         "model.param_dtype=float32 keeps parameters and moments in full precision."]
     config.model.param_dtype = "float32"
-    assert train.optimizer_notes(config) == []
+    assert train_optimizer.optimizer_notes(config) == []
 
 
 @pytest.mark.parametrize("value", [0, -3])

@@ -29,7 +29,7 @@ def scaling_for(hf_config: dict, name: str):
     """(head_dim, theta, the full model.rope_scaling section) as the converter would set them."""
     theta, scaling = hf.rope_settings(hf_config, name)
     config = base.get_config()
-    hf.apply_overrides(config, {f"model.rope_scaling.{k}": v for k, v in scaling.items()})
+    config_lib.apply_overrides(config, {f"model.rope_scaling.{k}": v for k, v in scaling.items()})
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
     return head_dim, theta, config.model.rope_scaling
 

@@ -13,7 +13,8 @@ import numpy as np
 from longctx.train import checkpoint as checkpoint_lib
 from longctx import data as data_lib
 from longctx.parallel import mesh as mesh_lib
-from longctx.train import loop as train_lib
+from longctx.train import state as train_state
+from longctx.train import steps as train_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -37,8 +38,8 @@ def _config(dp=1, fsdp=2, sp=4, over_dp=False):
 
 def _setup(config):
     mesh = mesh_lib.make_mesh(config.mesh)
-    layout = train_lib.resolve_layout(config, mesh.shape[mesh_lib.SP])
-    return mesh, layout, train_lib.make_setup(config, mesh, layout)
+    layout = train_state.resolve_layout(config, mesh.shape[mesh_lib.SP])
+    return mesh, layout, train_state.make_setup(config, mesh, layout)
 
 
 def _mesh_axes(sharding) -> set[str]:
@@ -89,7 +90,7 @@ def test_optimizer_rules_add_dp_only_to_parameter_axes():
 
 
 def _two_steps(config, state, setup):
-    train_step, _ = train_lib.jit_steps(config, setup)
+    train_step, _ = train_steps.jit_steps(config, setup)
     batches = [_batch(config, setup, seed) for seed in (1, 2)]
     losses = []
     with jax.set_mesh(setup.batch_sharding.mesh):
@@ -113,7 +114,7 @@ def _batch(config, setup, seed):
             "segment_ids": np.broadcast_to(segment, (b, s)),
             "loss_mask": np.ones((b, s))}
     return {k: jax.device_put(np.ascontiguousarray(host[k]).astype(np.int32), setup.batch_sharding)
-            for k in train_lib.BATCH_KEYS}
+            for k in train_steps.BATCH_KEYS}
 
 
 def test_train_step_is_the_same_under_the_old_and_new_sharding(monkeypatch):

@@ -7,7 +7,10 @@ from jax.sharding import PartitionSpec as P
 
 from configs import base
 from longctx.parallel import mesh as mesh_lib
-from longctx.train import loop as train
+from longctx.train import loop as train_loop
+from longctx.train import optimizer as train_optimizer
+from longctx.train import state as train_state
+from longctx.train import steps as train_steps
 from longctx.train.metrics import MetricsWindow
 from tests import synthetic
 
@@ -28,11 +31,11 @@ def step_config(dp=1, fsdp=1, sp=1, **attention):
 def run_steps(config, devices, rows_list):
     mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
     sp = mesh.shape["sp"]
-    layout = train.resolve_layout(config, sp)
+    layout = train_state.resolve_layout(config, sp)
     with jax.set_mesh(mesh):
-        setup = train.make_setup(config, mesh, layout)
+        setup = train_state.make_setup(config, mesh, layout)
         state = setup.init(jax.random.PRNGKey(0))
-        train_step, _ = train.jit_steps(config, setup)
+        train_step, _ = train_steps.jit_steps(config, setup)
         losses = []
         for rows in rows_list:
             batch = {k: jax.device_put(v, setup.batch_sharding) for k, v in synthetic.to_layout(rows, layout, sp).items()}
@@ -90,10 +93,10 @@ def test_nonfinite_loss_is_skipped_when_configured():
     rows = synthetic.packed_rows(4, 512, 97, seed=1)
     poisoned = dict(rows, targets=np.full_like(rows["targets"], 10_000))  # out of vocab -> NaN NLL
     mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:1])
-    schedule = train.learning_rate_schedule(config)
+    schedule = train_optimizer.learning_rate_schedule(config)
     with jax.set_mesh(mesh):
-        setup = train.make_setup(config, mesh, "contiguous")
-        step, _ = train.jit_steps(config, setup)
+        setup = train_state.make_setup(config, mesh, "contiguous")
+        step, _ = train_steps.jit_steps(config, setup)
         put = lambda b: {k: jax.device_put(v, setup.batch_sharding) for k, v in b.items()}  # noqa: E731
         state = setup.init(jax.random.PRNGKey(0))
         before = jax.device_get(state.params)
@@ -101,7 +104,7 @@ def test_nonfinite_loss_is_skipped_when_configured():
         assert not np.isfinite(float(metrics["loss"]))
         for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state.params))):
             np.testing.assert_array_equal(a, b)  # the bad step changed nothing...
-        assert int(state.step) == 1 and int(train.applied_updates(state.opt_state)) == 0
+        assert int(state.step) == 1 and int(train_optimizer.applied_updates(state.opt_state)) == 0
         state, metrics = step(state, put(rows))  # ...and training goes on
         assert np.isfinite(float(metrics["loss"]))
         # The logged rate is the one this update used: the optimizer's first, not schedule(1).
@@ -137,12 +140,12 @@ def test_compiled_step_holds_no_score_matrix(scan_layers, remat_policy):
     config.model.update(scan_layers=scan_layers, remat_policy=remat_policy)
     mesh = mesh_lib.make_mesh(config.mesh)
     with jax.set_mesh(mesh):
-        setup = train.make_setup(config, mesh, train.resolve_layout(config, 8))
-        step, _ = train.jit_steps(config, setup)
+        setup = train_state.make_setup(config, mesh, train_state.resolve_layout(config, 8))
+        step, _ = train_steps.jit_steps(config, setup)
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                              setup.abstract_state, setup.state_shardings)
         batch = {k: jax.ShapeDtypeStruct((1, 8192), np.int32, sharding=setup.batch_sharding)
-                 for k in train.BATCH_KEYS}
+                 for k in train_steps.BATCH_KEYS}
         hlo = step.lower(state, batch).compile().as_text()
     sizes = [int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"f32\[([0-9,]+)\]", hlo)]
     shard = 8192 // 8
@@ -175,7 +178,7 @@ def test_first_ctrl_c_is_acknowledged_at_once_and_the_second_abandons(capfd):
     import signal
     import time
 
-    stop = train._StopRequest()
+    stop = train_loop._StopRequest()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -184,7 +187,7 @@ def test_first_ctrl_c_is_acknowledged_at_once_and_the_second_abandons(capfd):
         assert capfd.readouterr().err == "longctx: SIGTERM: stopping at the next step (it will be saved).\n"
     finally:
         stop.restore()
-    stop = train._StopRequest()
+    stop = train_loop._StopRequest()
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)
@@ -219,7 +222,7 @@ def test_ctrl_c_is_acknowledged_while_the_main_thread_is_busy_outside_python(mon
     # About 6 s of it as measured now; on a loaded machine the measurement and the run can differ
     # by 2-3x, which still leaves the listener seconds to hear the line while the call runs.
     rounds = int(rounds * 6.0 / max(time.monotonic() - took, 1e-3))
-    stop = train._StopRequest()
+    stop = train_loop._StopRequest()
     listener.start()
     try:
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()

@@ -22,7 +22,10 @@ from configs import base
 from longctx.train import checkpoint as checkpoint_lib
 from longctx import errors
 from longctx.parallel import mesh as mesh_lib
-from longctx.train import loop as train
+from longctx.train import loop as train_loop
+from longctx.train import optimizer as train_optimizer
+from longctx.train import state as train_state
+from longctx.train import steps as train_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
@@ -41,7 +44,7 @@ def _config(num_steps: int, *, every_steps: int, log_every: int):
 
 def _diverge_at(monkeypatch, bad_step: int):
     """From call `bad_step` on, the train step's parameters and loss become NaN (a divergence)."""
-    real = train.jit_steps
+    real = train_steps.jit_steps
 
     def jit_steps(config, setup):
         train_step, eval_step = real(config, setup)
@@ -56,7 +59,7 @@ def _diverge_at(monkeypatch, bad_step: int):
 
         return step, eval_step
 
-    monkeypatch.setattr(train, "jit_steps", jit_steps)
+    monkeypatch.setattr(train_loop, "jit_steps", jit_steps)
 
 
 def _steps(workdir) -> list[int]:
@@ -74,7 +77,7 @@ def test_nonfinite_between_a_save_and_a_log_step_is_never_saved(tmp_path, monkey
     workdir = str(tmp_path / "run")
     _diverge_at(monkeypatch, bad_step=6)
     with pytest.raises(errors.RunError) as error:
-        train.train_and_evaluate(_config(12, every_steps=4, log_every=10), workdir)
+        train_loop.train_and_evaluate(_config(12, every_steps=4, log_every=10), workdir)
     assert str(error.value).startswith(
         "non-finite loss or gradient at step 6 (loss nan, grad norm ")
     assert "the newest checkpoint, step 4, holds only finite steps" in str(error.value)
@@ -88,9 +91,9 @@ def test_resume_drops_metrics_rows_past_the_restored_step(tmp_path, monkeypatch)
     with monkeypatch.context() as patch:
         _diverge_at(patch, bad_step=7)
         with pytest.raises(errors.RunError, match="at step 7"):
-            train.train_and_evaluate(_config(8, every_steps=4, log_every=1), workdir)
+            train_loop.train_and_evaluate(_config(8, every_steps=4, log_every=1), workdir)
     assert _steps(workdir) == [4] and _logged_steps(workdir) == [1, 2, 3, 4, 5, 6]
-    train.train_and_evaluate(_config(8, every_steps=4, log_every=1), workdir)
+    train_loop.train_and_evaluate(_config(8, every_steps=4, log_every=1), workdir)
     assert _logged_steps(workdir) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert _steps(workdir) == [4, 8]
 
@@ -101,7 +104,7 @@ def test_a_loop_that_leaves_early_stops_its_profile_trace(tmp_path, monkeypatch)
     config.train.update(profile_start=1, profile_steps=4)  # the trace would stop after step 5
     _diverge_at(monkeypatch, bad_step=3)
     with pytest.raises(errors.RunError, match="at step 3"):
-        train.train_and_evaluate(config, workdir)
+        train_loop.train_and_evaluate(config, workdir)
     traces = [f for _, _, files in os.walk(os.path.join(workdir, "profile")) for f in files]
     assert any(f.endswith(".xplane.pb") for f in traces), traces  # written when a trace stops
     jax.profiler.start_trace(str(tmp_path / "again"))  # raises if the first trace still ran
@@ -145,7 +148,7 @@ def test_disk_full_during_a_save_is_one_line_and_the_next_start_resumes(small_di
     assert _steps(workdir) == [2]
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     capsys.readouterr()
-    train.train_and_evaluate(config, workdir)
+    train_loop.train_and_evaluate(config, workdir)
     assert f"longctx: resumed from {workdir}/checkpoints/2 (step 2)" in capsys.readouterr().out
     assert _steps(workdir) == [2, 4, 6]
 
@@ -263,10 +266,10 @@ def test_a_data_error_while_resuming_leaves_the_checkpoint_alone(tmp_path):
     the error reaches the user and the (good) checkpoint is neither set aside nor skipped."""
     workdir = str(tmp_path / "run")
     config = _config(2, every_steps=2, log_every=1)
-    train.train_and_evaluate(config, workdir)
+    train_loop.train_and_evaluate(config, workdir)
     mesh = mesh_lib.make_mesh(config.mesh)
     with jax.set_mesh(mesh):
-        setup = train.make_setup(config, mesh, train.resolve_layout(config, mesh.shape["sp"]))
+        setup = train_state.make_setup(config, mesh, train_state.resolve_layout(config, mesh.shape["sp"]))
 
         def corrupt_data(seed_offset=0):
             raise errors.ConfigError("data/train-00000.array_record is corrupt")
@@ -284,7 +287,7 @@ def test_a_vocabulary_larger_than_the_model_fails_before_anything_runs(tmp_path)
     config.model.vocab_size = 100  # the embedded corpus is byte-level: 256 + specials
     with pytest.raises(errors.ConfigError, match=r"model.vocab_size=100 is smaller than the "
                                                  r"dataset's tokenizer vocabulary \(\d+ in "):
-        train.train_and_evaluate(config, str(tmp_path / "run"))
+        train_loop.train_and_evaluate(config, str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
@@ -315,7 +318,7 @@ def train_iterators(monkeypatch):
 def _poison_from(monkeypatch, bad_step: int):
     """From call `bad_step` on, the batch's targets are out of the vocabulary: the loss is NaN and,
     with on_nonfinite=skip, the step is skipped (parameters stay finite, unlike `_diverge_at`)."""
-    real = train.jit_steps
+    real = train_steps.jit_steps
 
     def jit_steps(config, setup):
         train_step, eval_step = real(config, setup)
@@ -328,7 +331,7 @@ def _poison_from(monkeypatch, bad_step: int):
 
         return step, eval_step
 
-    monkeypatch.setattr(train, "jit_steps", jit_steps)
+    monkeypatch.setattr(train_loop, "jit_steps", jit_steps)
 
 
 def test_a_skip_run_stops_after_max_consecutive_skips(tmp_path, monkeypatch, train_iterators):
@@ -340,7 +343,7 @@ def test_a_skip_run_stops_after_max_consecutive_skips(tmp_path, monkeypatch, tra
     config.train.update(on_nonfinite="skip", max_consecutive_skips=3)
     _poison_from(monkeypatch, bad_step=1)
     with pytest.raises(errors.RunError) as error:
-        train.train_and_evaluate(config, workdir)
+        train_loop.train_and_evaluate(config, workdir)
     assert str(error.value).startswith("non-finite loss or gradient at step 3 (loss nan, grad norm ")
     assert str(error.value).endswith(
         "), the last of 3 steps in a row skipped for it (train.max_consecutive_skips=3); stopped before "
@@ -357,7 +360,7 @@ def test_start_up_lines_and_a_finished_run_started_again(tmp_path, monkeypatch, 
     training iterator is closed when its run ends, also when it ends in an error."""
     workdir = str(tmp_path / "run")
     config = _config(2, every_steps=2, log_every=1)  # the tiny preset's warmup: 10 steps
-    train.train_and_evaluate(config, workdir)
+    train_loop.train_and_evaluate(config, workdir)
     out = capsys.readouterr().out
     assert ("longctx: optimizer.warmup_steps=10 is more than train.num_steps=2: the warmup is cut to 2 "
             "steps, so the learning rate rises until the last step") in out, out
@@ -369,18 +372,18 @@ def test_start_up_lines_and_a_finished_run_started_again(tmp_path, monkeypatch, 
     def no_compile(*_):
         raise Compiled
 
-    monkeypatch.setattr(train, "jit_steps", no_compile)  # (the lines come before: no need to train)
+    monkeypatch.setattr(train_loop, "jit_steps", no_compile)  # (the lines come before: no need to train)
     config.train.num_steps = 4
     with pytest.raises(Compiled):
-        train.train_and_evaluate(config, workdir)
-    schedule = train.learning_rate_schedule
+        train_loop.train_and_evaluate(config, workdir)
+    schedule = train_optimizer.learning_rate_schedule
     assert (f"longctx: the learning-rate schedule differs from the checkpoint's (train.num_steps: "
             f"checkpoint 2 vs config 4): its cosine decay is re-stretched to end at step 4, and the rate "
             f"of update 3 is {float(schedule(config)(2)):.3g}, where the checkpoint's schedule had "
             f"{float(schedule(_config(2, every_steps=2, log_every=1))(2)):.3g}.\n") in capsys.readouterr().out
 
     config.train.num_steps = 2
-    assert train.train_and_evaluate(config, workdir) == {}
+    assert train_loop.train_and_evaluate(config, workdir) == {}
     out = capsys.readouterr().out
     assert out.splitlines()[-1] == ("longctx: nothing to do: the checkpoint is at step 2 and "
                                     "train.num_steps=2 (raise it to train further)."), out

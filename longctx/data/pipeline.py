@@ -127,7 +127,7 @@ def check_shard(path: str, num_documents: int) -> None:
 @functools.lru_cache(maxsize=4096)
 def _num_records(path: str, size: int, mtime_ns: int) -> int:
     """Records in an ArrayRecord file (its footer is read once per version of the file)."""
-    from array_record.python.array_record_module import ArrayRecordReader
+    from array_record.python.array_record_module import ArrayRecordReader  # lazily, like grain (above)
 
     del size, mtime_ns  # the cache key: a rewritten file is read again
     try:
@@ -267,7 +267,7 @@ def batched(rows: grain.IterDataset, batch_size: int, perm: np.ndarray | None, *
     if num_workers > 0:
         # Grain's workers read absl flags; outside an absl app (pytest, notebooks) they are
         # unparsed and reading one raises, so accept the defaults.
-        from absl import flags
+        from absl import flags  # lazily: only with worker processes
 
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()

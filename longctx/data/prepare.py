@@ -35,6 +35,7 @@ sources, without `site-packages` and test directories.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import fnmatch
 import hashlib
@@ -189,8 +190,6 @@ def iter_documents(src: Source, text_field: str = "text", encoding: str = "utf-8
 
 
 def _codec(encoding: str) -> str:
-    import codecs
-
     return codecs.lookup(encoding).name
 
 
@@ -208,6 +207,7 @@ class _ShardWriter:
         self._writer = None
 
     def write(self, ids: np.ndarray) -> None:
+        # lazily: importing prepare (the data CLI's checks, the embedded corpus's name) needs no writer
         from array_record.python.array_record_module import ArrayRecordWriter
 
         if self._writer is None:
@@ -232,7 +232,7 @@ def _write_splits(sources, tok, out_dir, *, text_field, encoding, val_fraction, 
                   force_val, progress):
     """One pass over the inputs; returns (per-split stats, key of the smallest-hash document,
     the files skipped as not text, the keys of the blank documents dropped)."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # lazily: only a pass over the inputs shows progress
 
     writers = {s: _ShardWriter(out_dir, s, shard_bytes) for s in SPLITS}
     max_len = {s: 0 for s in SPLITS}
@@ -425,8 +425,6 @@ def stdlib_root() -> str:
 
 def stdlib_cache_name() -> str:
     """Directory name for the embedded corpus: changes with the Python build and the format."""
-    import sys
-
     root = stdlib_root()
     tag = hashlib.sha256(f"{root}|{sys.version}|{FORMAT}".encode()).hexdigest()[:10]
     return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-byte-{tag}"

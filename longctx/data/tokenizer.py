@@ -15,7 +15,10 @@ end and the first real token of a document is a prediction target (its input is 
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
 import os
+import shutil
 
 import numpy as np
 
@@ -69,7 +72,7 @@ def byte_tokenizer() -> Tokenizer:
 
 
 def sentencepiece_tokenizer(model_path: str) -> Tokenizer:
-    import sentencepiece as spm
+    import sentencepiece as spm  # lazily, as every tokenizer library: only the one a dataset names
 
     if not os.path.isfile(model_path):
         raise MissingFileError(f"SentencePiece model {model_path} does not exist.")
@@ -96,9 +99,7 @@ def train_sentencepiece(texts, vocab_size: int, model_path: str) -> str:
     the model is written from memory (a file prefix would be recorded inside the model), so
     re-running prepare_data on the same input gives the same model, byte for byte.
     """
-    import io
-
-    import sentencepiece as spm
+    import sentencepiece as spm  # lazily: only to train a SentencePiece model
 
     if hasattr(spm, "set_random_generator_seed"):
         spm.set_random_generator_seed(0)
@@ -144,8 +145,6 @@ def hf_tokenizer_files(path: str) -> tuple[str, str | None]:
 def _special_token_ids(tok, json_path: str, config_path: str | None) -> dict[str, int | None]:
     """bos/eos/pad ids from tokenizer_config.json (token strings, or {"content": ...}), else from
     the ids in config.json beside it."""
-    import json
-
     found: dict[str, int | None] = {"bos": None, "eos": None, "pad": None}
     if config_path is not None:
         try:
@@ -175,7 +174,7 @@ def _special_token_ids(tok, json_path: str, config_path: str | None) -> dict[str
 
 def hf_tokenizer(path: str) -> Tokenizer:
     try:
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import Tokenizer as HFTokenizer  # lazily: optional, for hf: tokenizers only
     except ImportError:
         raise ConfigError("the hf: tokenizer needs the `tokenizers` package (pip install tokenizers).") from None
 
@@ -198,9 +197,6 @@ def hf_tokenizer(path: str) -> Tokenizer:
 def write_hf_tokenizer(path: str, out_dir: str) -> None:
     """Copies the tokenizer.json of `path` into `out_dir` with a tokenizer_config.json naming the
     BOS/EOS/PAD tokens it was read with."""
-    import json
-    import shutil
-
     tok = hf_tokenizer(path)  # validates before copying
     json_path, _ = hf_tokenizer_files(path)
     shutil.copyfile(json_path, os.path.join(out_dir, HF_TOKENIZER_FILE))

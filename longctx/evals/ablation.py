@@ -50,14 +50,12 @@ def _base_config(base: str):
 
 
 def _apply(config, name: str, key: str, value) -> None:
-    node = config
-    *parents, leaf = key.split(".")
+    # lazily: longctx.config loads jax and the model (2 s), which scripts/ablate.py's parent
+    # process, that only starts the runs, does without
+    from longctx import config as config_lib
+
     try:
-        for part in parents:
-            node = node[part]
-        if leaf not in node:
-            raise KeyError(leaf)
-        node[leaf] = value
+        config_lib.apply_overrides(config, {key: value})
     except (KeyError, AttributeError):
         raise ConfigError(f"grid variant {name!r}: unknown config key {key!r}.") from None
     except TypeError as e:
@@ -153,7 +151,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def write_report(rows: list[dict], workdir: str, command: str) -> dict[str, str]:
-    import matplotlib
+    import matplotlib  # lazily: plotting only where the report is written
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

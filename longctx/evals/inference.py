@@ -29,7 +29,7 @@ from longctx import config as config_lib
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from longctx.interop import params_io
-from longctx.train import loop as train
+from longctx.train import state as train_state
 from longctx.data import packing
 from longctx.errors import ConfigError
 
@@ -41,7 +41,7 @@ class Runner:
     config: Any
     mesh: Any
     layout: str
-    setup: train.Setup
+    setup: train_state.Setup
     params: Any
     forward_at: Any  # jitted (params, batch, index) -> logits
 
@@ -180,16 +180,16 @@ def fit_to_ring(config, sp: int) -> dict:
     return {"attention.block_size": block, "train.loss_chunk_size": chunk}
 
 
-def make_runner(config, params_from, mesh=None, *, setup: train.Setup | None = None,
+def make_runner(config, params_from, mesh=None, *, setup: train_state.Setup | None = None,
                 layout: str | None = None) -> Runner:
     """A Runner for `config` (validated against the devices), with parameters from
     `params_from(abstract_params, shardings)`. The training loop passes its own mesh, setup and
     layout (and its parameters later, with `dataclasses.replace`)."""
     config_lib.validate(config)
     mesh = mesh_lib.make_mesh(config.mesh) if mesh is None else mesh
-    layout = layout or train.resolve_layout(config, int(mesh.shape[mesh_lib.SP]))
+    layout = layout or train_state.resolve_layout(config, int(mesh.shape[mesh_lib.SP]))
     with jax.set_mesh(mesh):
-        setup = setup or train.make_setup(config, mesh, layout)
+        setup = setup or train_state.make_setup(config, mesh, layout)
         params = params_from(setup.abstract_state.params, setup.state_shardings.params)
     # Replicated out: every process can read the (small) logits it asked for.
     forward_at = jax.jit(functools.partial(_forward_at, setup.graphdef),  # (closes over the model's structure)
@@ -200,10 +200,8 @@ def make_runner(config, params_from, mesh=None, *, setup: train.Setup | None = N
 def runner_from_checkpoint(path: str, overrides: dict | None = None) -> Runner:
     """A Runner for the newest checkpoint under `path`, with its saved config changed by
     `overrides` (dotted keys: mesh, attention.impl, data.seq_len, ...)."""
-    from longctx.interop import hf  # (apply_overrides: the same dotted-key setter the converter uses)
-
     config, directory, step = params_io.read_config(path)
-    hf.apply_overrides(config, overrides or {})
+    config_lib.apply_overrides(config, overrides or {})
     sizes = mesh_lib.resolve_mesh_shape(config.mesh, jax.device_count())
-    hf.apply_overrides(config, fit_to_ring(config, sizes[mesh_lib.SP]))
+    config_lib.apply_overrides(config, fit_to_ring(config, sizes[mesh_lib.SP]))
     return make_runner(config, lambda abstract, shardings: params_io.restore(directory, step, abstract, shardings))

@@ -158,19 +158,6 @@ def config_overrides(hf: dict, where: str = CONFIG_FILE) -> dict[str, Any]:
     return out
 
 
-def apply_overrides(config, overrides: dict[str, Any]) -> None:
-    """Sets dotted keys on a (locked) ConfigDict; ints become floats where the field is a float."""
-    for key, value in overrides.items():
-        *sections, name = key.split(".")
-        node = config
-        for s in sections:
-            node = node[s]
-        old = node[name]
-        if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        node[name] = value
-
-
 def print_overrides(overrides: dict[str, Any], base=None) -> str:
     """`--config.KEY=VALUE` flags for the values that differ from `base` (all if None)."""
     lines = []
@@ -462,7 +449,7 @@ def write_hf(params, config, directory: str, *, dtype, template: dict | None = N
 
 def _write_files(params, config, directory: str, dtype: np.dtype, hf_config: dict,
                  max_shard_bytes: int) -> list[str]:
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save_file  # lazily: only an export writes safetensors
 
     tensors = exported_tensors(params, config)
     groups = _shard_groups(tensors, dtype.itemsize, max_shard_bytes)

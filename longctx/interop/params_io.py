@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 
 import longctx
 from longctx.train import checkpoint as checkpoint_lib
+from longctx.train.state import abstract_with_shardings
 from longctx.interop import staging
 from longctx.errors import ConfigError, first_line
 
@@ -80,8 +81,7 @@ def read_config(path: str) -> tuple[ml_collections.ConfigDict, str, int]:
 
 def restore(directory: str, step: int, abstract_params, shardings):
     """The parameters of one step, placed with `shardings` (partial restore: nothing else is read)."""
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract_params, shardings)
+    target = abstract_with_shardings(abstract_params, shardings)
     item = {"params": target}
     try:
         with ocp.PyTreeCheckpointer() as checkpointer:

@@ -51,7 +51,7 @@ def configure_cpu_devices(default: int = 8) -> int:
         # libtpu is installed for ahead-of-time TPU compiles; without a TPU, skip its probing.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if "jax" in sys.modules:  # the environment has been read already; tell jax directly
-        import jax
+        import jax  # lazily: this runs before jax is imported, unless it already was
 
         try:
             jax.config.update("jax_num_cpu_devices", count)

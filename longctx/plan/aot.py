@@ -27,7 +27,8 @@ from longctx import config as config_lib
 from longctx.parallel import devices as devices_lib
 from longctx.plan import memory
 from longctx.parallel import mesh as mesh_lib
-from longctx.train import loop as train
+from longctx.train import state as train_state
+from longctx.train import steps as train_steps
 
 GIB = 1024 ** 3
 
@@ -162,21 +163,20 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
     topology = topology or f"{devices[0].platform}:{len(devices)}"
     sizes = config_lib.validate(config, num_devices=len(devices))
     mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
-    layout = train.resolve_layout(config, sizes[mesh_lib.SP])
+    layout = train_state.resolve_layout(config, sizes[mesh_lib.SP])
     # make_setup builds a concrete PRNG key; under set_mesh of abstract TPU devices that would
     # try to run on them. Its shardings name the mesh explicitly, so it needs no mesh context.
     with jax.default_device(jax.devices("cpu")[0]):
-        setup = train.make_setup(config, mesh, layout)
+        setup = train_state.make_setup(config, mesh, layout)
     common = dict(topology=topology, device_kind=devices[0].device_kind,
                   num_devices=len(devices), mesh_shape=dict(mesh.shape),
                   cores_per_chip=cores_per_chip(devices))
     with jax.set_mesh(mesh):
-        train_step, _ = train.jit_steps(config, setup)
-        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             setup.abstract_state, setup.state_shardings)
+        train_step, _ = train_steps.jit_steps(config, setup)
+        state = train_state.abstract_with_shardings(setup.abstract_state, setup.state_shardings)
         shape = (config.data.global_batch_size, config.data.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=setup.batch_sharding)
-                 for k in train.BATCH_KEYS}
+                 for k in train_steps.BATCH_KEYS}
         start = time.perf_counter()
         lowered = train_step.lower(state, batch)
         hlo = None

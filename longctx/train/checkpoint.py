@@ -46,6 +46,7 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 import longctx
 from longctx.train import checkpoint_compat as compat
@@ -53,6 +54,7 @@ from longctx import cli
 from longctx import config as config_lib
 from longctx import errors
 from longctx.train import workdir as workdir_lib
+from longctx.train.state import abstract_with_shardings
 
 _STATE, _DATA, _CONFIG, _METADATA = "state", "data", "config", "metadata"
 # A Hugging Face source model's config.json, kept beside checkpoints/ (scripts/convert_hf.py
@@ -64,17 +66,10 @@ def _handlers() -> dict:
     return {_STATE: ocp.StandardCheckpointHandler(), _DATA: grain.checkpoint.CheckpointHandler(),
             _CONFIG: ocp.JsonCheckpointHandler(), _METADATA: ocp.JsonCheckpointHandler()}
 
-def _abstract_with_shardings(abstract_state, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract_state, shardings)
-
-
 def _all_processes_agree(ok: bool) -> bool:
     """True when `ok` holds on every process (a step one process cannot read is unusable for all)."""
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
-
     return bool(np.all(multihost_utils.process_allgather(np.array([ok], np.int32))))
 
 
@@ -220,7 +215,7 @@ class Checkpointer:
         `make_data_iterator(seed_offset=0)` builds a fresh training iterator. Raises ConfigError,
         with nothing moved or written, when a readable checkpoint does not fit this run.
         """
-        target = _abstract_with_shardings(setup.abstract_state, setup.state_shardings)
+        target = abstract_with_shardings(setup.abstract_state, setup.state_shardings)
         for step in sorted(self.manager.all_steps(), reverse=True):
             info, error = None, None
             try:
@@ -320,8 +315,6 @@ class Checkpointer:
                   f"{aside} and trying the previous one.", flush=True)
             workdir_lib.move(source, aside)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"longctx_set_aside_{step}")
         self.manager.reload()
 

@@ -275,7 +275,7 @@ def _files(workdir: str):
     directory = f"{str(workdir_lib.resolve(workdir)).rstrip('/')}/{LEASE_DIR}"
     if not workdir_lib.is_remote(workdir):
         return _LocalFiles(directory)
-    import fsspec  # (installed with etils; gs:// needs gcsfs >= 2024.12, the `gcs` extra)
+    import fsspec  # lazily: gs:// only (installed with etils; gs:// needs gcsfs >= 2024.12, the `gcs` extra)
 
     protocol = str(workdir).split("://", 1)[0]
     try:
@@ -472,7 +472,7 @@ class _NotHeld:
 
 def _from_process_0(message: str) -> str:
     """Process 0's `message` on every process (one all-gather of a fixed-size byte array)."""
-    import jax  # (here, not above: the lease itself needs no jax, and starts without it)
+    import jax  # lazily (not above: the lease itself needs no jax, and starts without it)
     from jax.experimental import multihost_utils
 
     if jax.process_count() == 1:
@@ -492,7 +492,7 @@ def _say(line: str) -> None:
 def hold(workdir: str) -> Lease | _NotHeld:
     """The run's lease of `workdir` (use it as a context manager). Process 0 takes it; every process
     raises the same ConfigError when it cannot be taken (another run holds it)."""
-    import jax
+    import jax  # lazily, as in _from_process_0
 
     lease, failure = None, None
     if jax.process_index() == 0:

@@ -1,272 +1,43 @@
-"""Training: the train state, a pure `train_step`, evaluation, and `train_and_evaluate`.
-
-Shapes: every batch array is int32 [global_batch, seq_len], batch sharded over (dp, fsdp) and the
-sequence over sp, tokens already in the ring layout (the data pipeline permuted them).
+"""The training loop and its entry point `train_and_evaluate(config, workdir, *, evaluators=())`:
+the start-up checks, the run's mesh, layout and run_info.json, restore-or-init, then steps with
+logging, validation, the evaluators it is given (longctx.train.hooks), checkpoints, a profiler
+trace, and a clean stop on SIGTERM or Ctrl-C.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable, Sequence
 
-import flax
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.experimental import multihost_utils
+from tqdm import tqdm
 
-from longctx.train import checkpoint as checkpoint_lib
-from longctx.train import checkpoint_compat as compat
 from longctx import cli
 from longctx import config as config_lib
 from longctx import data as data_lib
 from longctx import errors
+from longctx import ops
 from longctx.model import attention as attention_lib
 from longctx.model import flops as flops_lib
-from longctx.train import lease as lease_lib
-from longctx.parallel import mesh as mesh_lib
-from longctx import ops
-from longctx.train import workdir as workdir_lib
 from longctx.ops import tables
+from longctx.parallel import mesh as mesh_lib
+from longctx.train import checkpoint as checkpoint_lib
+from longctx.train import hooks
+from longctx.train import lease as lease_lib
+from longctx.train import workdir as workdir_lib
 from longctx.train.metrics import MetricsWindow, MetricsWriter
-from longctx.model.decoder import Decoder, model_nll, weight_decay_mask
-
-BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
-
-
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array
-    params: nnx.State
-    opt_state: optax.OptState
-    rng: jax.Array  # per-step randomness is fold_in(rng, step), so a resumed run is the same run
-
-
-# ----------------------------------------------------------------------------- optimizer
-
-
-def learning_rate_schedule(config) -> optax.Schedule:
-    o, steps = config.optimizer, config.train.num_steps
-    warmup = min(o.warmup_steps, steps)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.learning_rate, warmup_steps=warmup,
-        decay_steps=max(steps, warmup + 1), end_value=o.learning_rate * o.min_learning_rate_ratio)
-
-
-def make_optimizer(config) -> optax.GradientTransformation:
-    o = config.optimizer
-    adamw = optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
-                        weight_decay=o.weight_decay, mask=weight_decay_mask)
-    if o.grad_clip_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
-
-
-# The keys `learning_rate_schedule` reads.
-SCHEDULE_KEYS = ("optimizer.learning_rate", "optimizer.min_learning_rate_ratio", "optimizer.warmup_steps",
-                 "train.num_steps")
-
-
-def optimizer_notes(config, saved_config: dict | None = None, updates: int = 0) -> list[str]:
-    """One line each, for the start-up, about what the optimizer will do that the config does not
-    say outright: a warmup longer than the run (cut to the run), AdamW's moments in bfloat16, and,
-    on a resume (`saved_config`: the checkpoint's, `updates`: the updates it had applied), a
-    schedule that differs from the one the run started with."""
-    o, t, notes = config.optimizer, config.train, []
-    if o.warmup_steps > t.num_steps:
-        notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than train.num_steps={t.num_steps}: "
-                     f"the warmup is cut to {t.num_steps} steps, so the learning rate rises until the last "
-                     f"step, never reaching optimizer.learning_rate={o.learning_rate:g}, and never decays.")
-    if config.model.param_dtype == "bfloat16":
-        notes.append("model.param_dtype=bfloat16: AdamW's moments are kept in bfloat16 too (optax follows "
-                     "the parameters' dtype), so updates much smaller than a weight round away; "
-                     "model.param_dtype=float32 keeps parameters and moments in full precision.")
-    if saved_config is not None:
-        changed = compat.config_differences(saved_config, config.to_dict(), SCHEDULE_KEYS)
-        if changed:
-            before = learning_rate_schedule(ml_collections.ConfigDict(saved_config))(updates)
-            after = learning_rate_schedule(config)(updates)
-            stretched = (f"its cosine decay is re-stretched to end at step {t.num_steps}, and "
-                         if any(d.startswith("train.num_steps") for d in changed) else "")
-            notes.append(f"the learning-rate schedule differs from the checkpoint's ({'; '.join(changed)}): "
-                         f"{stretched}the rate of update {updates + 1} is {float(after):.3g}, where the "
-                         f"checkpoint's schedule had {float(before):.3g}.")
-    return notes
-
-
-# ----------------------------------------------------------------------------- state & shardings
-
-
-def resolve_layout(config, sp: int, documents=None) -> str:
-    """The concrete sequence layout for this run: "auto" resolved by the ring's schedule with the
-    run's attention.block_size, on `documents` (segment ids of rows the run will see, e.g.
-    data.layout_sample's) where given and attention.use_segment_ids masks them."""
-    if not config.attention.use_segment_ids:
-        documents = None
-    return ops.resolve_layout(config.attention.layout, config.data.seq_len, sp,
-                              block_size=config.attention.block_size, segment_ids=documents,
-                              **attention_lib.mask_kwargs(config.attention))
-
-
-def _logical_shardings(mesh, tree, rules=None):
-    """NamedShardings for a tree that holds nnx Variables (parameters carry logical axis names)."""
-    specs = nnx.get_partition_spec(tree)  # logical names, e.g. P('layers', 'embed', 'mlp')
-    return jax.tree.map(lambda spec: NamedSharding(mesh, mesh_lib.logical_to_spec(tuple(spec), rules)),
-                        specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def state_shardings(config, mesh, abstract_state: TrainState) -> TrainState:
-    """Parameters by the logical rules (over fsdp x sp); the optimizer state the same, or also over
-    dp with optimizer.shard_state_over_dp (ZeRO-1)."""
-    shardings = _logical_shardings(mesh, abstract_state)
-    over_dp = bool(config.optimizer.get("shard_state_over_dp", False))
-    return shardings.replace(opt_state=_logical_shardings(
-        mesh, abstract_state.opt_state, mesh_lib.optimizer_rules(over_dp)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """Everything static about a run's state: how to rebuild the model and how it is sharded."""
-
-    graphdef: Any
-    abstract_state: TrainState
-    state_shardings: TrainState
-    batch_sharding: NamedSharding
-    optimizer: optax.GradientTransformation
-    init: Callable[[jax.Array], TrainState]  # jitted, parameters born sharded
-
-
-def make_setup(config, mesh, layout: str) -> Setup:
-    """eval_shape -> shardings -> jit(init, out_shardings=...): no full copy ever on one device."""
-    optimizer = make_optimizer(config)
-    graphdefs = []  # the model's static structure, captured while tracing init
-
-    def init(rng):
-        model = Decoder(config, layout=layout, rngs=nnx.Rngs(params=rng))
-        graphdef, params = nnx.split(model, nnx.Param)
-        graphdefs.append(graphdef)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=optimizer.init(params), rng=rng)
-
-    abstract_state = jax.eval_shape(init, jax.random.PRNGKey(0))
-    graphdef = graphdefs[0]
-    shardings = state_shardings(config, mesh, abstract_state)
-    return Setup(graphdef=graphdef, abstract_state=abstract_state, state_shardings=shardings,
-                 batch_sharding=mesh_lib.batch_sharding(mesh), optimizer=optimizer,
-                 init=jax.jit(init, out_shardings=shardings))
-
-
-# ----------------------------------------------------------------------------- steps
-
-
-def _masked_loss(graphdef, params, batch):
-    nll = model_nll(nnx.merge(graphdef, params), batch)
-    weights = batch["loss_mask"].astype(jnp.float32)
-    total, count = jnp.sum(nll * weights), jnp.sum(weights)
-    return total / jnp.maximum(count, 1.0), (nll, count)
-
-
-def applied_updates(opt_state) -> jax.Array:
-    """How many updates the optimizer has applied: its schedule's own count, which a skipped
-    (non-finite) step does not advance, unlike `TrainState.step`. The learning rate of the next
-    update is `schedule(applied_updates(opt_state))`."""
-    return optax.tree_utils.tree_get(
-        opt_state, "count",
-        filtering=lambda path, _: getattr(path[-1], "tuple_name", None) == "ScaleByScheduleState")
-
-
-def make_train_step(config, setup: Setup):
-    """The pure `train_step(state, batch) -> (state, metrics)`."""
-    schedule = learning_rate_schedule(config)
-    skip_nonfinite = config.train.on_nonfinite == "skip"
-
-    def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
-        grad_fn = jax.value_and_grad(_masked_loss, argnums=1, has_aux=True)
-        (loss, (_, count)), grads = grad_fn(setup.graphdef, state.params, batch)
-        updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        grad_norm = optax.global_norm(grads)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        if skip_nonfinite:
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
-            new_state = kept.replace(step=state.step + 1)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": count,
-                   "learning_rate": schedule(applied_updates(state.opt_state))}
-        return new_state, metrics
-
-    return train_step
-
-
-def num_position_buckets(seq_len: int) -> int:
-    """Log-spaced buckets of in-document position: [0,1), [1,3), [3,7), ... up to seq_len."""
-    return int(math.ceil(math.log2(seq_len + 1)))
-
-
-def make_eval_step(config, setup: Setup):
-    """`eval_step(params, batch)` -> summed NLL and counts, overall and by position bucket."""
-    n_buckets = num_position_buckets(config.data.seq_len)
-
-    def eval_step(params, batch):
-        _, (nll, count) = _masked_loss(setup.graphdef, params, batch)
-        weights = batch["loss_mask"].astype(jnp.float32)
-        bucket = jnp.floor(jnp.log2(batch["positions"].astype(jnp.float32) + 1.0)).astype(jnp.int32)
-        bucket = jnp.clip(bucket, 0, n_buckets - 1).reshape(-1)
-        by_position = jax.ops.segment_sum((nll * weights).reshape(-1), bucket, n_buckets)
-        by_position_count = jax.ops.segment_sum(weights.reshape(-1), bucket, n_buckets)
-        return {"nll_sum": jnp.sum(nll * weights), "count": count,
-                "nll_by_position": by_position, "count_by_position": by_position_count}
-
-    return eval_step
-
-
-def jit_steps(config, setup: Setup):
-    """The train step jitted once with explicit shardings and the state donated; and the eval step."""
-    replicated = NamedSharding(setup.batch_sharding.mesh, PartitionSpec())
-    batch_shardings = {k: setup.batch_sharding for k in BATCH_KEYS}
-    train_step = jax.jit(make_train_step(config, setup),
-                         in_shardings=(setup.state_shardings, batch_shardings),
-                         out_shardings=(setup.state_shardings, replicated), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(config, setup),
-                        in_shardings=(setup.state_shardings.params, batch_shardings),
-                        out_shardings=replicated)
-    return train_step, eval_step
-
-
-def evaluate(config, eval_step, params, make_iterator) -> dict:
-    """Validation loss over the first `eval_steps` batches, and loss by in-document position."""
-    totals = None
-    iterator = make_iterator()
-    try:
-        for _ in range(config.train.eval_steps):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            out = jax.device_get(eval_step(params, batch))
-            totals = out if totals is None else jax.tree.map(np.add, totals, out)
-    finally:
-        iterator.close()  # its prefetch thread would otherwise outlive every evaluation
-    if totals is None:
-        return {}
-    counts = np.maximum(totals["count_by_position"], 1.0)
-    by_position = np.where(totals["count_by_position"] > 0, totals["nll_by_position"] / counts, np.nan)
-    return {"loss": float(totals["nll_sum"] / max(totals["count"], 1.0)),
-            "loss_by_position": [None if np.isnan(x) else float(x) for x in by_position],
-            "position_bucket_starts": [2 ** i - 1 for i in range(len(by_position))]}
-
-
-# ----------------------------------------------------------------------------- the loop
+from longctx.train.optimizer import applied_updates, optimizer_notes
+from longctx.train.state import make_setup, resolve_layout
+from longctx.train.steps import evaluate, jit_steps
 
 
 class _StopRequest:
@@ -329,8 +100,6 @@ class _StopRequest:
     def agreed(self) -> bool:
         if jax.process_count() == 1:
             return self.requested
-        from jax.experimental import multihost_utils
-
         flags = multihost_utils.process_allgather(np.array([self.requested], np.int32))
         return bool(np.any(flags))
 
@@ -391,20 +160,27 @@ def check_inputs(config, workdir: str, sizes: dict) -> str:
     return f"config, mesh {mesh}, workdir {workdir} and {data} are fine"
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Trains (resuming if `workdir` holds a checkpoint) and returns the last logged metrics."""
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       evaluators: Sequence[hooks.Evaluator] = ()) -> dict:
+    """Trains (resuming if `workdir` holds a checkpoint) and returns the last logged metrics.
+
+    `evaluators`: evaluations of the parameters being trained, each run every
+    `config.train[evaluator.every_key]` steps (longctx.train.hooks; scripts/train.py passes the
+    passkey evaluator of longctx.evals.needle when train.eval_needle_every > 0)."""
     mesh_lib.maybe_initialize_distributed(config.distributed)
     sizes = config_lib.validate(config)
+    hooks.check_evaluators(config, evaluators)
     if cli.validate_only():
         cli.validated(check_inputs(config, workdir, sizes))
     # This host's files: a failure on one process is raised on all (cli.agreed), not left to
     # hang the others in the first collective.
     data_dir = cli.agreed(lambda: _local_inputs(config, workdir))
     with lease_lib.hold(workdir):  # one run per workdir: a second one is refused here
-        return _train_and_evaluate_held(config, workdir, sizes, data_dir)
+        return _train_and_evaluate_held(config, workdir, sizes, data_dir, evaluators)
 
 
-def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, sizes: dict, data_dir: str) -> dict:
+def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, sizes: dict, data_dir: str,
+                             evaluators: Sequence[hooks.Evaluator]) -> dict:
     """`train_and_evaluate` once the inputs are checked and this run holds `workdir`."""
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
 
@@ -446,13 +222,10 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
                 return {}
             writer = MetricsWriter(workdir, resume_step=first_step)
             train_step, eval_step = jit_steps(config, setup)
-            needle_eval = None
-            if config.train.get("eval_needle_every"):
-                from longctx.evals import needle  # (matplotlib and the tokenizer only when asked for)
-
-                needle_eval = needle.TrainingEvaluator(config, setup, mesh, layout, data_dir, workdir)
+            context = hooks.RunContext(config, setup, mesh, layout, data_dir, workdir)
+            hooked = tuple((e, e.build(context)) for e in evaluators if e.every(config) > 0)
             run = _Run(config, workdir, train_step, eval_step, make_eval_iterator, checkpointer, writer,
-                       needle_eval)
+                       hooked)
             result, stopped_at = _loop(run, state, train_iter)
     finally:
         # Also on an error: files are closed and the save in flight completes. A save that failed
@@ -526,7 +299,8 @@ class _Run:
     make_eval_iterator: Callable
     checkpointer: checkpoint_lib.Checkpointer
     writer: MetricsWriter
-    needle_eval: Callable | None = None  # train.eval_needle_every: (params, step) -> metrics
+    # (the evaluator, its (params, step) -> metrics) for each evaluator the config turns on
+    evaluators: tuple[tuple[hooks.Evaluator, Callable], ...] = ()
 
 
 class _Profiler:
@@ -597,8 +371,6 @@ def _loop(run: _Run, state, train_iter) -> tuple[dict, int | None]:
     first_step = int(jax.device_get(state.step))
     progress = None
     if jax.process_index() == 0:
-        from tqdm import tqdm
-
         # disable=None: no bar when stderr is not a terminal (a log file would get every redraw).
         progress = tqdm(total=t.num_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=None)
@@ -631,8 +403,8 @@ def _loop(run: _Run, state, train_iter) -> tuple[dict, int | None]:
             log = step == first_step or done % t.log_every == 0 or done == t.num_steps
             evaluate_now = bool(t.eval_every) and (done % t.eval_every == 0 or done == t.num_steps)
             save = checkpointer.is_save_step(done) or done == t.num_steps
-            needle_now = run.needle_eval is not None and done % t.eval_needle_every == 0
-            sync = log or evaluate_now or save or needle_now
+            hooks_now = [(e, call) for e, call in run.evaluators if done % e.every(config) == 0]
+            sync = log or evaluate_now or save or bool(hooks_now)
             # Agreeing on a stop across processes is a collective that waits for the step: only at
             # sync points (every step when there is one process, where it costs nothing).
             stopping = stop.agreed() if (sync or jax.process_count() == 1) else False
@@ -661,10 +433,10 @@ def _loop(run: _Run, state, train_iter) -> tuple[dict, int | None]:
                     say(f"step {done}: val_loss={val['loss']:.4f}")
                     last.update({f"val_{k}": v for k, v in val.items()})
                 window.restart_clock(done, time.perf_counter())
-            if needle_now:
-                found = run.needle_eval(state.params, done)
-                run.writer.write(done, found, prefix="needle/")
-                say(f"step {done}: passkey retrieval accuracy={found['accuracy']:.3f}")
+            for evaluator, call in hooks_now:
+                found = call(state.params, done)
+                run.writer.write(done, found, prefix=f"{evaluator.prefix}/")
+                say(f"step {done}: {evaluator.log_line(found)}")
                 window.restart_clock(done, time.perf_counter())
             if save or stopping:
                 checkpointer.maybe_save(done, state, train_iter, force=True)

@@ -60,7 +60,7 @@ def _process_index() -> int:
     jax.distributed is initialized); before that, the launcher's LONGCTX_PROCESS_ID."""
     if "jax" in sys.modules:
         try:
-            from jax._src import xla_bridge
+            from jax._src import xla_bridge  # lazily: only once jax is imported anyway
 
             if xla_bridge.backends_are_initialized():
                 return int(sys.modules["jax"].process_index())

@@ -1,0 +1,113 @@
+"""The step functions: the pure `train_step(state, batch) -> (state, metrics)` and the eval step,
+both jitted once with explicit shardings (`jit_steps`), and `evaluate`, the validation loss over
+a few batches and by in-document position.
+
+Shapes: every batch array is int32 [global_batch, seq_len], batch sharded over (dp, fsdp) and the
+sequence over sp, tokens already in the ring layout (the data pipeline permuted them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from longctx.data import packing
+from longctx.model.decoder import model_nll
+from longctx.train.optimizer import applied_updates, learning_rate_schedule
+from longctx.train.state import Setup, TrainState
+
+BATCH_KEYS = packing.KEYS  # the arrays of a packed batch, each [global_batch, seq_len]
+
+
+def _masked_loss(graphdef, params, batch):
+    nll = model_nll(nnx.merge(graphdef, params), batch)
+    weights = batch["loss_mask"].astype(jnp.float32)
+    total, count = jnp.sum(nll * weights), jnp.sum(weights)
+    return total / jnp.maximum(count, 1.0), (nll, count)
+
+
+def make_train_step(config, setup: Setup):
+    """The pure `train_step(state, batch) -> (state, metrics)`."""
+    schedule = learning_rate_schedule(config)
+    skip_nonfinite = config.train.on_nonfinite == "skip"
+
+    def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
+        grad_fn = jax.value_and_grad(_masked_loss, argnums=1, has_aux=True)
+        (loss, (_, count)), grads = grad_fn(setup.graphdef, state.params, batch)
+        updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.global_norm(grads)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        if skip_nonfinite:
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+            new_state = kept.replace(step=state.step + 1)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": count,
+                   "learning_rate": schedule(applied_updates(state.opt_state))}
+        return new_state, metrics
+
+    return train_step
+
+
+def num_position_buckets(seq_len: int) -> int:
+    """Log-spaced buckets of in-document position: [0,1), [1,3), [3,7), ... up to seq_len."""
+    return int(math.ceil(math.log2(seq_len + 1)))
+
+
+def make_eval_step(config, setup: Setup):
+    """`eval_step(params, batch)` -> summed NLL and counts, overall and by position bucket."""
+    n_buckets = num_position_buckets(config.data.seq_len)
+
+    def eval_step(params, batch):
+        _, (nll, count) = _masked_loss(setup.graphdef, params, batch)
+        weights = batch["loss_mask"].astype(jnp.float32)
+        bucket = jnp.floor(jnp.log2(batch["positions"].astype(jnp.float32) + 1.0)).astype(jnp.int32)
+        bucket = jnp.clip(bucket, 0, n_buckets - 1).reshape(-1)
+        by_position = jax.ops.segment_sum((nll * weights).reshape(-1), bucket, n_buckets)
+        by_position_count = jax.ops.segment_sum(weights.reshape(-1), bucket, n_buckets)
+        return {"nll_sum": jnp.sum(nll * weights), "count": count,
+                "nll_by_position": by_position, "count_by_position": by_position_count}
+
+    return eval_step
+
+
+def jit_steps(config, setup: Setup):
+    """The train step jitted once with explicit shardings and the state donated; and the eval step."""
+    replicated = NamedSharding(setup.batch_sharding.mesh, PartitionSpec())
+    batch_shardings = {k: setup.batch_sharding for k in BATCH_KEYS}
+    train_step = jax.jit(make_train_step(config, setup),
+                         in_shardings=(setup.state_shardings, batch_shardings),
+                         out_shardings=(setup.state_shardings, replicated), donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(config, setup),
+                        in_shardings=(setup.state_shardings.params, batch_shardings),
+                        out_shardings=replicated)
+    return train_step, eval_step
+
+
+def evaluate(config, eval_step, params, make_iterator) -> dict:
+    """Validation loss over the first `eval_steps` batches, and loss by in-document position."""
+    totals = None
+    iterator = make_iterator()
+    try:
+        for _ in range(config.train.eval_steps):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            out = jax.device_get(eval_step(params, batch))
+            totals = out if totals is None else jax.tree.map(np.add, totals, out)
+    finally:
+        iterator.close()  # its prefetch thread would otherwise outlive every evaluation
+    if totals is None:
+        return {}
+    counts = np.maximum(totals["count_by_position"], 1.0)
+    by_position = np.where(totals["count_by_position"] > 0, totals["nll_by_position"] / counts, np.nan)
+    return {"loss": float(totals["nll_sum"] / max(totals["count"], 1.0)),
+            "loss_by_position": [None if np.isnan(x) else float(x) for x in by_position],
+            "position_bucket_starts": [2 ** i - 1 for i in range(len(by_position))]}
