@@ -100,7 +100,7 @@ def _doc_rows(a) -> np.ndarray:
 def _documents_report(a, mask_kw) -> int:
     ids = _doc_rows(a)
     spec = masks.make_mask_spec(**mask_kw)
-    # what a training run on these rows would pick (train.resolve_layout), and by the mask alone
+    # what a training run on these rows would pick (longctx.train.state.resolve_layout), and by the mask alone
     auto = ops.resolve_layout("auto", a.seq_len, a.sp, block_size=a.block, segment_ids=ids,
                                 **mask_kw)
     by_mask = ops.resolve_layout("auto", a.seq_len, a.sp, block_size=a.block, **mask_kw)

@@ -2,7 +2,7 @@
 
 A model converted with the command line keeps the base config's attention (impl splash, block
 512, layout auto); check-logits then runs it with the checkpoint's impl on every device of the
-ring (--mesh=1,1,-1, the README's form and the default). Splash's blocks are multiples of 128
+ring (--mesh=1,1,-1, the form docs/extend.md gives and the default). Splash's blocks are multiples of 128
 (TPU lanes, the same rule in interpret mode on CPU), so 512-token rows on sp=8 in the zigzag
 layout are padded to 2 x 8 x 128 = 2,048 tokens: measured against transformers' logits, 2.4e-5
 (tolerance 1e-4, the one of tests/test_hf.py). ~20 s for the splash run on 2 cores.

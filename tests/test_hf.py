@@ -303,7 +303,7 @@ def test_init_from_refuses_a_model_that_computes_another_function(converted, tmp
 
 
 def test_init_from_lists_the_context_extension_and_refuses_other_scaling(converted, tmp_path):
-    """README's recipe: the converted model plus RoPE scaling and a longer seq_len starts, and the
+    """docs/extend.md's recipe: the converted model plus RoPE scaling and a longer seq_len starts, and the
     start-up line lists both; changing the scaling a model already has is refused."""
     from longctx.train import checkpoint as checkpoint_lib
 
@@ -446,7 +446,7 @@ def test_llama31_config_gives_the_extend_preset_model():
 
 
 def test_extend_recipe_passes_the_init_from_check():
-    """README's recipe: Llama-3-8B converted with the default --config, then the
+    """docs/extend.md's recipe: Llama-3-8B converted with the default --config, then the
     llama3_8b_extend_128k preset started from it: nothing refused, two changes listed."""
     from longctx.train import checkpoint_compat as compat
 

@@ -19,7 +19,7 @@ from configs import base
 from longctx.model import flops
 from longctx import config as config_lib
 from longctx.evals import inference
-from longctx.ops import masks
+from longctx.ops import auto_layout, masks
 from longctx.errors import ConfigError
 from longctx.ops import tables
 
@@ -131,9 +131,9 @@ def test_auto_layout_on_documents_counts_chunks_per_document():
     the chunks' causal window over the documents' chunk ids, and on that striped finishes first."""
     seq_len, sp, block, chunk = 256, 4, 16, 24
     seg = _documents([[105, 20, 71, 60], [102, 65, 48, 40, 1]], seq_len)
-    chosen = masks.resolve_layout("auto", seq_len, sp, causal=True, chunk_size=chunk, block_size=block,
+    chosen = auto_layout.resolve_layout("auto", seq_len, sp, causal=True, chunk_size=chunk, block_size=block,
                                   segment_ids=seg)
-    as_the_ring_runs = masks.resolve_layout("auto", seq_len, sp, causal=True, sliding_window=(chunk - 1, 0),
+    as_the_ring_runs = auto_layout.resolve_layout("auto", seq_len, sp, causal=True, sliding_window=(chunk - 1, 0),
                                             block_size=block, segment_ids=masks.document_chunk_ids(seg, chunk))
     assert chosen == as_the_ring_runs == "striped"
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from longctx.parallel import layout as layout_lib
-from longctx.ops import masks
+from longctx.ops import auto_layout, masks
 from longctx.ops import tables
 
 MASKS = {
@@ -152,12 +152,12 @@ def test_schedule_targets_at_131072_tokens_on_8_devices():
     S, sp, block = 131072, 8, 512
     contiguous = tables.ring_schedule(S, sp, block, "contiguous", causal=True)
     assert 0.5 < contiguous.efficiency < 0.6 and contiguous.steps == 8
-    best = masks.resolve_layout("auto", S, sp, causal=True)
+    best = auto_layout.resolve_layout("auto", S, sp, causal=True)
     assert tables.ring_schedule(S, sp, block, best, causal=True).efficiency >= 0.95
-    best = masks.resolve_layout("auto", S, sp, causal=True, sliding_window=4096)
+    best = auto_layout.resolve_layout("auto", S, sp, causal=True, sliding_window=4096)
     window = tables.ring_schedule(S, sp, block, best, causal=True, sliding_window=4096)
     assert window.steps <= 2 and window.efficiency >= 0.9
-    best = masks.resolve_layout("auto", S, sp, causal=True, chunk_size=8192)
+    best = auto_layout.resolve_layout("auto", S, sp, causal=True, chunk_size=8192)
     assert tables.ring_schedule(S, sp, block, best, causal=True, chunk_size=8192).steps == 1
 
 
@@ -171,11 +171,11 @@ def test_efficiency_formula_on_a_hand_computed_case():
 
 
 def test_auto_prefers_fewer_wasted_steps_for_windows():
-    assert masks.resolve_layout("auto", 4096, 4, causal=True) in ("zigzag", "striped")
-    assert masks.resolve_layout("auto", 4096, 4, causal=True, sliding_window=128) == "contiguous"
+    assert auto_layout.resolve_layout("auto", 4096, 4, causal=True) in ("zigzag", "striped")
+    assert auto_layout.resolve_layout("auto", 4096, 4, causal=True, sliding_window=128) == "contiguous"
     # zigzag is impossible when seq_len is not divisible by 2*sp; auto never picks it then
-    assert masks.resolve_layout("auto", 12, 4, causal=True) != "zigzag"
-    assert masks.resolve_layout("striped", 12, 4) == "striped"
+    assert auto_layout.resolve_layout("auto", 12, 4, causal=True) != "zigzag"
+    assert auto_layout.resolve_layout("striped", 12, 4) == "striped"
 
 
 def test_bad_mask_arguments():
@@ -391,9 +391,9 @@ def test_auto_on_documents_picks_the_ring_that_finishes_first_on_them(mean):
     docs = _random_documents(4, S, mean, seed=mean)
     scores = {layout: _document_key(layout, S, sp, block, docs)
               for layout in ("contiguous", "zigzag", "striped")}
-    chosen = masks.resolve_layout("auto", S, sp, causal=True, block_size=block, segment_ids=docs)
+    chosen = auto_layout.resolve_layout("auto", S, sp, causal=True, block_size=block, segment_ids=docs)
     assert scores[chosen] == min(scores.values()), (chosen, scores)
-    static = masks.resolve_layout("auto", S, sp, causal=True, block_size=block)
+    static = auto_layout.resolve_layout("auto", S, sp, causal=True, block_size=block)
     assert static == "zigzag"
     if mean == 8192:  # one document per row: the causal triangle again
         assert chosen == static
@@ -459,7 +459,7 @@ def test_default_block_keeps_a_zigzag_shards_halves_apart():
     # auto compares layouts in (query, key) pairs, whatever their blocks: at L = 512 zigzag's
     # critical path is 9 blocks of 256^2 pairs, contiguous's 4 of 512^2 (counted in blocks,
     # contiguous would win).
-    assert masks.resolve_layout("auto", 2048, 4, causal=True) == "zigzag"
+    assert auto_layout.resolve_layout("auto", 2048, 4, causal=True) == "zigzag"
     # With the ring's block given, every layout is scored with it (the block must fit them all).
     with pytest.raises(ValueError, match="does not divide"):
-        masks.resolve_layout("auto", 2048, 4, causal=True, block_size=384)
+        auto_layout.resolve_layout("auto", 2048, 4, causal=True, block_size=384)

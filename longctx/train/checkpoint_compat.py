@@ -168,7 +168,7 @@ def _listed(items: list[str]) -> str:
 
 # ----------------------------------------------------------------------------- init_from
 
-# Changed on purpose by context extension (README "Extend a released model"): listed, never refused.
+# Changed on purpose by context extension (docs/extend.md): listed, never refused.
 _EXTENSION_KEYS = ("data.seq_len",)
 
 
