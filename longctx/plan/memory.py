@@ -247,7 +247,7 @@ def largest_buffers(hlo: str, n: int = 8) -> list[dict]:
 
 
 def _hlo_stack_sources(hlo: str) -> dict[str, str]:
-    """stack_frame_id -> 'model.py:180 DecoderBlock._qkv', from the HLO text's stack tables
+    """stack_frame_id -> 'decoder.py:180 DecoderBlock._qkv', from the HLO text's stack tables
     (each frame's own, innermost, location)."""
     def table(name):  # the "id value" lines under a heading, up to the next blank line
         m = re.search(rf"^{name}\n(.*?)(?:\n\n|\Z)", hlo, re.S | re.M)
