@@ -1,5 +1,5 @@
 """The synthetic retrieval task of the needle benchmark (benchmarks/bench_needle.py) and its test
-(tests/test_needle.py): a small retrieval task over token ids (no tokenizer) with which a tiny
+(tests/evals/test_needle.py): a small retrieval task over token ids (no tokenizer) with which a tiny
 model learns retrieval in a few hundred CPU steps, trained with the library's real train_step.
 
 The needle is a marker and a value token, the question a marker whose next token is the value.
@@ -112,7 +112,7 @@ def synthetic_grid(runner, lengths: Sequence[int], depths: Sequence[float], rows
             "attention_impl": runner.config.attention.impl}
 
 
-# The tiny model and run of the synthetic retrieval check (tests/test_needle.py and
+# The tiny model and run of the synthetic retrieval check (tests/evals/test_needle.py and
 # benchmarks/bench_needle.py apply these to configs/base.py:tiny): 128-token rows over the 1x2x4 mesh.
 SYNTHETIC_NUM_VALUES = 10
 SYNTHETIC_OVERRIDES = {

@@ -1,4 +1,4 @@
-"""A three-variant grid small enough for the test suite (tests/test_ablate.py).
+"""A three-variant grid small enough for the test suite (tests/evals/test_ablate.py).
 
   python scripts/ablate.py --grid=configs/ablations/smoke.py --workdir=runs/ablate_smoke
 """

@@ -17,7 +17,7 @@ long sequence keeps alive across the forward pass. The policies:
                  only the layer input stays on the device. Where the platform has host memory
                  spaces (TPU; on CPU "host" and "device" memory are the same RAM).
 
-All three give the same gradients (tests/test_attention_residuals.py). MFU counts model FLOPs
+All three give the same gradients (tests/model/test_attention_residuals.py). MFU counts model FLOPs
 only, so recomputed projections are not credited and show as a lower MFU; longctx.model.flops'
 `recomputed_flops_per_step` counts them for each remat policy x residual policy.
 """

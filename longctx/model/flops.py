@@ -8,7 +8,7 @@ than counted and MFU reads high by up to the attention's share of the step (for 
 many short documents, nearly all of it); `scripts/ring_report.py --doc-lengths` shows how many
 blocks the documents keep. Chunked attention counts chunks from each document's start, as the
 ring does with segment ids; on the row of one document that is the row's start, so the chunks
-counted here are the row's (tests/test_inference.py checks the two counts agree).
+counted here are the row's (tests/evals/test_inference.py checks the two counts agree).
 
 MFU counts model FLOPs only (`flops_per_step`: forward + backward of the model, 3x forward).
 Work done twice is never credited: rematerialisation (`model.remat_policy`) and what

@@ -15,7 +15,7 @@
 Frequencies are computed once on the host, in float32 and in the order transformers computes them
 (which is also how Meta's Llama code computes them): a model was trained with those float32
 values, and computing them more exactly in float64 moves single frequencies by up to 6 ulp, enough
-to move the logits of the llama3 test model by 1.2e-4. tests/test_rope.py compares them with
+to move the logits of the llama3 test model by 1.2e-4. tests/model/test_rope.py compares them with
 the values transformers' own rotary embedding gives.
 
 `from_hf` / `to_hf` translate between these keys and a Hugging Face rope dict (`rope_scaling` of

@@ -108,7 +108,7 @@ ROPE_CASES = {
 }
 
 
-# What `convert_hf.py to-hf` must write for RoPE-scaled models (tests/test_hf.py exports each
+# What `convert_hf.py to-hf` must write for RoPE-scaled models (tests/interop/test_hf.py exports each
 # `source` in both spellings of the rope type, `type` and `rope_type`, after training at `seq_len`,
 # and compares the exported fields with `exported`), and what transformers reads from both:
 # rope_export_golden.json holds, per transformers version, the inverse frequencies and cos/sin

@@ -45,7 +45,7 @@ from longctx.train import lease
 from longctx.parallel import mesh as mesh_lib
 from longctx.train import state as train_state
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 STALLED_SAVE = os.path.join(ROOT, "tests", "stalled_save.py")
 sys.path.insert(0, ROOT)
@@ -56,7 +56,7 @@ NUM_STEPS = 8
 CUT_AT = 4  # the mesh-change runs resume from ref's step CUT_AT
 KILL_IN_SAVE_OF = 3  # the kill run's save of this step stalls mid-write; SIGKILL lands there
 # Not bitwise on another mesh: float32 end to end, but the cross-device reductions are ordered
-# differently (the same tolerance as tests/test_multiprocess.py).
+# differently (the same tolerance as tests/train/test_multiprocess.py).
 LOSS_RTOL = 1e-5
 TIMEOUT = 600
 
@@ -652,7 +652,7 @@ def test_dataset_replaced_at_the_same_path_restarts_the_stream(tmp_path):
     """Saved, then the same path re-prepared: from the same input (byte-identical) the state
     restores; from another corpus the stream restarts, and the note says what changed."""
     from longctx.data import prepare
-    from tests.test_data_packing import make_corpus
+    from tests.data.test_data_packing import make_corpus
 
     data = str(tmp_path / "data")
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+from tests import ROOT as REPO
 
 
 def test_bench_ring_overhead_small(tmp_path):

@@ -17,7 +17,7 @@ from longctx.plan import aot
 from longctx import config as config_lib
 from longctx.model import flops
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+from tests import ROOT as REPO
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import bench_common  # noqa: E402
@@ -80,7 +80,7 @@ def test_estimate_tiny_on_v5p_fits_and_prints_memory():
     assert out["argument_bytes"] - out["alias_bytes"] == BATCH_KEYS * 4 * rows * shard
     _assert_memory_adds_up(out)
     assert 0 < out["temp_bytes"] and out["total_bytes"] < out["hbm_bytes"] and out["remedies"] == []
-    # The breakdown (tests/test_memory_breakdown.py checks its figures): unpadded state and batch
+    # The breakdown (tests/plan/test_memory_breakdown.py checks its figures): unpadded state and batch
     # within the compiler's (tile-padded) arguments; saved activations per layer x layers.
     b = out["breakdown"]
     assert b["parameter_bytes"] + b["optimizer_bytes"] + b["batch_bytes"] <= out["argument_bytes"]

@@ -29,7 +29,7 @@ from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from longctx.data.tokenizer import byte_tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT as REPO
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the synthetic task lives with its benchmark
 
 import needle_synthetic as synthetic  # noqa: E402
@@ -181,7 +181,7 @@ def test_eval_needle_reads_a_converted_model_with_its_own_tokenizer(tmp_path):
     embedded corpus's byte ids decoded and encoded again, and needle.json says so. Without a
     tokenizer to be found, one sentence asks for --tokenizer (the byte ids of the embedded
     corpus would be read as the model's own ids)."""
-    from tests.test_hf_tokenizer import build_tokenizer
+    from tests.data.test_hf_tokenizer import build_tokenizer
 
     hf_dir = tmp_path / "hf"
     shutil.copytree(os.path.join(REPO, "tests", "assets", "hf", "llama3_scaling"), hf_dir)

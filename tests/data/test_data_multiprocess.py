@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 LOCAL = os.path.join(ROOT, "launch", "local.py")
 SEQ, BATCH, STEPS = 64, 4, 3
 
@@ -117,7 +117,7 @@ def resume_worker(data_dir: str, out_dir: str, saved_on: str, resumed_on: str, p
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     from longctx.data import prepare
-    from tests.test_data_packing import make_corpus
+    from tests.data.test_data_packing import make_corpus
 
     root = tmp_path_factory.mktemp("mp")
     out = root / "data"

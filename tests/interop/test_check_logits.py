@@ -5,7 +5,7 @@ A model converted with the command line keeps the base config's attention (impl 
 ring (--mesh=1,1,-1, the form docs/extend.md gives and the default). Splash's blocks are multiples of 128
 (TPU lanes, the same rule in interpret mode on CPU), so 512-token rows on sp=8 in the zigzag
 layout are padded to 2 x 8 x 128 = 2,048 tokens: measured against transformers' logits, 2.4e-5
-(tolerance 1e-4, the one of tests/test_hf.py). ~20 s for the splash run on 2 cores.
+(tolerance 1e-4, the one of tests/interop/test_hf.py). ~20 s for the splash run on 2 cores.
 """
 
 import os
@@ -21,7 +21,7 @@ from longctx.evals import inference
 from longctx import config as config_lib
 from longctx.errors import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT as REPO
 HF_DIR = os.path.join(REPO, "tests", "assets", "hf", "llama3_scaling")
 ASSETS = os.path.join(REPO, "tests", "assets", "hf")
 

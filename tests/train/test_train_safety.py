@@ -27,7 +27,7 @@ from longctx.train import optimizer as train_optimizer
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 
 

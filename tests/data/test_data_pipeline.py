@@ -6,6 +6,7 @@ import shutil
 
 import jax
 import numpy as np
+from tests import ROOT
 import pytest
 
 from configs import base
@@ -16,7 +17,7 @@ from longctx.data import (layout_sample, make_batch_iterator, load_metadata, pac
 from longctx.data.packing import PACKERS
 from longctx.data.pipeline import batched
 from longctx.data.tokenizer import BYTE_BOS
-from tests.test_data_packing import make_corpus
+from tests.data.test_data_packing import make_corpus
 
 SEQ = 64
 
@@ -224,7 +225,7 @@ def test_orbax_checkpoint_of_grain_iterator(request, tmp_path, dataset, packer, 
 
 def test_bad_config_fails_with_one_sentence(data_dir):
     """(seq_len against sp is config.validate's rule, tests/test_config.py; model.vocab_size against
-    the tokenizer is the trainer's, tests/test_train_safety.py.)"""
+    the tokenizer is the trainer's, tests/train/test_train_safety.py.)"""
     mesh = mesh_of(tiny_config())
     with pytest.raises(ValueError, match="global_batch_size=3"):
         make_batch_iterator(tiny_config(global_batch_size=3), mesh, layout="contiguous",
@@ -292,7 +293,7 @@ def test_embedded_corpus_survives_a_race(tmp_path):
 
     code = ("import sys; sys.path.insert(0, sys.argv[2]); from longctx.data import prepare; "
             "print(prepare.prepare_stdlib(sys.argv[1]))")
-    root = os.path.join(os.path.dirname(__file__), "..")
+    root = ROOT
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), root],
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300)[0].strip() for p in procs]

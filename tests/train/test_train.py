@@ -66,7 +66,7 @@ def test_shardings_follow_the_rules_and_one_compile():
     state, _, train_step, setup, batch = run_steps(step_config(2, 2, 2), jax.devices(), rows)
     assert train_step._cache_size() == 1  # three steps, one trace and compile
     params = state.params
-    # parameters: the model dimension over fsdp x sp (tests/test_sharding.py tests the rule itself)
+    # parameters: the model dimension over fsdp x sp (tests/train/test_sharding.py tests the rule itself)
     assert params["embed"][...].sharding.spec == P(None, ("fsdp", "sp"))
     assert params["blocks"]["wq"][...].sharding.spec == P(None, ("fsdp", "sp"), None, None)
     assert params["blocks"]["w_down"][...].sharding.spec == P(None, None, ("fsdp", "sp"))

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+from tests import ROOT as REPO
 
 
 def test_bench_ring_blocks_small(tmp_path):

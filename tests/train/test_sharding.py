@@ -4,7 +4,6 @@ checkpoints written under the old layout restoring onto the new one."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import jax
@@ -16,7 +15,7 @@ from longctx.parallel import mesh as mesh_lib
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 sys.path.insert(0, ROOT)
 from configs import base as base_config  # noqa: E402
 

@@ -18,6 +18,7 @@ import sys
 
 import ml_dtypes
 import numpy as np
+from tests import ASSETS
 import pytest
 
 from configs import base
@@ -26,8 +27,8 @@ from longctx.interop import hf, params_io
 from longctx.evals import inference
 from longctx.errors import ConfigError
 
-ASSETS = os.path.join(os.path.dirname(__file__), "assets", "hf")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASSETS = os.path.join(ASSETS, "hf")
+from tests import ROOT as REPO
 MODELS = ("llama_untied", "llama_tied", "llama3_scaling", "mistral_window")
 RING = {"mesh.dp": 1, "mesh.fsdp": 2, "mesh.sp": 4, "attention.impl": "xla", "attention.layout": "zigzag",
         "attention.block_size": 64, "data.seq_len": 512, "data.global_batch_size": 2,
@@ -165,7 +166,7 @@ def longctx_rotary(hf_config: dict):
 def assert_same_rotary(got, reading: dict, what: str) -> None:
     expected = np.asarray(reading["inv_freq"], np.float32)
     assert got.inv_freq.shape == expected.shape, what
-    # tests/test_rope.py: equal, or 1 ulp where torch's float32 pow is not correctly rounded.
+    # tests/model/test_rope.py: equal, or 1 ulp where torch's float32 pow is not correctly rounded.
     assert np.abs(got.inv_freq.view(np.int32) - expected.view(np.int32)).max() <= 1, what
     assert got.attention_scaling == pytest.approx(reading["attention_scaling"], rel=1e-12, abs=0), what
 

@@ -24,7 +24,7 @@ from longctx import errors
 from longctx.train import lease
 from tests import child_env, child_output
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 LOCAL = os.path.join(ROOT, "launch", "local.py")
 

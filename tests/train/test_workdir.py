@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+from tests import ROOT
 import pytest
 
 from longctx.train import workdir
@@ -67,7 +68,7 @@ def test_an_empty_directory_name_is_refused_not_taken_as_the_current_directory()
 def test_scripts_refuse_an_empty_workdir(tmp_path, script, flags):
     """`--workdir=` was the current directory: ablate.py put its variants' runs there, eval_needle.py
     read it as a run."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     flags = [f.replace("configs/", os.path.join(root, "configs") + "/") for f in flags]
     r = subprocess.run([sys.executable, os.path.join(root, "scripts", script), "--workdir=", *flags],

@@ -14,13 +14,14 @@ import shutil
 
 import jax
 import numpy as np
+from tests import FIXTURES
 import pytest
 
 from configs import base
 from longctx.evals import inference
 from longctx.train import loop as train
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "checkpoint_2373a90")
+FIXTURE = os.path.join(FIXTURES, "checkpoint_2373a90")
 
 
 def _config(num_steps: int):

@@ -22,7 +22,7 @@ import pytest
 
 from tests import child_env, child_output
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 LOCAL = os.path.join(ROOT, "launch", "local.py")
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 

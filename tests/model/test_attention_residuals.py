@@ -4,7 +4,6 @@ VJP (save_qkv), recompute_qkv keeps less per layer, and the MLP in chunks is the
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import jax
@@ -18,7 +17,7 @@ from longctx.train import state as train_state
 from longctx.train import steps as train_steps
 from tests import synthetic
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 sys.path.insert(0, ROOT)
 from configs import base as base_config  # noqa: E402
 

@@ -13,6 +13,7 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
+from tests import ASSETS
 import pytest
 
 from configs import base
@@ -22,7 +23,7 @@ from longctx.model import rope
 from longctx.errors import ConfigError
 from longctx.model.decoder import apply_rope
 
-GOLDEN = json.load(open(os.path.join(os.path.dirname(__file__), "assets", "hf", "rope_golden.json")))
+GOLDEN = json.load(open(os.path.join(ASSETS, "hf", "rope_golden.json")))
 
 
 def scaling_for(hf_config: dict, name: str):

@@ -8,13 +8,14 @@ import subprocess
 import sys
 
 import numpy as np
+from tests import ROOT
 import pytest
 
 from longctx.data import load_metadata, packed_rows
 from longctx.data.pipeline import TokenSource
 from longctx.data.tokenizer import load_tokenizer
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "prepare_data.py")
+SCRIPT = os.path.join(ROOT, "scripts", "prepare_data.py")
 WORDS = "the of and to in is was for on that with as by at from long context ring attention".split()
 
 

@@ -18,7 +18,7 @@ from longctx.data.pipeline import TokenSource
 from longctx.data.tokenizer import load_tokenizer
 from longctx.errors import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT as REPO
 CORPUS = os.path.dirname(json.__file__)  # a few standard-library files of the embedded corpus
 VOCAB = 400
 

@@ -4,6 +4,7 @@ positions: static (mask x layout) and dynamic (segment ids)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tests import ROOT
 import pytest
 
 from longctx.parallel import layout as layout_lib
@@ -429,7 +430,7 @@ def test_ring_report_with_documents():
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    script = os.path.join(ROOT,
                           "scripts", "ring_report.py")
     out = subprocess.run([sys.executable, script, "--seq-len", "4096", "--sp", "4", "--block", "256",
                           "--causal", "--doc-lengths", "512", "--json"],
