@@ -36,7 +36,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 from longctx.plan import aot  # noqa: E402
-from longctx.ops import masks  # noqa: E402
 from longctx import ops  # noqa: E402
 from longctx.ops import reference_attention, ring_attention  # noqa: E402
 
@@ -124,7 +123,7 @@ def run_grid(args, result):
                         block = max(128, min(args.block, S // sp // 2))
                     row = {"impl": impl, "mask": mask, "mask_kwargs": {k: v for k, v in kw.items()},
                            "seq_len": S, "sp": sp, "block": block}
-                    layout = masks.resolve_layout("auto", S, sp, **kw)
+                    layout = ops.resolve_layout("auto", S, sp, **kw)
                     row["layout"] = layout
                     variants = [("ring", kw, layout), ("contig", kw, "contiguous"),
                                 ("unpruned", mask_kwargs("full", S, sp), "contiguous")]
