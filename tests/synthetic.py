@@ -1,4 +1,9 @@
-"""Small packed batches made by the tests: random documents with boundaries anywhere."""
+"""Data the tests make up: packed batches of random documents with boundaries anywhere
+(`packed_rows`), and a small jsonl corpus of tagged documents for the data pipeline
+(`make_corpus`; prepared once per worker as the `data_dir` fixture of tests/data/conftest.py)."""
+
+import json
+import random
 
 import numpy as np
 
@@ -29,3 +34,17 @@ def packed_rows(batch: int, seq_len: int, vocab: int, seed: int, mean_doc_len: i
 def to_layout(rows: dict, layout: str, sp: int) -> dict:
     perm = layout_lib.permutation(layout, rows["tokens"].shape[1], sp)
     return {k: v[:, perm] for k, v in rows.items()}
+
+
+def make_corpus(directory, num_docs: int = 120, seed: int = 0, short: int = 64):
+    """jsonl of ASCII documents, each tagged with its id (`<0042>`); a fifth are longer than
+    `short` tokens (up to 5x), the others shorter. Returns the file's path."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(num_docs):
+        n = rng.randint(short, 5 * short) if i % 5 == 0 else rng.randint(1, short - 2)
+        body = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz .,\n") for _ in range(n))
+        lines.append(json.dumps({"text": f"<{i:04d}>" + body}))
+    path = directory / "corpus.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -114,17 +114,6 @@ def resume_worker(data_dir: str, out_dir: str, saved_on: str, resumed_on: str, p
         json.dump({"note": note}, f)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from longctx.data import prepare
-    from tests.data.test_data_packing import make_corpus
-
-    root = tmp_path_factory.mktemp("mp")
-    out = root / "data"
-    prepare.prepare([str(make_corpus(root))], str(out), val_fraction=0.1, progress=False)
-    return str(out)
-
-
 def _launch_two(*args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")

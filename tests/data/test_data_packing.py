@@ -2,7 +2,6 @@
 
 import collections
 import json
-import random
 
 import numpy as np
 import pytest
@@ -11,30 +10,7 @@ from longctx.parallel import layout as layout_lib
 from longctx.data import packing, pipeline, prepare, sharding
 from longctx.data.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_PAD
 
-SEQ = 64
-NUM_DOCS = 120
-
-
-def make_corpus(directory, num_docs=NUM_DOCS, seed=0):
-    """jsonl of ASCII documents, each tagged with its id; a fifth are longer than SEQ (up to 5x)."""
-    rng = random.Random(seed)
-    lines = []
-    for i in range(num_docs):
-        n = rng.randint(SEQ, 5 * SEQ) if i % 5 == 0 else rng.randint(1, SEQ - 2)
-        body = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz .,\n") for _ in range(n))
-        lines.append(json.dumps({"text": f"<{i:04d}>" + body}))
-    path = directory / "corpus.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("packing")
-    src = make_corpus(root)
-    out = root / "data"
-    prepare.prepare([str(src)], str(out), val_fraction=0.1, progress=False)
-    return str(out)
+SEQ = 64  # make_corpus's `short`: a fifth of its documents are longer than a row
 
 
 def rows_of(data_dir, packer, **kw):
@@ -65,8 +41,7 @@ def doc_ids_in(rows):
 
 
 @pytest.mark.parametrize("packer", packing.PACKERS)
-def test_packing_invariants(corpus, packer):
-    data_dir = corpus
+def test_packing_invariants(data_dir, packer):
     rows = rows_of(data_dir, packer)
     assert rows
     for row in rows:
@@ -93,8 +68,7 @@ def test_packing_invariants(corpus, packer):
 
 
 @pytest.mark.parametrize("packer", packing.PACKERS)
-def test_every_token_is_a_target_exactly_once_per_epoch(corpus, packer):
-    data_dir = corpus
+def test_every_token_is_a_target_exactly_once_per_epoch(data_dir, packer):
     meta = pipeline.load_metadata(data_dir)
     docs = list(pipeline.TokenSource(data_dir, "train", meta))  # the epoch, as stored
     assert any(len(d) > 2 * SEQ for d in docs)  # long documents are in the epoch
@@ -112,16 +86,14 @@ def test_every_token_is_a_target_exactly_once_per_epoch(corpus, packer):
     assert starts == len(docs) == meta["splits"]["train"]["num_documents"]
 
 
-def test_same_seed_same_rows_different_seed_different_order(corpus):
-    data_dir = corpus
+def test_same_seed_same_rows_different_seed_different_order(data_dir):
     a, b, c = (rows_of(data_dir, "best_fit", seed=s) for s in (3, 3, 4))
     assert all(np.array_equal(x["tokens"], y["tokens"]) for x, y in zip(a, b))
     assert doc_ids_in(a) != doc_ids_in(c)
     assert sorted(doc_ids_in(a)) == sorted(doc_ids_in(c))
 
 
-def test_two_data_shards_are_disjoint_and_cover_the_epoch(corpus):
-    data_dir = corpus
+def test_two_data_shards_are_disjoint_and_cover_the_epoch(data_dir):
     all_ids = sorted(doc_ids_in(rows_of(data_dir, "first_fit")))
     parts = [doc_ids_in(rows_of(data_dir, "first_fit", shard_index=i, shard_count=2))
              for i in range(2)]
@@ -148,8 +120,7 @@ def test_shard_math_groups_processes_of_one_sp_group():
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "striped"])
-def test_layout_permutation_round_trip(corpus, layout):
-    data_dir = corpus
+def test_layout_permutation_round_trip(data_dir, layout):
     rows = rows_of(data_dir, "best_fit")[:4]
     batch = {k: np.stack([r[k] for r in rows]) for k in packing.KEYS}
     perm = layout_lib.permutation(layout, SEQ, 4)

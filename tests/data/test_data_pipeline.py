@@ -17,17 +17,8 @@ from longctx.data import (layout_sample, make_batch_iterator, load_metadata, pac
 from longctx.data.packing import PACKERS
 from longctx.data.pipeline import batched
 from longctx.data.tokenizer import BYTE_BOS
-from tests.data.test_data_packing import make_corpus
 
 SEQ = 64
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline")
-    out = root / "data"
-    prepare.prepare([str(make_corpus(root))], str(out), val_fraction=0.1, progress=False)
-    return str(out)
 
 
 def tiny_config(**data):

@@ -652,7 +652,7 @@ def test_dataset_replaced_at_the_same_path_restarts_the_stream(tmp_path):
     """Saved, then the same path re-prepared: from the same input (byte-identical) the state
     restores; from another corpus the stream restarts, and the note says what changed."""
     from longctx.data import prepare
-    from tests.data.test_data_packing import make_corpus
+    from tests.synthetic import make_corpus
 
     data = str(tmp_path / "data")
 
