@@ -57,8 +57,8 @@ import traceback
 import warnings
 from typing import Callable
 
-from longctx.parallel import devices
 from longctx.errors import ConfigError, LongctxError, MissingFileError, RunError
+from longctx.parallel import devices
 
 PREFIX = "longctx: "
 DEBUG_ENV = "LONGCTX_DEBUG"

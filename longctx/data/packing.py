@@ -22,9 +22,8 @@ packers identical in meaning (concat-then-split would otherwise continue positio
 
 from __future__ import annotations
 
-import numpy as np
-
 import grain
+import numpy as np
 from grain import experimental as gx
 
 from longctx.errors import ConfigError

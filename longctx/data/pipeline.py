@@ -54,8 +54,8 @@ import json
 import os
 
 import grain
-from grain import experimental as gx
 import numpy as np
+from grain import experimental as gx
 
 from longctx import errors
 from longctx.data import packing

@@ -16,8 +16,8 @@ from typing import Callable
 import jax
 import numpy as np
 
-from longctx.parallel import mesh as mesh_lib
 from longctx.errors import ConfigError
+from longctx.parallel import mesh as mesh_lib
 
 
 @dataclasses.dataclass(frozen=True)

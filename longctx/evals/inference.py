@@ -24,14 +24,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from longctx.ops import blocks
 from longctx import config as config_lib
-from longctx.parallel import layout as layout_lib
-from longctx.parallel import mesh as mesh_lib
-from longctx.interop import params_io
-from longctx.train import state as train_state
 from longctx.data import packing
 from longctx.errors import ConfigError
+from longctx.interop import params_io
+from longctx.ops import blocks
+from longctx.parallel import layout as layout_lib
+from longctx.parallel import mesh as mesh_lib
+from longctx.train import state as train_state
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,9 +46,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from longctx.model import rope as rope_lib
-from longctx.interop import staging
 from longctx.errors import ConfigError, MissingFileError
+from longctx.interop import staging
+from longctx.model import rope as rope_lib
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 CONFIG_FILE = "config.json"

@@ -23,10 +23,10 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 import longctx
+from longctx.errors import ConfigError, first_line
+from longctx.interop import staging
 from longctx.train import checkpoint as checkpoint_lib
 from longctx.train.state import abstract_with_shardings
-from longctx.interop import staging
-from longctx.errors import ConfigError, first_line
 
 # The item names of a longctx checkpoint step (longctx/train/checkpoint.py).
 STATE, CONFIG, METADATA = "state", "config", "metadata"

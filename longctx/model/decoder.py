@@ -23,9 +23,9 @@ import numpy as np
 from flax import nnx
 
 from longctx.model import attention as attention_lib
+from longctx.model import rope as rope_lib
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
-from longctx.model import rope as rope_lib
 
 # Parameters are created abstractly and sharded by the trainer (eval_shape -> shardings -> jit),
 # so flax must not try to place them eagerly at construction time.

@@ -43,8 +43,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from longctx.ops import auto_layout, masks, xla
+from longctx.ops import auto_layout, masks
 from longctx.ops import tables as tables_lib
+from longctx.ops import xla
 from longctx.ops.shmap import max_over_devices, pick, sum_over_devices, vary_like
 from longctx.parallel import layout as layout_lib
 
@@ -308,7 +309,8 @@ def ring_fn(cfg: RingConfig):
 
 def _block_sizes(block_sizes, shard_len, impl, layout):
     """(bq, bkv, bkv_compute, bkv_dkv_compute) from None | int | splash BlockSizes."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # (Pallas: lazily)
+    # (Pallas, loaded lazily: an impl="xla" run needs only its BlockSizes type, and only here)
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     if block_sizes is None:
         b = masks.default_block_size(shard_len, layout)
         sizes = (b, b, b, b)
@@ -346,7 +348,8 @@ def _block_sizes(block_sizes, shard_len, impl, layout):
 def _fused_backward(block_sizes) -> bool:
     """Whether splash's backward runs as one fused kernel (dq, dk, dv in one pass; ops/splash.py)
     or as its dq and dkv kernels: fused unless a splash BlockSizes asks otherwise."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # (Pallas: lazily)
+    # (Pallas, loaded lazily: an impl="xla" run needs only its BlockSizes type, and only here)
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     return not isinstance(block_sizes, sk.BlockSizes) or block_sizes.use_fused_bwd_kernel
 
 

@@ -43,9 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from longctx.parallel import layout as layout_lib
 from longctx.ops.masks import (MaskSpec, default_block_size, document_chunk_ids, make_mask_spec,
-                           within_chunk_window)
+                               within_chunk_window)
+from longctx.parallel import layout as layout_lib
+
 
 def block_runs(layout: str, seq_len: int, num_shards: int, block: int):
     """Each block of `block` local indices as runs of evenly spaced global positions, the same

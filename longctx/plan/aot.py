@@ -25,8 +25,8 @@ from jax.experimental import topologies
 
 from longctx import config as config_lib
 from longctx.parallel import devices as devices_lib
-from longctx.plan import memory
 from longctx.parallel import mesh as mesh_lib
+from longctx.plan import memory
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
 

@@ -16,8 +16,8 @@ from flax import nnx
 from jax._src import source_info_util  # names the line of model code behind each residual
 from jax.extend import core as jax_core
 
-from longctx.parallel import mesh as mesh_lib
 from longctx.model.decoder import DecoderBlock
+from longctx.parallel import mesh as mesh_lib
 
 
 @dataclasses.dataclass

@@ -49,10 +49,10 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 import longctx
-from longctx.train import checkpoint_compat as compat
 from longctx import cli
 from longctx import config as config_lib
 from longctx import errors
+from longctx.train import checkpoint_compat as compat
 from longctx.train import workdir as workdir_lib
 from longctx.train.state import abstract_with_shardings
 

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from longctx import config as config_lib
-from longctx.model import rope
 from longctx.errors import ConfigError
+from longctx.model import rope
 
 # Config keys that fix the shapes (or presence) of parameters: a difference is an error on resume.
 SHAPE_KEYS = tuple(f"model.{k}" for k in (

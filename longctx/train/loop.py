@@ -24,8 +24,7 @@ from tqdm import tqdm
 from longctx import cli
 from longctx import config as config_lib
 from longctx import data as data_lib
-from longctx import errors
-from longctx import ops
+from longctx import errors, ops
 from longctx.model import attention as attention_lib
 from longctx.model import flops as flops_lib
 from longctx.ops import tables

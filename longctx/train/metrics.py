@@ -23,8 +23,7 @@ from tensorboardX import summary
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.record_writer import RecordWriter
 
-from longctx import cli
-from longctx import errors
+from longctx import cli, errors
 from longctx.train import workdir as workdir_lib
 
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from configs import base
-from longctx.plan import aot
 from longctx import config as config_lib
 from longctx.model import flops
-
+from longctx.plan import aot
 from tests import ROOT as REPO
+
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import bench_common  # noqa: E402

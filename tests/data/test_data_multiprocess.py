@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests import ROOT
+
 LOCAL = os.path.join(ROOT, "launch", "local.py")
 SEQ, BATCH, STEPS = 64, 4, 3
 
@@ -31,8 +32,8 @@ def worker(data_dir: str, out_dir: str, dp: int, sp: int) -> None:
     import jax
 
     from configs import base
-    from longctx.parallel import mesh as mesh_lib
     from longctx.data import make_batch_iterator
+    from longctx.parallel import mesh as mesh_lib
 
     c = base.get_config("tiny")
     mesh_lib.maybe_initialize_distributed(c.distributed)
@@ -67,10 +68,10 @@ def resume_worker(data_dir: str, out_dir: str, saved_on: str, resumed_on: str, p
     import jax
 
     from configs import base
-    from longctx.train import checkpoint as checkpoint_lib
-    from longctx.parallel import mesh as mesh_lib
-    from longctx.train import state as train_state
     from longctx.data import make_batch_iterator
+    from longctx.parallel import mesh as mesh_lib
+    from longctx.train import checkpoint as checkpoint_lib
+    from longctx.train import state as train_state
 
     c = base.get_config("tiny")
     mesh_lib.maybe_initialize_distributed(c.distributed)

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from longctx.parallel import layout as layout_lib
 from longctx.data import packing, pipeline, prepare, sharding
 from longctx.data.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_PAD
+from longctx.parallel import layout as layout_lib
 
 SEQ = 64  # make_corpus's `short`: a fifth of its documents are longer than a row
 

@@ -6,17 +6,17 @@ import shutil
 
 import jax
 import numpy as np
-from tests import ROOT
 import pytest
 
 from configs import base
-from longctx.parallel import layout as layout_lib
-from longctx.parallel import mesh as mesh_lib
-from longctx.data import (layout_sample, make_batch_iterator, load_metadata, packed_rows, prepare,
+from longctx.data import (layout_sample, load_metadata, make_batch_iterator, packed_rows, prepare,
                           resolve_dataset)
 from longctx.data.packing import PACKERS
 from longctx.data.pipeline import batched
 from longctx.data.tokenizer import BYTE_BOS
+from longctx.parallel import layout as layout_lib
+from longctx.parallel import mesh as mesh_lib
+from tests import ROOT
 
 SEQ = 64
 

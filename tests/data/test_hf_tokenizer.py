@@ -17,8 +17,8 @@ from longctx.data import load_metadata
 from longctx.data.pipeline import TokenSource
 from longctx.data.tokenizer import load_tokenizer
 from longctx.errors import ConfigError
-
 from tests import ROOT as REPO
+
 CORPUS = os.path.dirname(json.__file__)  # a few standard-library files of the embedded corpus
 VOCAB = 400
 

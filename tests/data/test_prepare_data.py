@@ -8,12 +8,12 @@ import subprocess
 import sys
 
 import numpy as np
-from tests import ROOT
 import pytest
 
 from longctx.data import load_metadata, packed_rows
 from longctx.data.pipeline import TokenSource
 from longctx.data.tokenizer import load_tokenizer
+from tests import ROOT
 
 SCRIPT = os.path.join(ROOT, "scripts", "prepare_data.py")
 WORDS = "the of and to in is was for on that with as by at from long context ring attention".split()

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from longctx.evals import ablation
 from longctx.config import ConfigError
+from longctx.evals import ablation
 
 GRID = "configs/ablations/smoke.py"
 

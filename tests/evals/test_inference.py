@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 
 from configs import base
-from longctx.model import flops
 from longctx import config as config_lib
-from longctx.evals import inference
-from longctx.ops import auto_layout, masks
 from longctx.errors import ConfigError
-from longctx.ops import tables
+from longctx.evals import inference
+from longctx.model import flops
+from longctx.ops import auto_layout, masks, tables
 
 CHUNK = 24
 SMALL = {"mesh.dp": 1, "mesh.fsdp": 2, "mesh.sp": 4, "model.vocab_size": 64, "model.d_model": 64,
@@ -165,9 +164,9 @@ def test_run_info_counts_the_steps_the_ring_visits_with_chunks_per_document(tmp_
 
     from jax.sharding import PartitionSpec as P
 
+    from longctx.ops import ring as ring_lib
     from longctx.parallel import mesh as mesh_lib
     from longctx.train import loop as train
-    from longctx.ops import ring as ring_lib
 
     seq_len, sp, block, chunk = 4096, 8, 128, 256
     mesh = jax.make_mesh((1, 1, sp), ("dp", "fsdp", "sp"), devices=jax.devices()[:sp],

@@ -24,12 +24,12 @@ import pytest
 from configs import base
 from longctx import config as config_lib
 from longctx import train
+from longctx.data.tokenizer import byte_tokenizer
 from longctx.evals import needle
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
-from longctx.data.tokenizer import byte_tokenizer
-
 from tests import ROOT as REPO
+
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the synthetic task lives with its benchmark
 
 import needle_synthetic as synthetic  # noqa: E402

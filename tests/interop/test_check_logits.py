@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from configs import base
-from longctx.ops import blocks
-from longctx.evals import inference
 from longctx import config as config_lib
 from longctx.errors import ConfigError
-
+from longctx.evals import inference
+from longctx.ops import blocks
 from tests import ROOT as REPO
+
 HF_DIR = os.path.join(REPO, "tests", "assets", "hf", "llama3_scaling")
 ASSETS = os.path.join(REPO, "tests", "assets", "hf")
 

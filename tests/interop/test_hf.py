@@ -18,17 +18,18 @@ import sys
 
 import ml_dtypes
 import numpy as np
-from tests import ASSETS
 import pytest
 
 from configs import base
 from longctx import config as config_lib
-from longctx.interop import hf, params_io
-from longctx.evals import inference
 from longctx.errors import ConfigError
+from longctx.evals import inference
+from longctx.interop import hf, params_io
+from tests import ASSETS
 
 ASSETS = os.path.join(ASSETS, "hf")
 from tests import ROOT as REPO
+
 MODELS = ("llama_untied", "llama_tied", "llama3_scaling", "mistral_window")
 RING = {"mesh.dp": 1, "mesh.fsdp": 2, "mesh.sp": 4, "attention.impl": "xla", "attention.layout": "zigzag",
         "attention.block_size": 64, "data.seq_len": 512, "data.global_batch_size": 2,
@@ -246,8 +247,8 @@ def test_init_from_accepts_a_converted_checkpoint(converted, tmp_path):
     """The trainer's own restore path (checkpoint.init_from) takes the converted parameters."""
     import jax
 
-    from longctx.train import checkpoint as checkpoint_lib
     from longctx.parallel import mesh as mesh_lib
+    from longctx.train import checkpoint as checkpoint_lib
     from longctx.train import state as train_state
 
     config = converted_config(os.path.join(ASSETS, "llama_tied"))

@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from longctx.plan import aot
 from longctx.parallel import mesh as mesh_lib
+from longctx.plan import aot
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
-from tests import synthetic
+from tests import ROOT, synthetic
 
-from tests import ROOT
 sys.path.insert(0, ROOT)
 from configs import base as base_config  # noqa: E402
 

@@ -13,10 +13,10 @@ import pytest
 from flax import nnx
 
 from configs import base
-from longctx.parallel import layout as layout_lib
-from longctx.parallel import mesh as mesh_lib
 from longctx.model.decoder import Decoder, model_nll, token_nll
 from longctx.ops import reference_attention
+from longctx.parallel import layout as layout_lib
+from longctx.parallel import mesh as mesh_lib
 from tests import synthetic
 
 

@@ -31,8 +31,8 @@ import pytest
 from flax import nnx
 
 from configs import base
-from longctx.parallel import mesh as mesh_lib
 from longctx.model.decoder import Decoder, model_nll
+from longctx.parallel import mesh as mesh_lib
 
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
 NUM_LAYERS = 2

@@ -13,15 +13,15 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
-from tests import ASSETS
 import pytest
 
 from configs import base
 from longctx import config as config_lib
+from longctx.errors import ConfigError
 from longctx.interop import hf
 from longctx.model import rope
-from longctx.errors import ConfigError
 from longctx.model.decoder import apply_rope
+from tests import ASSETS
 
 GOLDEN = json.load(open(os.path.join(ASSETS, "hf", "rope_golden.json")))
 

@@ -16,9 +16,9 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from longctx.parallel import layout as layout_lib
-from longctx.ops import reference_attention, resolve_layout, ring_attention
 from longctx.ops import reference as reference_lib
+from longctx.ops import reference_attention, resolve_layout, ring_attention
+from longctx.parallel import layout as layout_lib
 
 SHARD, BLOCK, HEADS, HEAD_DIM = 256, 128, 4, 32
 # float32 tolerances, fixed up front (observed errors are ~1e-6).
@@ -296,8 +296,7 @@ def test_ring_stops_after_the_last_step_with_a_live_block(layout, case):
     tables.document_schedule) calls its visited steps. Every device of the mesh agrees, also
     across rings (here one row per ring): a ring that stopped earlier than another would leave
     the other's collectives waiting."""
-    from longctx.ops import masks
-    from longctx.ops import tables
+    from longctx.ops import masks, tables
 
     sp, seq_len = 4, SHARD * 4
     if case == "random":

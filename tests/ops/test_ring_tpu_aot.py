@@ -15,8 +15,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from longctx.plan import aot
 from longctx.ops import ring_attention
+from longctx.plan import aot
 
 pytestmark = [
     pytest.mark.tpu_aot,

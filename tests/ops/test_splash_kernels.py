@@ -22,10 +22,10 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
 from jax.sharding import PartitionSpec as P
 
-from longctx.parallel import layout as layout_lib
 from longctx.ops import reference_attention, ring_attention
 from longctx.ops import splash_kernels as kernels
 from longctx.ops import tables
+from longctx.parallel import layout as layout_lib
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 BLOCK, COMPUTE = 256, 128  # kv blocks computed in two halves where a kernel allows it

@@ -4,12 +4,11 @@ positions: static (mask x layout) and dynamic (segment ids)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tests import ROOT
 import pytest
 
+from longctx.ops import auto_layout, masks, tables
 from longctx.parallel import layout as layout_lib
-from longctx.ops import auto_layout, masks
-from longctx.ops import tables
+from tests import ROOT
 
 MASKS = {
     "full": {},

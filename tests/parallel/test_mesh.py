@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from longctx.plan import aot
 from longctx.parallel import mesh as mesh_lib
+from longctx.plan import aot
 
 
 def mesh_config(dp=1, fsdp=-1, sp=1):

@@ -12,10 +12,9 @@ import jax
 import pytest
 
 from configs import base
-from longctx.plan import aot
 from longctx import config as config_lib
-from longctx.plan import memory
 from longctx.parallel import mesh as mesh_lib
+from longctx.plan import aot, memory
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
 

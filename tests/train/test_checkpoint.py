@@ -37,15 +37,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from longctx.train import checkpoint as checkpoint_lib
-from longctx.train import checkpoint_compat
 from longctx import config as config_lib
 from longctx import data as data_lib
-from longctx.train import lease
 from longctx.parallel import mesh as mesh_lib
+from longctx.train import checkpoint as checkpoint_lib
+from longctx.train import checkpoint_compat, lease
 from longctx.train import state as train_state
-
 from tests import ROOT
+
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 STALLED_SAVE = os.path.join(ROOT, "tests", "stalled_save.py")
 sys.path.insert(0, ROOT)

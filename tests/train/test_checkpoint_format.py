@@ -14,12 +14,12 @@ import shutil
 
 import jax
 import numpy as np
-from tests import FIXTURES
 import pytest
 
 from configs import base
 from longctx.evals import inference
 from longctx.train import loop as train
+from tests import FIXTURES
 
 FIXTURE = os.path.join(FIXTURES, "checkpoint_2373a90")
 

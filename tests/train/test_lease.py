@@ -22,9 +22,8 @@ import pytest
 
 from longctx import errors
 from longctx.train import lease
-from tests import child_env, child_output
+from tests import ROOT, child_env, child_output
 
-from tests import ROOT
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 LOCAL = os.path.join(ROOT, "launch", "local.py")
 

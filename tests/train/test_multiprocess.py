@@ -20,9 +20,8 @@ import time
 import numpy as np
 import pytest
 
-from tests import child_env, child_output
+from tests import ROOT, child_env, child_output
 
-from tests import ROOT
 LOCAL = os.path.join(ROOT, "launch", "local.py")
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 

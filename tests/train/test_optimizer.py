@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from configs import base
+from longctx.model.decoder import weight_decay_mask
 from longctx.parallel import mesh as mesh_lib
 from longctx.train import optimizer as train_optimizer
 from longctx.train import state as train_state
-from longctx.model.decoder import weight_decay_mask
 
 NOT_DECAYED = {"attn_norm", "mlp_norm", "final_norm", "sinks"}
 

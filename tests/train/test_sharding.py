@@ -9,13 +9,13 @@ import sys
 import jax
 import numpy as np
 
-from longctx.train import checkpoint as checkpoint_lib
 from longctx import data as data_lib
 from longctx.parallel import mesh as mesh_lib
+from longctx.train import checkpoint as checkpoint_lib
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
-
 from tests import ROOT
+
 sys.path.insert(0, ROOT)
 from configs import base as base_config  # noqa: E402
 

@@ -19,15 +19,15 @@ import jax.numpy as jnp
 import pytest
 
 from configs import base
-from longctx.train import checkpoint as checkpoint_lib
 from longctx import errors
 from longctx.parallel import mesh as mesh_lib
+from longctx.train import checkpoint as checkpoint_lib
 from longctx.train import loop as train_loop
 from longctx.train import optimizer as train_optimizer
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
-
 from tests import ROOT
+
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 
 

@@ -6,11 +6,11 @@ import re
 import subprocess
 import sys
 
-from tests import ROOT
 import pytest
 
-from longctx.train import workdir
 from longctx.errors import ConfigError
+from longctx.train import workdir
+from tests import ROOT
 
 
 def test_probe_names_are_unique_per_process_even_with_one_pid(monkeypatch):
