@@ -41,7 +41,8 @@ from longctx.ops.shmap import vary_like
 
 
 @functools.lru_cache(maxsize=32)
-def _pair_active(spec, layout, seq_len, sp, bq, bkv) -> np.ndarray:
+def static_pairs(spec, layout, seq_len, sp, bq, bkv) -> np.ndarray:
+    """bool [query shard, K/V shard]: whether the static mask keeps any block of the pair."""
     classes = tables_lib.block_classes(spec, layout, seq_len, sp, bq, bkv)  # [d, step, qb, kb]
     kept = classes.any(axis=(2, 3))
     # ring step s on device a holds the K/V of shard (a - s) mod sp
@@ -55,7 +56,7 @@ def _pair_active(spec, layout, seq_len, sp, bq, bkv) -> np.ndarray:
 
 def pair_active(cfg) -> np.ndarray:
     """bool [query shard, K/V shard]: whether the static mask keeps any block of the pair."""
-    return _pair_active(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq, cfg.bkv)
+    return static_pairs(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq, cfg.bkv)
 
 
 def _index(tree, i):
