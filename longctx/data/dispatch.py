@@ -38,8 +38,8 @@ zigzag or striped a shard is two or many separate ranges and rule 1 could not ho
 config.validate refuses them with this packer, and attention.layout="auto" resolves to
 contiguous (train.state.resolve_layout, `LAYOUT`).
 
-Deterministic and resumable like grain's packers: a window is the fewest pieces, in the
-parent's order, that hold `window_rows` rows' tokens (the last window: what is left); its rows
+Deterministic and resumable like grain's packers: a window is the pieces, in the parent's
+order, that fit in `window_rows` rows' tokens (at least one; the last window: what is left); its rows
 are shuffled with a seed of (seed, rows emitted before it). The iterator state is the parent's
 state at the window's start, the rows of the window already emitted and the count of all rows
 emitted: a restore reads the window again, packs it identically and skips what was emitted.
@@ -179,10 +179,14 @@ class _ShardBalancedIterator(grain.DatasetIterator):
 
     def _read_window(self):
         pieces, tokens, target = [], 0, self._window_rows * self._seq_len
-        while tokens < target:
+        while True:
+            before = self._parent.get_state()
             try:
                 piece = next(self._parent)[self._feature]
             except StopIteration:
+                break
+            if pieces and tokens + len(piece) > target:  # it starts the next window
+                self._parent.set_state(before)
                 break
             pieces.append(piece)
             tokens += len(piece)

@@ -4,7 +4,7 @@ ring's work depends on where documents start and end, not on their tokens.
 
   long_tail  most documents short, a few very long: 98% log-normal around 1,000 tokens
              (sigma 1), clipped to [64, 4,096]; 2% uniform in [65,536, 262,144]. By tokens the
-             long ones are about two thirds of the mix, as in long-context data mixtures where
+             long ones are about 70% of the mix, as in long-context data mixtures where
              a few books or repositories hold most of the tokens.
   uniform    uniform in [1,024, 32,768] tokens.
 """
