@@ -164,6 +164,7 @@ class _ShardBalancedIterator(grain.DatasetIterator):
         self._window_start = parent.get_state()  # the parent's state where this window begins
         self._rows = None       # the packed rows of the current window, once read
         self._window_end = None
+        self._carry = None      # the piece read last, which starts the next window
         self._next_row = 0      # rows of this window already emitted
         self._counter = 0       # rows emitted in all
 
@@ -178,21 +179,26 @@ class _ShardBalancedIterator(grain.DatasetIterator):
         return row
 
     def _read_window(self):
-        pieces, tokens, target = [], 0, self._window_rows * self._seq_len
+        pieces, target = [], self._window_rows * self._seq_len
+        if self._carry is not None:
+            pieces.append(self._carry)
+            self._carry = None
+        tokens = sum(len(p) for p in pieces)
         while True:
-            before = self._parent.get_state()
+            end = self._parent.get_state()
             try:
                 piece = next(self._parent)[self._feature]
             except StopIteration:
                 break
-            if pieces and tokens + len(piece) > target:  # it starts the next window
-                self._parent.set_state(before)
+            if pieces and tokens + len(piece) > target:
+                # It starts the next window, whose state is the parent's before it (held here
+                # rather than read again: rewinding would restart the parent's read-ahead).
+                self._carry = piece
                 break
             pieces.append(piece)
             tokens += len(piece)
         if not pieces:
             raise StopIteration
-        end = self._parent.get_state()
         placed = place([len(p) for p in pieces], self._seq_len, self._num_shards, self._block)
         order = np.random.default_rng(self._seed + self._counter - self._next_row).permutation(len(placed))
         return [self._row(pieces, placed[r]) for r in order], end
@@ -212,5 +218,5 @@ class _ShardBalancedIterator(grain.DatasetIterator):
     def set_state(self, state):
         self._parent.set_state(state["parent"])
         self._window_start = state["parent"]
-        self._rows, self._window_end = None, None
+        self._rows, self._window_end, self._carry = None, None, None
         self._next_row, self._counter = int(state["next_row"]), int(state["counter"])
