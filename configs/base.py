@@ -119,7 +119,7 @@ def _base() -> ml_collections.ConfigDict:
             cache_dir="",  # where the embedded corpus is prepared; "" = ~/.cache/longctx
             seq_len=2048,
             global_batch_size=8,
-            packer="best_fit",  # first_fit | best_fit | concat_then_split
+            packer="best_fit",  # first_fit | best_fit | concat_then_split | shard_balanced
             shuffle_seed=0,
             num_workers=0,
             prefetch_buffer_size=2,

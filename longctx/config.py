@@ -166,6 +166,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         _require(a.logits_soft_cap > 0, f"attention.logits_soft_cap={a.logits_soft_cap} must be positive.")
     _check_context_parallel(a, m.num_heads, sp)
 
+    placed_for = packing.packer_layout(d.packer)  # shard_balanced places documents in contiguous shards
+    _require(placed_for is None or a.layout in (placed_for, "auto"),
+             f"data.packer={d.packer!r} places documents in the shards of the {placed_for} layout, which "
+             f"attention.layout={a.layout!r} would scatter: set --config.attention.layout={placed_for} or auto.")
+
     # Sequence against the ring and the kernel blocks.
     seq_divisor = 2 * sp if a.layout == "zigzag" else sp
     _require(d.seq_len % seq_divisor == 0,

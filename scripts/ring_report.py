@@ -19,8 +19,6 @@ layout "auto" picks on those rows, as a training run does on its first rows (dat
   .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --doc-lengths 4096
   .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \
       --doc-lengths 1000,3000,700,5000 --json          # lengths repeat to fill the row
-  .venv/bin/python scripts/ring_report.py --seq-len 8192 --sp 4 --block 512 --causal --data data/mine \
-      --batches 4                                       # real packed rows from the pipeline
 
   kept_blocks      blocks holding a (query, key) pair the mask and the documents allow
   computed_blocks  blocks the ring computes ([device][ring step], summed over the rows)
@@ -30,6 +28,18 @@ layout "auto" picks on those rows, as a training run does on its first rows (dat
   visited_steps    ring steps the ring goes through (K/V travel a hop each; the kernel of a
                    step with nothing live is skipped): with documents the ring stops after the
                    last step that runs when the mask's steps are one run
+
+With `--data DIR` (a prepared directory's train split) or `--mix long_tail|uniform` (seeded
+synthetic document lengths, longctx/data/length_mixes.py) the report compares packers instead:
+each packs one epoch of the same documents (`--packer`, a comma list; every packer by default),
+and the ring's schedule of each row is worked out under every layout the packer may run with
+(shard_balanced: contiguous only). Per packer and layout it prints the padding, the critical path
+against the ideal (kept blocks / sp), the ring steps visited per row and the K/V passed per row
+(longctx/data/packer_report.py defines each), and marks the layout "auto" picks on those rows:
+
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --mix uniform
+  .venv/bin/python scripts/ring_report.py --seq-len 8192 --sp 4 --block 512 --causal --data data/mine \
+      --packer best_fit,shard_balanced --png docs/mine_packers.png   # per-device work of 3 rows
 """
 import argparse
 import json
@@ -46,6 +56,8 @@ from longctx.ops import masks  # noqa: E402
 from longctx import ops  # noqa: E402
 from longctx.ops import tables  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
+from longctx.data import length_mixes, packer_report  # noqa: E402
+from longctx.data.packing import PACKERS, packer_layout  # noqa: E402
 
 
 def _window(text):
@@ -80,7 +92,7 @@ def _png(path, sched, title):
 
 
 def _doc_rows(a) -> np.ndarray:
-    """Natural-order segment ids [rows, S] (0 = padding) from --doc-lengths or --data."""
+    """Natural-order segment ids [1, S] (0 = padding) from --doc-lengths."""
     if a.doc_lengths:
         lengths = [int(n) for n in a.doc_lengths.split(",")]
         if min(lengths) < 1:
@@ -90,11 +102,6 @@ def _doc_rows(a) -> np.ndarray:
             n = min(lengths[(doc - 1) % len(lengths)], a.seq_len - t)
             ids[t:t + n], t, doc = doc, t + n, doc + 1
         return ids[None]
-    from longctx.data import pipeline
-
-    rows = pipeline.packed_rows(a.data, "train", seq_len=a.seq_len, packer=a.packer, seed=0)
-    it = iter(rows)
-    return np.stack([next(it)["segment_ids"] for _ in range(a.batches * a.batch_size)])
 
 
 def _documents_report(a, mask_kw) -> int:
@@ -122,8 +129,7 @@ def _documents_report(a, mask_kw) -> int:
             root, ext = os.path.splitext(a.png)
             _png(f"{root}_{layout}{ext or '.png'}", sched,
                  f"S={a.seq_len} sp={a.sp} {layout}, documents: efficiency {sched.efficiency:.3f}")
-    docs = (f"documents {a.doc_lengths}" if a.doc_lengths else
-            f"{len(ids)} rows of {a.data}")
+    docs = f"documents {a.doc_lengths}"
     if a.json:
         print(json.dumps({"documents": docs, "rows": len(ids), "auto_layout": auto,
                           "auto_layout_by_the_mask": by_mask, "layouts": report}))
@@ -141,6 +147,108 @@ def _documents_report(a, mask_kw) -> int:
         print(f"{layout:>11} {r['kept_blocks']:>8} {computed:>9} {r['critical_path']:>14} "
               f"{steps:>18} {r['doc_efficiency']:>15.4f}")
     return 0
+
+
+def _packers(a) -> list[str]:
+    packers = [p.strip() for p in a.packer.split(",") if p.strip()]
+    for p in packers:
+        if p not in PACKERS:
+            raise ConfigError(f"--packer {p!r} is not one of {', '.join(PACKERS)}.")
+    return packers
+
+
+def _packers_report(a, mask_kw) -> int:
+    """Every packer on one epoch of the same documents, under every layout it may run with."""
+    spec = masks.make_mask_spec(**mask_kw)
+    keep = None if a.batches is None else a.batches * a.batch_size
+    shape = dict(seq_len=a.seq_len, sp=a.sp, block=a.block, keep=keep, seed=a.seed)
+    if a.mix:
+        lengths = length_mixes.document_lengths(a.mix, a.tokens, a.seed)
+        documents = length_mixes.documents(lengths)
+        source = f"{len(lengths):,} documents of the {a.mix} mix (seed {a.seed}, {int(lengths.sum()):,} tokens)"
+    else:
+        source = f"the train split of {a.data} (shuffle seed {a.seed})"
+    report = {}
+    for packer in _packers(a):
+        rows = (packer_report.document_rows(documents, packer, **shape) if a.mix else
+                packer_report.data_rows(a.data, packer, **shape))
+        ids = rows.segment_ids
+        schedules = {layout: packer_report.row_schedules(spec, layout, a.seq_len, a.sp, a.block, ids)
+                     for layout in packer_report.layouts_for(packer)}
+        kept = packer_report.kept_blocks(spec, a.seq_len, a.sp, a.block, ids, schedules.get("contiguous"))
+        # What a training run would pick on its first rows (train.state.resolve_layout).
+        fixed = packer_layout(packer)
+        auto = fixed or ops.resolve_layout("auto", a.seq_len, a.sp, block_size=a.block,
+                                           segment_ids=ids[:8], **mask_kw)
+        report[packer] = {"padding": rows.padding, "epoch_rows": rows.epoch_rows, "rows": len(ids),
+                          "kept_blocks": kept, "auto_layout": auto, "layouts": {
+                              layout: packer_report.summarize(sch, kept, a.sp, a.seq_len, a.batch_size,
+                                                              a.kv_bytes_per_token)
+                              for layout, sch in schedules.items()}}
+    if a.png:
+        _work_png(a.png, report, f"S={a.seq_len} sp={a.sp} block={a.block} {_describe(mask_kw)}, {source}")
+    if a.json:
+        for r in report.values():
+            for summary in r["layouts"].values():
+                del summary["device_work"]
+        print(json.dumps({"documents": source, "packers": report}))
+        return 0
+    print(f"S={a.seq_len} sp={a.sp} block={a.block} {_describe(mask_kw)}, {source}; one pass of "
+          f"{a.batch_size} row(s) per ring; K/V {a.kv_bytes_per_token} bytes per token and layer; "
+          f"* = the layout auto picks")
+    print(f"{'packer':>18} {'layout':>12} {'rows':>5} {'padding':>8} {'critical path':>14} "
+          f"{'ideal':>10} {'of ideal':>9} {'visited mean/max':>17} {'K/V MiB/row':>12}")
+    for packer, r in report.items():
+        for layout, m in r["layouts"].items():
+            mark = "*" if layout == r["auto_layout"] else " "
+            print(f"{packer:>18} {layout + mark:>12} {r['rows']:>5} {r['padding']:>8.2%} "
+                  f"{m['critical_path']:>14,} {m['ideal']:>10,.0f} {m['of_ideal']:>9.3f} "
+                  f"{m['visited_mean']:>11.2f} / {m['visited_max']:<3} "
+                  f"{m['kv_bytes_per_row'] / 2**20:>12,.0f}")
+    if a.png:
+        print(f"per-device work: {a.png}")
+    return 0
+
+
+def _work_png(path, report, title, rows=3):
+    """Blocks per device of the first `rows` rows, stacked by ring step: one line of panels per
+    (packer, layout)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lines = [(p, layout, m) for p, r in report.items() for layout, m in r["layouts"].items()]
+    rows = min(rows, min(len(m["device_work"]) for _, _, m in lines))
+    fig, axes = plt.subplots(len(lines), rows, figsize=(3.2 * rows, 1.9 * len(lines)),
+                             squeeze=False, sharey="row")
+    colors = plt.get_cmap("viridis")
+    for i, (packer, layout, m) in enumerate(lines):
+        for r in range(rows):
+            work = np.asarray(m["device_work"][r])  # [device, ring step]
+            sp = work.shape[0]
+            bottom = np.zeros(sp)
+            ax = axes[i, r]
+            for s in range(sp):
+                if work[:, s].any():
+                    ax.bar(range(sp), work[:, s], bottom=bottom, color=colors(s / max(1, sp - 1)),
+                           label=f"step {s}")
+                    bottom += work[:, s]
+            busiest = int(sum(work[:, s].max() for s in range(sp)))
+            ax.set_title(f"{packer}, {layout}, row {r}: path {busiest:,} / ideal {work.sum() / sp:,.0f}",
+                         fontsize=7)
+            ax.tick_params(labelsize=6)
+            if r == 0:
+                ax.set_ylabel("blocks", fontsize=7)
+            if i == len(lines) - 1:
+                ax.set_xlabel("device", fontsize=7)
+    handles = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(handles.values(), handles.keys(), loc="upper right", fontsize=6, ncol=1)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 0.93, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # Block rows per sequence from which the schedule takes long enough to say so first (seconds at
@@ -161,8 +269,8 @@ def _check_arguments(a) -> str:
     """--validate_only: what the report would refuse, checked without working out a schedule."""
     from longctx.parallel import layout as layout_lib
 
-    if a.layout is None and not (a.doc_lengths or a.data):
-        raise ConfigError("--layout is required (or give documents: --doc-lengths or --data).")
+    if a.layout is None and not (a.doc_lengths or a.data or a.mix):
+        raise ConfigError("--layout is required (or give documents: --doc-lengths, --data or --mix).")
     if a.layout not in (None, "auto") + layout_lib.LAYOUTS:
         raise ConfigError(f"--layout={a.layout!r} is not one of {layout_lib.LAYOUTS + ('auto',)}.")
     try:
@@ -179,6 +287,10 @@ def _check_arguments(a) -> str:
         from longctx.data import pipeline
 
         pipeline.load_metadata(a.data)
+    if a.data or a.mix:
+        _packers(a)
+        if a.mix and a.mix not in length_mixes.MIXES:
+            raise ConfigError(f"--mix={a.mix!r} is not one of {', '.join(length_mixes.MIXES)}.")
     return f"a ring of {a.sp} devices over {a.seq_len:,} tokens in blocks of {a.block}"
 
 
@@ -200,23 +312,39 @@ def main(argv=None) -> int:
     docs = p.add_mutually_exclusive_group()
     docs.add_argument("--doc-lengths", default=None,
                       help="synthetic documents of N tokens, or a comma list N1,N2,... repeated")
-    docs.add_argument("--data", default=None, help="a prepared data directory: real packed rows")
-    p.add_argument("--batches", type=int, default=1, help="with --data: batches to read")
-    p.add_argument("--batch-size", type=int, default=1, help="with --data: rows per batch")
-    p.add_argument("--packer", default="best_fit", help="with --data: the packer")
+    docs.add_argument("--data", default=None,
+                      help="a prepared data directory: compare packers on its train split")
+    docs.add_argument("--mix", default=None, help="long_tail | uniform: compare packers on "
+                      "seeded synthetic document lengths")
+    p.add_argument("--tokens", type=int, default=16 << 20, help="with --mix: tokens to draw")
+    p.add_argument("--seed", type=int, default=0, help="with --data / --mix: shuffle / draw seed")
+    p.add_argument("--packer", default=",".join(PACKERS),
+                   help="with --data / --mix: the packers to compare, a comma list")
+    p.add_argument("--batches", type=int, default=None,
+                   help="with --data / --mix: measure the first batches only (default: the epoch)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="with --data / --mix: rows per ring pass (per device's local batch)")
+    p.add_argument("--kv-bytes-per-token", type=int, default=packer_report.KV_BYTES_PER_TOKEN,
+                   help="with --data / --mix: K and V bytes per token and layer (default "
+                   "Llama-3-8B's in bfloat16)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", default=None, help="write the device x step heatmap here")
     a = p.parse_args(argv)
     mask_kw = dict(causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
     if cli.validate_only():
         cli.validated(_check_arguments(a))
-    if a.doc_lengths or a.data:
+    if a.data or a.mix:
+        try:
+            return _packers_report(a, mask_kw)
+        except ValueError as e:  # the tables' messages name the argument
+            raise ConfigError(str(e)) from None
+    if a.doc_lengths:
         try:
             return _documents_report(a, mask_kw)
         except ValueError as e:  # the tables' messages name the argument
             raise ConfigError(str(e)) from None
     if a.layout is None:
-        raise ConfigError("--layout is required (or give documents: --doc-lengths or --data).")
+        raise ConfigError("--layout is required (or give documents: --doc-lengths, --data or --mix).")
     try:
         _say_when_large(a, a.layout)
         layout = ops.resolve_layout(a.layout, a.seq_len, a.sp, **mask_kw)

@@ -15,7 +15,7 @@ without importing grain and jax.
 import importlib
 
 _EXPORTS = {
-    "KEYS": "packing", "PACKERS": "packing",
+    "KEYS": "packing", "PACKERS": "packing", "packer_layout": "packing",
     "BatchIterator": "pipeline", "check_splits": "pipeline", "load_metadata": "pipeline",
     "make_batch_iterator": "pipeline", "layout_sample": "pipeline", "packed_rows": "pipeline", "resolve_dataset": "pipeline",
     "DataShard": "sharding", "data_shard": "sharding",

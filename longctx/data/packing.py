@@ -1,6 +1,8 @@
 """Documents -> fixed-length packed rows with segment ids, positions, targets and loss mask.
 
-Grain's packers do the packing; this module only shapes what goes in and what comes out.
+Grain's packers do the packing (first_fit, best_fit, concat_then_split), or dispatch.py's
+shard_balanced, which places documents into the ring's sp shards; this module only shapes what
+goes in and what comes out.
 
 What goes in: each document `d` (BOS ... EOS, n tokens) becomes its n-1 (input, target) pairs,
 `d[i] -> d[i+1]`, as one `[n-1, 2]` int32 array, cut into pieces of at most `seq_len` pairs.
@@ -13,10 +15,11 @@ What comes out, per row (all int32 `[seq_len]`):
   tokens       the inputs; PAD on padding
   targets      the next token of the same document; PAD on padding
   segment_ids  1, 2, ... for the documents (or document pieces) in the row, 0 on padding
+               (at the row's end; shard_balanced also leaves padding at the end of a shard)
   positions    0, 1, ... restarting at every segment, 0 on padding
   loss_mask    1 on every real position, 0 on padding
 A piece of a split document is its own segment and its positions restart at 0: attention never
-crosses segments, so only positions relative within a segment matter, and this keeps the three
+crosses segments, so only positions relative within a segment matter, and this keeps the
 packers identical in meaning (concat-then-split would otherwise continue positions).
 """
 
@@ -26,9 +29,10 @@ import grain
 import numpy as np
 from grain import experimental as gx
 
+from longctx.data import dispatch
 from longctx.errors import ConfigError
 
-PACKERS = ("first_fit", "best_fit", "concat_then_split")
+PACKERS = ("first_fit", "best_fit", "concat_then_split", dispatch.PACKER)
 FEATURE = "tt"  # the packed [len, 2] (input, target) feature
 KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
 
@@ -68,11 +72,24 @@ def num_packing_bins(packer: str, seq_len: int, batch_size: int,
     return bins
 
 
+def packer_layout(packer: str) -> str | None:
+    """The one layout a packer is defined for (shard_balanced: contiguous), None for any layout."""
+    return dispatch.LAYOUT if packer == dispatch.PACKER else None
+
+
 def pack(ds: grain.IterDataset, packer: str, seq_len: int, *, batch_size: int, pad_id: int,
-         seed: int, num_bins: int | None = None,
-         pairs_per_epoch: int | None = None) -> grain.IterDataset:
-    """Packs `{FEATURE: [n<=seq_len, 2]}` elements into `seq_len` rows with grain's packers."""
+         seed: int, num_bins: int | None = None, pairs_per_epoch: int | None = None,
+         num_shards: int = 1, block_size: int = 512) -> grain.IterDataset:
+    """Packs `{FEATURE: [n<=seq_len, 2]}` elements into `seq_len` rows with grain's packers, or
+    into the `num_shards` shards of each row (shard_balanced: dispatch.py; `block_size` is the
+    ring's block, the unit its work is counted in)."""
     length = {FEATURE: seq_len}
+    if packer == dispatch.PACKER:
+        # A window holds as many rows' tokens as first/best fit have bins, with the same caps.
+        rows = num_bins or num_packing_bins(packer, seq_len, batch_size, pairs_per_epoch)
+        return dispatch.ShardBalancedPackIterDataset(
+            ds, feature=FEATURE, seq_len=seq_len, num_shards=num_shards, block_size=block_size,
+            window_rows=rows, seed=seed, pad_id=pad_id)
     if packer in ("first_fit", "best_fit"):
         cls = gx.FirstFitPackIterDataset if packer == "first_fit" else gx.BestFitPackIterDataset
         bins = num_bins or num_packing_bins(packer, seq_len, batch_size, pairs_per_epoch)

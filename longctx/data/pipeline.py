@@ -6,6 +6,7 @@
   -> to_iter_dataset (threaded reads)
   -> split each document into (input, target) pieces of <= seq_len     (packing.SplitDocument)
   -> Grain packer: first_fit | best_fit | concat_then_split           (packing.pack)
+     or shard_balanced: documents placed into the sp shards            (dispatch.py)
   -> tokens, segment_ids, positions, targets, loss_mask per row       (packing.RowFeatures)
   -> batch of local rows -> permute the sequence axis into the sp layout
   -> Grain worker processes (mp_prefetch) or a prefetch thread
@@ -212,10 +213,12 @@ class TokenSource(grain.sources.RandomAccessDataSource):
 def packed_rows(data_dir: str, split: str, *, seq_len: int, packer: str, seed: int,
                 shard_index: int = 0, shard_count: int = 1, num_epochs: int | None = None,
                 shuffle: bool = True, batch_size: int = 1, read_threads: int = 8,
-                num_bins: int | None = None, meta: dict | None = None) -> grain.IterDataset:
+                num_bins: int | None = None, meta: dict | None = None, num_shards: int = 1,
+                block_size: int = 512) -> grain.IterDataset:
     """Packed rows (dicts of `[seq_len]` int32, natural order) for one data shard.
 
     `num_bins` overrides the first/best-fit bin count (default: `packing.num_packing_bins`).
+    `num_shards` (sp) and `block_size` (the ring's) matter to shard_balanced only.
     """
     meta = meta or load_metadata(data_dir)
     split = _SPLIT_NAMES.get(split, split)
@@ -238,11 +241,22 @@ def packed_rows(data_dir: str, split: str, *, seq_len: int, packer: str, seed: i
     # and a shard only ever touches the records it keeps.
     ds = ds[shard_index::shard_count]
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
-    it = gx.FlatMapIterDataset(it, packing.SplitDocument(seq_len))
-    it = packing.pack(it, packer, seq_len, batch_size=batch_size, pad_id=int(meta["pad_id"]),
-                      seed=seed, num_bins=num_bins,
-                      pairs_per_epoch=pairs_per_shard_epoch(meta, split, shard_count))
-    return it.map(packing.RowFeatures(int(meta["pad_id"])))
+    return pack_documents(it, seq_len=seq_len, packer=packer, seed=seed, pad_id=int(meta["pad_id"]),
+                          batch_size=batch_size, num_bins=num_bins,
+                          pairs_per_epoch=pairs_per_shard_epoch(meta, split, shard_count),
+                          num_shards=num_shards, block_size=block_size)
+
+
+def pack_documents(documents: grain.IterDataset, *, seq_len: int, packer: str, seed: int,
+                   pad_id: int, batch_size: int = 1, num_bins: int | None = None,
+                   pairs_per_epoch: int | None = None, num_shards: int = 1,
+                   block_size: int = 512) -> grain.IterDataset:
+    """Documents (int32 token ids, BOS ... EOS) -> packed rows: split, packed, five features."""
+    it = gx.FlatMapIterDataset(documents, packing.SplitDocument(seq_len))
+    it = packing.pack(it, packer, seq_len, batch_size=batch_size, pad_id=pad_id, seed=seed,
+                      num_bins=num_bins, pairs_per_epoch=pairs_per_epoch, num_shards=num_shards,
+                      block_size=block_size)
+    return it.map(packing.RowFeatures(pad_id))
 
 
 def pairs_per_shard_epoch(meta: dict, split: str, shard_count: int) -> int | None:
@@ -385,7 +399,8 @@ def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data
     rows = packed_rows(data_dir, split, seq_len=d.seq_len, packer=d.packer, seed=seed,
                        shard_index=shard.index, shard_count=shard.count, num_epochs=num_epochs,
                        shuffle=train, batch_size=shard.local_batch_size,
-                       num_bins=None if train else max(8, shard.local_batch_size), meta=meta)
+                       num_bins=None if train else max(8, shard.local_batch_size), meta=meta,
+                       num_shards=sp, block_size=config.attention.block_size)
     perm = layout_permutation(layout, d.seq_len, sp)
     ds = batched(rows, shard.local_batch_size, perm, num_workers=d.num_workers if train else 0,
                  prefetch_buffer_size=d.prefetch_buffer_size)

@@ -186,12 +186,15 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
     mesh = mesh_lib.make_mesh(config.mesh)
     # e.g. no validation documents to evaluate on (the count of data shards needs the mesh)
     data_lib.check_splits(config, data_lib.load_metadata(data_dir), data_dir, mesh)
-    by_documents = config.attention.layout == "auto" and config.attention.use_segment_ids
+    by_documents = (config.attention.layout == "auto" and config.attention.use_segment_ids
+                    and data_lib.packer_layout(config.data.packer) is None)
     documents = data_lib.layout_sample(config, data_dir) if by_documents else None
     layout = resolve_layout(config, sizes[mesh_lib.SP], documents)
     _write_run_info(config, workdir, mesh, layout, data_dir, documents)
     if jax.process_index() == 0:
         chosen = (f" (auto, chosen on the documents of {len(documents)} sampled rows)" if by_documents
+                  else f" (auto, the layout data.packer={config.data.packer} places documents for)"
+                  if config.attention.layout == "auto" and data_lib.packer_layout(config.data.packer)
                   else " (auto, chosen by the mask)" if config.attention.layout == "auto" else "")
         print(f"longctx: {jax.process_count()} process(es), {jax.device_count()} {jax.devices()[0].platform} "
               f"devices, mesh {dict(mesh.shape)}, layout {layout}{chosen}, attention impl {config.attention.impl}, "

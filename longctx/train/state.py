@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from longctx import ops
+from longctx.data import packing
 from longctx.model import attention as attention_lib
 from longctx.model.decoder import Decoder
 from longctx.parallel import mesh as mesh_lib
@@ -34,7 +35,11 @@ class TrainState:
 def resolve_layout(config, sp: int, documents=None) -> str:
     """The concrete sequence layout for this run: "auto" resolved by the ring's schedule with the
     run's attention.block_size, on `documents` (segment ids of rows the run will see, e.g.
-    data.layout_sample's) where given and attention.use_segment_ids masks them."""
+    data.layout_sample's) where given and attention.use_segment_ids masks them. A packer that
+    places documents for one layout (shard_balanced: contiguous) decides "auto" alone."""
+    fixed = packing.packer_layout(config.data.packer)
+    if fixed is not None and config.attention.layout == "auto":
+        return fixed
     if not config.attention.use_segment_ids:
         documents = None
     return ops.resolve_layout(config.attention.layout, config.data.seq_len, sp,

@@ -201,6 +201,18 @@ def test_resume_across_a_mesh_change_restarts_the_stream(data_dir, tmp_path):
         assert not np.array_equal(p["resumed"], p["fresh"])  # (else the test proves nothing)
 
 
+@pytest.mark.slow
+def test_shard_balanced_rows_are_the_same_on_both_hosts_of_a_ring_and_resume_exactly(data_dir, tmp_path):
+    """data.packer=shard_balanced, the ring over both processes (sp=8, shards of 8 tokens): the
+    two hosts pack the same rows, and after a save and restore each continues its stream exactly."""
+    (p0, p1), notes = resume_two(data_dir, tmp_path / "sp_to_sp", "sp", "sp", "shard_balanced")
+    assert all(n.endswith(f"(step {SAVED_AT}), data iterator included") for n in notes), notes
+    for key in ("before", "uninterrupted", "resumed"):
+        assert np.array_equal(p0[key], p1[key]), key
+    assert np.array_equal(p0["resumed"], p0["uninterrupted"])
+    assert not np.array_equal(p0["resumed"], p0["fresh"])  # (else the test proves nothing)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "resume":
         resume_worker(*sys.argv[2:7])
