@@ -2,13 +2,16 @@
 q, k, v and the sinks, as the ring is checked (tests/ops/test_ring_attention.py, same
 tolerances), on a ("dp", "fsdp", "sp") mesh with the batch over fsdp.
 
-A covering subset (the full product runs in benchmarks/bench_cp.py's oracle check): every
+A covering subset (the full product, 252 cases, about an hour here, runs with
+LONGCTX_EXHAUSTIVE=1: `test_full_product`): every
 strategy with both impls; every mask, layout, sp in {2, 4, 8}, Ulysses degree, KV head count
 (MHA, GQA, MQA: Ulysses replicates KV heads fewer than sp), documents or not, sinks and soft cap
 reached by some strategy, each strategy seeing most; and the edge rows: a document over every
 shard, an all-padding row, one-token documents. Shapes: L = 256 per shard, block 128, head_dim 32.
 """
 import functools
+import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +134,32 @@ CASES = [  # strategy, impl, layout, mask, keywords
 @pytest.mark.parametrize("strategy,impl,layout,mask,keywords", CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES])
 def test_strategy_matches_reference(strategy, impl, layout, mask, keywords):
+    _check(strategy, impl, layout, mask, **keywords)
+
+
+def _full_product():
+    """strategy x mask x impl x documents x sp (x U for usp), 8 heads over 2 KV heads; layouts,
+    sinks and soft cap cycled over the cases."""
+    sizes = [("all_gather", sp, None) for sp in (2, 4, 8)] + [("ulysses", sp, None) for sp in (2, 4, 8)]
+    sizes += [("usp", 4, 2), ("usp", 8, 2), ("usp", 8, 4)]
+    cases = []
+    for i, ((strategy, sp, degree), mask, impl, with_seg) in enumerate(
+            itertools.product(sizes, MASKS, ("xla", "splash"), (True, False))):
+        layout = layout_lib.LAYOUTS[i % 3]
+        cases.append(pytest.param(strategy, impl, layout, mask, dict(
+            sp=sp, degree=degree, heads=8, kv_heads=2, fsdp=1, with_seg=with_seg,
+            with_aux=i % 2 == 0, soft_cap=5.0 if i % 5 == 0 else None),
+            id=f"{strategy}{degree or ''}-sp{sp}-{impl}-{layout}-{mask}-{'seg' if with_seg else 'noseg'}"))
+    return cases
+
+
+_NOT_ASKED = pytest.param(None, None, None, None, None, marks=pytest.mark.skip(
+    reason="the full product runs with LONGCTX_EXHAUSTIVE=1 (252 cases, about an hour)"))
+
+
+@pytest.mark.parametrize("strategy,impl,layout,mask,keywords",
+                         _full_product() if os.environ.get("LONGCTX_EXHAUSTIVE") else [_NOT_ASKED])
+def test_full_product(strategy, impl, layout, mask, keywords):
     _check(strategy, impl, layout, mask, **keywords)
 
 
