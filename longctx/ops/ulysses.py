@@ -7,10 +7,15 @@ collectives move each device's Q, K, V and output once, whatever the mask, in tw
 ring moves K/V sp - 1 times. It needs the query heads divisible by the Ulysses degree U.
 
 usp (Ulysses x ring, "unified sequence parallelism"): the sp devices form sp / U groups of U
-neighbours (consecutive indices of the sp axis: the inner, fastest part of mesh.ring_cycle);
+neighbours (consecutive indices of the sp axis, which on TPU are consecutive chips of
+mesh.ring_cycle, one ICI link apart: each group's all-to-all stays among U adjacent chips);
 Ulysses runs inside each group, over the group's U shards, and the groups pass their K/V
 around a ring of groups, as the ring passes shards. U = sp is Ulysses; every U between trades
-the heads' divisibility and the all-to-all's reach against ring passes.
+the heads' divisibility and the all-to-all's reach against ring passes. A pass of the ring of
+groups goes from device j to j + U: U links along the ring cycle, all U members of a group at
+once (each link carries one member's K/V per direction), not one link as the ring's passes;
+a device order that made the groups' ring one hop (groups stacked along a second torus axis) is
+not built.
 
 A device therefore holds, for n / U of the heads, the U query shards of its group and, at each
 ring step, the U K/V shards of one group: it computes their U x U (query shard, K/V shard)
