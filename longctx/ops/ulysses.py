@@ -12,8 +12,8 @@ mesh.ring_cycle, one ICI link apart: each group's all-to-all stays among U adjac
 Ulysses runs inside each group, over the group's U shards, and the groups pass their K/V
 around a ring of groups, as the ring passes shards. U = sp is Ulysses; every U between trades
 the heads' divisibility and the all-to-all's reach against ring passes. A pass of the ring of
-groups goes from device j to j + U: U links along the ring cycle, all U members of a group at
-once (each link carries one member's K/V per direction), not one link as the ring's passes;
+groups goes from device j to j + U: U links along the ring cycle, and with every device sending
+at once each link carries U devices' K/V (the ring's passes: one link, one device's K/V);
 a device order that made the groups' ring one hop (groups stacked along a second torus axis) is
 not built.
 
