@@ -247,7 +247,10 @@ def _model_line(config) -> str:
             f"{m.param_dtype} params + AdamW, remat {m.remat_policy}, scan_layers {m.scan_layers}, "
             f"attention {config.attention.impl} (block {config.attention.block_size}, "
             f"layout {config.attention.layout}, causal {config.attention.causal}, "
-            f"residuals {config.attention.get('residuals', 'save_qkv')}), parameters over "
+            f"residuals {config.attention.get('residuals', 'save_qkv')}, "
+            f"cp {config.attention.get('cp', 'ring')}"
+            f"{'' if config.attention.get('cp_ulysses') is None else ' x' + str(config.attention.cp_ulysses)}"
+            "), parameters over "
             f"{'x'.join(mesh_lib.split_axes('embed'))}, optimizer state over "
             f"{'x'.join(mesh_lib.split_axes('embed', config.optimizer.get('shard_state_over_dp', False)))}")
 
