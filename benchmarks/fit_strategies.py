@@ -2,6 +2,7 @@
 compiled for a TPU topology with each `attention.cp`, one real compile per cell.
 
   .venv/bin/python benchmarks/fit_strategies.py                  # the table of issue 38 (hours)
+  .venv/bin/python benchmarks/fit_strategies.py --cached-only     # the cells measured so far
   .venv/bin/python benchmarks/fit_strategies.py --render-only     # rewrite the markdown
 
 Each cell is `scripts/estimate.py --sweep --sweep_points=TOPOLOGY/SP/L --nosweep_grow
@@ -40,9 +41,11 @@ def _stem(cache, preset, topology, sp, L, strategy):
     return os.path.join(cache, name)
 
 
-def measure(cache, preset, topology, sp, L, strategy) -> dict:
+def measure(cache, preset, topology, sp, L, strategy, compile_missing=True) -> dict:
     """The cell's sweep point (estimate.py's JSON), compiled unless --cache has it."""
     stem = _stem(cache, preset, topology, sp, L, strategy)
+    if not os.path.exists(stem + ".json") and not compile_missing:
+        return {"error": "not measured"}
     if not os.path.exists(stem + ".json"):
         command = [sys.executable, os.path.join(bc.REPO, "scripts", "estimate.py"),
                    f"--config={os.path.join(bc.REPO, 'configs', 'base.py')}:{preset}",
@@ -60,6 +63,8 @@ def measure(cache, preset, topology, sp, L, strategy) -> dict:
 
 
 def _cell_text(point) -> str:
+    if point.get("error") == "not measured":
+        return "not measured"
     if "error" in point:
         return "error: " + point["error"][:80]
     total = point["total_bytes"] / GIB
@@ -73,8 +78,7 @@ def markdown(result) -> str:
              "attention with its Mosaic kernels), from the TPU compiler (`memory_analysis()`, or its own "
              "out-of-memory figure when it refuses), against the chip's HBM. One compile per cell, "
              "nothing extrapolated. All-gather holds the whole sequence's K/V (and, in the backward, "
-             "their float32 gradients) for one layer on every chip: where it binds, its cell is the "
-             "largest of its row.\n"]
+             "their float32 gradients) for one layer on every chip, so its cell grows fastest with S.\n"]
     header = ["preset", "topology", "sp", "S"] + list(STRATEGIES)
     rows = []
     for cell in result["cells"]:
@@ -95,6 +99,8 @@ def main():
     ap.add_argument("--json", default=os.path.join(bc.DOCS, "fit_strategies.json"))
     ap.add_argument("--md", default=os.path.join(bc.DOCS, "fit_strategies.md"))
     ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from --json")
+    ap.add_argument("--cached-only", action="store_true",
+                    help="tabulate the cells --cache holds; compile nothing")
     args = ap.parse_args()
     if args.render_only:
         cli.validated(f"--render-only from {args.json}")
@@ -114,7 +120,8 @@ def main():
         cell = {"preset": preset, "topology": topology, "sp": sp, "seq_len": L * sp, "strategies": {}}
         result["cells"].append(cell)
         for strategy in strategies:
-            cell["strategies"][strategy] = measure(args.cache, preset, topology, sp, L, strategy)
+            cell["strategies"][strategy] = measure(args.cache, preset, topology, sp, L, strategy,
+                                                   compile_missing=not args.cached_only)
             bc.write_json(args.json, result)
             bc.write_markdown(args.md, markdown(result))
     print(markdown(result))
