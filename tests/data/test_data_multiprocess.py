@@ -208,7 +208,8 @@ def test_resume_across_a_mesh_change_restarts_the_stream(data_dir, tmp_path):
 def test_shard_balanced_rows_are_the_same_on_both_hosts_of_a_ring_and_resume_exactly(data_dir, tmp_path):
     """data.packer=shard_balanced, the ring over both processes (sp=8, shards of 8 tokens): the
     two hosts pack the same rows, and after a save and restore each continues its stream exactly."""
-    (p0, p1), notes = resume_two(data_dir, tmp_path / "sp_to_sp", "sp", "sp", "shard_balanced")
+    [((p0, p1), notes)] = resume_two(data_dir, (tmp_path / "sp_to_sp", "sp", "sp"),
+                                     packer="shard_balanced")
     assert all(n.endswith(f"(step {SAVED_AT}), data iterator included") for n in notes), notes
     for key in ("before", "uninterrupted", "resumed"):
         assert np.array_equal(p0[key], p1[key]), key
