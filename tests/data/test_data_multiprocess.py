@@ -22,13 +22,10 @@ from tests import ROOT
 
 LOCAL = os.path.join(ROOT, "launch", "local.py")
 SEQ, BATCH, STEPS = 64, 4, 3
+JOB_SEPARATOR = "+"  # between the jobs of one launch (_launch_two)
 
 
 def worker(data_dir: str, out_dir: str, dp: int, sp: int) -> None:
-    sys.path.insert(0, ROOT)  # for configs/ (longctx itself is installed)
-    from longctx.parallel import devices
-
-    devices.configure_cpu_devices()
     import jax
 
     from configs import base
@@ -61,10 +58,6 @@ def resume_worker(data_dir: str, out_dir: str, saved_on: str, resumed_on: str, p
     """Reads SAVED_AT batches on mesh `saved_on` and checkpoints (with a freshly initialised train
     state of a 1-layer model: only the data iterator matters here), then resumes on `resumed_on`
     with the trainer's restore path and records the note and the next STEPS local batches."""
-    sys.path.insert(0, ROOT)
-    from longctx.parallel import devices
-
-    devices.configure_cpu_devices()
     import jax
 
     from configs import base
@@ -115,31 +108,40 @@ def resume_worker(data_dir: str, out_dir: str, saved_on: str, resumed_on: str, p
         json.dump({"note": note}, f)
 
 
-def _launch_two(*args):
+def _launch_two(*jobs):
+    """One launch of two processes running `jobs` (argument lists for the worker) one after the
+    other: a launch costs each process its imports and jax.distributed's start-up."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    args = [str(a) for i, job in enumerate(jobs) for a in ((JOB_SEPARATOR,) if i else ()) + tuple(job)]
     r = subprocess.run([sys.executable, LOCAL, "--num-processes", "2", "--devices-per-process", "4",
-                        "--", sys.executable, os.path.abspath(__file__), *map(str, args)], cwd=ROOT,
+                        "--", sys.executable, os.path.abspath(__file__), *args], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
-def run_two(data_dir, out_dir, dp, sp):
-    _launch_two(data_dir, out_dir, dp, sp)
-    return [np.load(out_dir / f"p{i}.npz") for i in range(2)]
+def run_two(data_dir, *out_dirs_and_meshes):
+    """Per (out_dir, dp, sp): what each of the two processes read."""
+    _launch_two(*[("rows", data_dir, out_dir, dp, sp) for out_dir, dp, sp in out_dirs_and_meshes])
+    return [[np.load(out_dir / f"p{i}.npz") for i in range(2)] for out_dir, _, _ in out_dirs_and_meshes]
 
 
-def resume_two(data_dir, out_dir, saved_on, resumed_on, packer):
-    out_dir.mkdir()
-    _launch_two("resume", data_dir, out_dir, saved_on, resumed_on, packer)
-    return ([np.load(out_dir / f"p{i}.npz") for i in range(2)],
-            [json.loads((out_dir / f"p{i}.json").read_text())["note"] for i in range(2)])
+def resume_two(data_dir, *out_dirs_and_meshes, packer):
+    """Per (out_dir, saved_on, resumed_on): each process's streams and resume note."""
+    for out_dir, _, _ in out_dirs_and_meshes:
+        out_dir.mkdir()
+    _launch_two(*[("resume", data_dir, out_dir, saved_on, resumed_on, packer)
+                  for out_dir, saved_on, resumed_on in out_dirs_and_meshes])
+    return [([np.load(out_dir / f"p{i}.npz") for i in range(2)],
+             [json.loads((out_dir / f"p{i}.json").read_text())["note"] for i in range(2)])
+            for out_dir, _, _ in out_dirs_and_meshes]
 
 
 @pytest.mark.slow
 def test_two_processes_read_their_own_rows(data_dir, tmp_path):
     (tmp_path / "dp").mkdir()
-    p0, p1 = run_two(data_dir, tmp_path / "dp", dp=2, sp=4)
+    (tmp_path / "sp").mkdir()
+    (p0, p1), (q0, q1) = run_two(data_dir, (tmp_path / "dp", 2, 4), (tmp_path / "sp", 1, 8))
     assert p0["shard"].tolist() == [0, 2] and p1["shard"].tolist() == [1, 2]
     assert p0["local"].shape == (STEPS, BATCH // 2, SEQ)
     # Disjoint documents: no row of one process appears in the other.
@@ -150,8 +152,6 @@ def test_two_processes_read_their_own_rows(data_dir, tmp_path):
     want = np.concatenate([p0["local"], p1["local"]], axis=1)
     assert np.array_equal(p0["full"], want) and np.array_equal(p1["full"], want)
 
-    (tmp_path / "sp").mkdir()
-    q0, q1 = run_two(data_dir, tmp_path / "sp", dp=1, sp=8)
     assert q0["shard"].tolist() == q1["shard"].tolist() == [0, 1]
     assert np.array_equal(q0["local"], q1["local"])  # one sp group: the same rows
     assert np.array_equal(q0["full"], q0["local"]) and np.array_equal(q1["full"], q1["local"])
@@ -176,7 +176,10 @@ def test_resume_across_a_mesh_change_restarts_the_stream(data_dir, tmp_path):
     # concat_then_split: its Grain state counts the documents read, which differ between the two
     # dp blocks from the first batch on (first/best-fit record the start of the current packing
     # window, the same for both until a window closes).
-    (p0, p1), notes = resume_two(data_dir, tmp_path / "dp_to_sp", "dp", "sp", "concat_then_split")
+    dp_to_sp, sp_to_dp, dp_to_dp = resume_two(
+        data_dir, (tmp_path / "dp_to_sp", "dp", "sp"), (tmp_path / "sp_to_dp", "sp", "dp"),
+        (tmp_path / "dp_to_dp", "dp", "dp"), packer="concat_then_split")
+    (p0, p1), notes = dp_to_sp
     saved = [(tmp_path / "dp_to_sp" / "workdir" / "checkpoints" / str(SAVED_AT) / "data" /
               f"process_{i}-of-2.json").read_text() for i in range(2)]
     assert saved[0] != saved[1]  # restoring them would feed different rows into one sequence
@@ -185,7 +188,7 @@ def test_resume_across_a_mesh_change_restarts_the_stream(data_dir, tmp_path):
     assert np.array_equal(p0["resumed"], p0["fresh"])  # the stream seeded by the step
 
     # sp=8 -> dp=2: each process reads its own documents again, from a stream seeded by the step.
-    (p0, p1), notes = resume_two(data_dir, tmp_path / "sp_to_dp", "sp", "dp", "concat_then_split")
+    (p0, p1), notes = sp_to_dp
     assert all(_restarts(n, SP_SHARDS, DP_SHARDS) for n in notes), notes
     for p in (p0, p1):
         assert np.array_equal(p["resumed"], p["fresh"])
@@ -194,7 +197,7 @@ def test_resume_across_a_mesh_change_restarts_the_stream(data_dir, tmp_path):
 
     # The same mesh: each process's state is restored and its stream continues exactly (also
     # concat_then_split's, saved while data shard 1 is inside its first document's pieces).
-    (p0, p1), notes = resume_two(data_dir, tmp_path / "dp_to_dp", "dp", "dp", "concat_then_split")
+    (p0, p1), notes = dp_to_dp
     assert all(n.endswith(f"(step {SAVED_AT}), data iterator included") for n in notes), notes
     for p in (p0, p1):
         assert np.array_equal(p["resumed"], p["uninterrupted"])
@@ -205,7 +208,8 @@ def test_resume_across_a_mesh_change_restarts_the_stream(data_dir, tmp_path):
 def test_shard_balanced_rows_are_the_same_on_both_hosts_of_a_ring_and_resume_exactly(data_dir, tmp_path):
     """data.packer=shard_balanced, the ring over both processes (sp=8, shards of 8 tokens): the
     two hosts pack the same rows, and after a save and restore each continues its stream exactly."""
-    (p0, p1), notes = resume_two(data_dir, tmp_path / "sp_to_sp", "sp", "sp", "shard_balanced")
+    [((p0, p1), notes)] = resume_two(data_dir, (tmp_path / "sp_to_sp", "sp", "sp"),
+                                     packer="shard_balanced")
     assert all(n.endswith(f"(step {SAVED_AT}), data iterator included") for n in notes), notes
     for key in ("before", "uninterrupted", "resumed"):
         assert np.array_equal(p0[key], p1[key]), key
@@ -214,7 +218,15 @@ def test_shard_balanced_rows_are_the_same_on_both_hosts_of_a_ring_and_resume_exa
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "resume":
-        resume_worker(*sys.argv[2:7])
-    else:
-        worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    sys.path.insert(0, ROOT)  # for configs/ (longctx itself is installed)
+    from longctx.parallel import devices
+
+    devices.configure_cpu_devices()
+    args = sys.argv[1:]
+    while args:
+        job = args[:args.index(JOB_SEPARATOR)] if JOB_SEPARATOR in args else args
+        args = args[len(job) + 1:]
+        if job[0] == "resume":
+            resume_worker(*job[1:6])
+        else:
+            worker(job[1], job[2], int(job[3]), int(job[4]))

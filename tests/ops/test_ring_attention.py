@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from longctx.ops import reference as reference_lib
 from longctx.ops import reference_attention, resolve_layout, ring_attention
 from longctx.parallel import layout as layout_lib
+from tests import fast_compile
 
 SHARD, BLOCK, HEADS, HEAD_DIM = 256, 128, 4, 32
 # float32 tolerances, fixed up front (observed errors are ~1e-6).
@@ -97,7 +98,7 @@ def _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_se
         out = f(*map(to_layout, (q, k, v, qs, ks, pos)), aux)
         return out[:, layout_lib.inverse_permutation(perm)]
 
-    return jax.jit(functools.partial(_out_and_grads, ring))
+    return fast_compile.jit(functools.partial(_out_and_grads, ring))
 
 
 def _out_and_grads(fn, q, k, v, qs, ks, aux, dout):
@@ -112,7 +113,7 @@ def _ref_program(mask_items, soft_cap):
         return reference_attention(q, k, v, qs, ks, aux, positions=pos, logits_soft_cap=soft_cap,
                                    **dict(mask_items))
 
-    return jax.jit(functools.partial(_out_and_grads, ref))
+    return fast_compile.jit(functools.partial(_out_and_grads, ref))
 
 
 def _check(*, impl, layout, mask, with_seg, kv_heads, with_aux, soft_cap, sp=4, fsdp=2,
@@ -280,7 +281,7 @@ def _steps_visited_on_device(layout, seg, sp=4):
 
     data = P(("dp", "fsdp"), "sp")
     f = jax.shard_map(per_shard, mesh=_mesh(sp, 2), in_specs=(data, data), out_specs=data)
-    return np.asarray(jax.jit(f)(q[:, perm], jnp.asarray(seg)[:, perm]))
+    return np.asarray(fast_compile.jit(f)(q[:, perm], jnp.asarray(seg)[:, perm]))
 
 
 @pytest.mark.parametrize("layout,case", [
@@ -434,7 +435,7 @@ def _assert_within_noise(name, x, ref, sd):
 def _ref_program_prescaled(mask_items):
     """The reference on q already multiplied by the softmax scale (softmax_scale=1)."""
     ref = functools.partial(reference_attention, softmax_scale=1.0, **dict(mask_items))
-    return jax.jit(functools.partial(_out_and_grads, ref))
+    return fast_compile.jit(functools.partial(_out_and_grads, ref))
 
 
 @pytest.mark.parametrize("impl", ["xla", "splash"])
@@ -586,7 +587,7 @@ def test_under_remat_and_scan_like_the_model(impl):
         layer = jax.checkpoint(lambda x, _: (attn(x, k, v, seg, aux), None))
         return jax.lax.scan(layer, q, None, length=2)[0]
 
-    run = lambda attn: jax.jit(functools.partial(
+    run = lambda attn: fast_compile.jit(functools.partial(
         _out_and_grads, lambda q, k, v, qs, ks, a: two_layers(attn, q, k, v, a)))(
             q, k, v, None, None, aux, dout)
     got, want = run(ring), run(ref)
