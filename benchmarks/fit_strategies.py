@@ -87,7 +87,11 @@ def markdown(result) -> str:
     lines.append(bc.table(header, rows))
     sources = sorted({p.get("source") for c in result["cells"] for p in c["strategies"].values()
                       if p.get("source")})
-    lines.append(f"\nlongctx sources measured (estimate.py's digest): {', '.join(sources)}.\n")
+    lines.append(f"\nlongctx sources measured (estimate.py's digest): {', '.join(sources)}.")
+    if any(p.get("error") == "not measured" for c in result["cells"] for p in c["strategies"].values()):
+        lines.append("\n\"not measured\": not compiled for this table (each compile takes 4-10 minutes "
+                     "on 2 cores); `.venv/bin/python benchmarks/fit_strategies.py` fills them in.")
+    lines.append("")
     return "\n".join(lines)
 
 
