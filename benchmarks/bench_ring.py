@@ -223,14 +223,16 @@ def _fwd_bwd(attention, n_extra):
     return jax.jit(step)
 
 
-def longctx_variant(mesh, case, x, seq_len, sp, block, impl, layout, skip_documents):
-    """(compiled-able fn, args, back-permutation) for one longctx ring."""
+def longctx_variant(mesh, case, x, seq_len, sp, block, impl, layout, skip_documents,
+                    attention=ring_attention):
+    """(compiled-able fn, args, back-permutation) for one longctx ring (or `attention`: a
+    function with ring_attention's arguments, e.g. another context-parallel strategy)."""
     data = P(None, "sp")
     docs = x["seg"] is not None
     mask = case.mask()
 
     def per_shard(q, k, v, seg, pos):
-        return ring_attention(q, k, v, seg, None, None, positions=pos, axis_name="sp",
+        return attention(q, k, v, seg, None, None, positions=pos, axis_name="sp",
                               layout=layout, impl=impl, block_sizes=block,
                               skip_documents=skip_documents, **mask)
 
@@ -254,19 +256,27 @@ def _load_file_module(name, path):
     return module
 
 
-def maxtext_variant(mesh, case, x, seq_len, sp, block):
-    from maxtext.kernels.tokamax_splash_attention import ring_attention_kernel as rk
-    from maxtext.kernels.tokamax_splash_attention import splash_attention_kernel as sk
+def maxtext_mask(case, seq_len, shards):
+    """MaxText's splash mask of a case over `shards` query shards."""
     from maxtext.kernels.tokamax_splash_attention import splash_attention_mask as mask_lib
     if case.window:
-        mask = mask_lib.LocalMask((seq_len, seq_len), window_size=(WINDOW, 0), offset=0,
-                                  shard_count=sp)
-    else:
-        mask = mask_lib.CausalMask((seq_len, seq_len), shard_count=sp)
-    config = sk.SplashConfig(block_q=block, block_kv=block, block_kv_compute=block,
-                             block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                             use_fused_bwd_kernel=True, use_base2_exp=False,
-                             fuse_reciprocal=True, interpret=jax.default_backend() != "tpu")
+        return mask_lib.LocalMask((seq_len, seq_len), window_size=(WINDOW, 0), offset=0,
+                                  shard_count=shards)
+    return mask_lib.CausalMask((seq_len, seq_len), shard_count=shards)
+
+
+def maxtext_splash_config(block):
+    """MaxText's tokamax splash settings at one block size (kernel in interpret mode off TPU)."""
+    from maxtext.kernels.tokamax_splash_attention import splash_attention_kernel as sk
+    return sk.SplashConfig(block_q=block, block_kv=block, block_kv_compute=block,
+                           block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                           use_fused_bwd_kernel=True, use_base2_exp=False,
+                           fuse_reciprocal=True, interpret=jax.default_backend() != "tpu")
+
+
+def maxtext_variant(mesh, case, x, seq_len, sp, block):
+    from maxtext.kernels.tokamax_splash_attention import ring_attention_kernel as rk
+    mask, config = maxtext_mask(case, seq_len, sp), maxtext_splash_config(block)
     try:
         kernel = rk.make_ring_attention(mask, config=config, is_mqa=False, ring_axis="sp",
                                         q_seq_shards=sp, kv_seq_shards=sp)
@@ -350,16 +360,71 @@ def layout_block(block, shard, layout):
     return block
 
 
-def run_row(args, mesh, case, seq_len):
-    sp = args.sp
-    shard = seq_len // sp
-    block = min(args.block, shard)
+def compile_and_check(name, rec, build, want):
+    """Compiles build()'s (fn, args, back-permutation), runs it once and checks the output and
+    gradients against `want` (the oracle's, or None); fills rec (compile_s, first_run_s, check,
+    status). Returns (compiled, args) to time, or None when the variant rejects the case or
+    fails (a result, recorded in rec["status"])."""
+    try:
+        fn, fargs, back = build()
+        t0 = time.perf_counter()
+        compiled = fn.lower(*fargs).compile()
+        rec["compile_s"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        out, grads = jax.block_until_ready(compiled(*fargs))
+        rec["first_run_s"] = round(time.perf_counter() - t0, 3)
+    except Unsupported as e:
+        rec["status"] = f"rejects: {e}"
+        print(f"   {name:28s} rejects: {e}", flush=True)
+        return None
+    except Exception as e:  # noqa: BLE001  (a peer or variant that fails is a result)
+        rec["status"] = f"fails: {type(e).__name__}: {cli.one_line(e)[:300]}"
+        print(f"   {name:28s} {rec['status']}", flush=True)
+        return None
+    if want is not None:
+        got = [np.asarray(a) for a in (out, *grads)]
+        if back is not None:
+            got = [a[:, back] for a in got]
+        rec["check"] = compare(got, want)
+    del out, grads
+    rec["status"] = "ok" if want is None or rec["check"]["passed"] else "WRONG"
+    chk = rec.get("check")
+    print(f"   {name:28s} compile {rec['compile_s']:6.1f}s first {rec['first_run_s'] * 1e3:8.0f} ms"
+          + ("" if chk is None else
+             f"  err out {chk['out_max_abs_err']:.1e} dq {chk['dq_max_abs_err']:.1e}"
+             f" dk {chk['dk_max_abs_err']:.1e} dv {chk['dv_max_abs_err']:.1e}"
+             f" {'ok' if chk['passed'] else 'WRONG'}"), flush=True)
+    return compiled, fargs
+
+
+def time_round_robin(variants, runnable, repeats):
+    """Times each {name: (compiled, args)} `repeats` times, one run of each in turn, so that
+    machine noise hits all alike; adds times_s, cpu_times_s and their medians to variants[name]."""
+    for name in runnable:
+        variants[name]["times_s"] = []
+        variants[name]["cpu_times_s"] = []
+    for _ in range(repeats):
+        for name, (compiled, fargs) in runnable.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(compiled(*fargs))
+            variants[name]["times_s"].append(time.perf_counter() - t0)
+            variants[name]["cpu_times_s"].append(time.process_time() - c0)
+    for name in runnable:
+        rec = variants[name]
+        rec["median_s"] = float(np.median(rec["times_s"]))
+        rec["median_cpu_s"] = float(np.median(rec["cpu_times_s"]))
+        print(f"   {name:28s} median {rec['median_s'] * 1e3:8.0f} ms  "
+              f"({', '.join(f'{t * 1e3:.0f}' for t in rec['times_s'])})", flush=True)
+
+
+def start_row(case, seq_len, sp, block, check_up_to):
+    """(row record, inputs, the oracle's out and grads or None above check_up_to) of a (case, S)."""
     x = row_inputs(case, seq_len, sp)
     row = {"case": case.name, "title": case.title, "seq_len": seq_len, "sp": sp,
            "batch": case.batch, "heads": HEADS, "kv_heads": case.kv_heads, "head_dim": HEAD_DIM,
            "block": block, "mask": {k: v for k, v in case.mask().items() if v is not None},
            "documents_per_row": None if x["seg"] is None else [int(s.max()) for s in x["seg"]],
-           "checked": seq_len <= args.check_up_to, "variants": {}}
+           "checked": seq_len <= check_up_to, "variants": {}}
     print(f"== {case.name} S={seq_len} (batch {case.batch}, block {block})", flush=True)
     want = None
     if row["checked"]:
@@ -367,65 +432,33 @@ def run_row(args, mesh, case, seq_len):
         want = row_oracle(case.name, seq_len, sp)
         row["oracle_s"] = round(time.perf_counter() - t0, 2)
         print(f"   oracle {row['oracle_s']:.1f}s", flush=True)
+    return row, x, want
+
+
+def run_row(args, mesh, case, seq_len):
+    sp = args.sp
+    shard = seq_len // sp
+    block = min(args.block, shard)
+    row, x, want = start_row(case, seq_len, sp, block, args.check_up_to)
     runnable = {}
     for name, spec in variant_list(args, case):
         rec = dict(spec)
         row["variants"][name] = rec
-        try:
+
+        def build(spec=spec, rec=rec):
             if "peer" in spec:
                 if spec["peer"] == "maxtext":
-                    fn, fargs, back = maxtext_variant(mesh, case, x, seq_len, sp, block)
-                else:
-                    fn, fargs, back = ringattention_variant(mesh, case, x, seq_len, sp, block,
-                                                            args.peers)
-            else:
-                rec["block"] = layout_block(block, shard, spec["layout"])
-                rec["computed_blocks"] = computed_blocks(case, x, seq_len, sp, rec["block"],
-                                                         spec["layout"], spec["skip_documents"])
-                fn, fargs, back = longctx_variant(mesh, case, x, seq_len, sp, rec["block"], **spec)
-            t0 = time.perf_counter()
-            compiled = fn.lower(*fargs).compile()
-            rec["compile_s"] = round(time.perf_counter() - t0, 2)
-            t0 = time.perf_counter()
-            out, grads = jax.block_until_ready(compiled(*fargs))
-            rec["first_run_s"] = round(time.perf_counter() - t0, 3)
-        except Unsupported as e:
-            rec["status"] = f"rejects: {e}"
-            print(f"   {name:28s} rejects: {e}", flush=True)
-            continue
-        except Exception as e:  # noqa: BLE001  (a peer or variant that fails is a result)
-            rec["status"] = f"fails: {type(e).__name__}: {cli.one_line(e)[:300]}"
-            print(f"   {name:28s} {rec['status']}", flush=True)
-            continue
-        if want is not None:
-            got = [np.asarray(a) for a in (out, *grads)]
-            if back is not None:
-                got = [a[:, back] for a in got]
-            rec["check"] = compare(got, want)
-        del out, grads
-        rec["status"] = "ok" if want is None or rec["check"]["passed"] else "WRONG"
-        runnable[name] = (compiled, fargs)
-        chk = rec.get("check")
-        print(f"   {name:28s} compile {rec['compile_s']:6.1f}s first {rec['first_run_s'] * 1e3:8.0f} ms"
-              + ("" if chk is None else
-                 f"  err out {chk['out_max_abs_err']:.1e} dq {chk['dq_max_abs_err']:.1e}"
-                 f" dk {chk['dk_max_abs_err']:.1e} dv {chk['dv_max_abs_err']:.1e}"
-                 f" {'ok' if chk['passed'] else 'WRONG'}"), flush=True)
-    for name in runnable:
-        row["variants"][name]["times_s"] = []
-        row["variants"][name]["cpu_times_s"] = []
-    for _ in range(args.repeats):  # round-robin: one run of each variant in turn
-        for name, (compiled, fargs) in runnable.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            jax.block_until_ready(compiled(*fargs))
-            row["variants"][name]["times_s"].append(time.perf_counter() - t0)
-            row["variants"][name]["cpu_times_s"].append(time.process_time() - c0)
-    for name in runnable:
-        rec = row["variants"][name]
-        rec["median_s"] = float(np.median(rec["times_s"]))
-        rec["median_cpu_s"] = float(np.median(rec["cpu_times_s"]))
-        print(f"   {name:28s} median {rec['median_s'] * 1e3:8.0f} ms  "
-              f"({', '.join(f'{t * 1e3:.0f}' for t in rec['times_s'])})", flush=True)
+                    return maxtext_variant(mesh, case, x, seq_len, sp, block)
+                return ringattention_variant(mesh, case, x, seq_len, sp, block, args.peers)
+            rec["block"] = layout_block(block, shard, spec["layout"])
+            rec["computed_blocks"] = computed_blocks(case, x, seq_len, sp, rec["block"],
+                                                     spec["layout"], spec["skip_documents"])
+            return longctx_variant(mesh, case, x, seq_len, sp, rec["block"], **spec)
+
+        compiled = compile_and_check(name, rec, build, want)
+        if compiled is not None:
+            runnable[name] = compiled
+    time_round_robin(row["variants"], runnable, args.repeats)
     return row
 
 

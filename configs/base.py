@@ -105,6 +105,11 @@ def _base() -> ml_collections.ConfigDict:
             # What the ring's backward keeps per layer (longctx/model/attention.py): save_qkv |
             # recompute_qkv (q/k/v recomputed from the layer input) | offload_qkv (to host memory)
             residuals="save_qkv",
+            # How attention is split over the sp axis (docs/attention.md): ring | all_gather |
+            # ulysses (query heads divisible by sp) | usp (Ulysses inside groups of cp_ulysses
+            # neighbouring devices, the ring across them)
+            cp="ring",
+            cp_ulysses=_optional_int(),  # usp's Ulysses degree: divides mesh sp and model.num_heads
         )
     )
 

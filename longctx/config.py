@@ -15,7 +15,7 @@ from longctx import ops
 from longctx.data import packing
 from longctx.errors import ConfigError  # noqa: F401  (re-exported: callers use config.ConfigError)
 from longctx.model import attention, decoder, rope
-from longctx.ops import blocks
+from longctx.ops import blocks, context_parallel
 from longctx.parallel import layout
 from longctx.parallel import mesh as mesh_lib
 
@@ -65,6 +65,32 @@ def _choices() -> dict[str, tuple]:
             "model.remat_policy": tuple(decoder.REMAT_POLICIES), "train.on_nonfinite": NONFINITE_ACTIONS}
 
 
+def _check_context_parallel(a, heads: int, sp: int) -> None:
+    """attention.cp against the heads and the sp size (configs older than the key ran the ring)."""
+    strategy, degree = a.get("cp", "ring"), a.get("cp_ulysses")
+    _one_of_values("attention.cp", strategy, context_parallel.STRATEGIES)
+    if strategy != "usp":
+        _require(degree is None, f"attention.cp_ulysses={degree} is the Ulysses degree of "
+                 f"attention.cp=usp, not of attention.cp={strategy}: unset it or set attention.cp=usp.")
+    fits = [u for u in range(2, sp + 1) if sp % u == 0 and heads % u == 0]
+    degrees = "{" + ", ".join(map(str, fits)) + "}"
+    if strategy == "ulysses":
+        other = f"attention.cp=usp with attention.cp_ulysses in {degrees}, or " if fits else ""
+        _require(heads % sp == 0, f"attention.cp=ulysses splits the query heads over the sp devices, "
+                 f"but model.num_heads={heads} is not divisible by sp={sp}: use {other}"
+                 "attention.cp=ring or all_gather, which take any head count.")
+    if strategy == "usp":
+        fix = (f"set attention.cp_ulysses to one of {degrees}" if fits else
+               "none above 1 does: use attention.cp=ring or all_gather")
+        _require(degree is not None and degree >= 1 and sp % degree == 0 and heads % degree == 0,
+                 f"attention.cp=usp needs attention.cp_ulysses (now {degree}) dividing both sp={sp} "
+                 f"and model.num_heads={heads}: {fix}.")
+
+
+def _one_of_values(key: str, value, choices) -> None:
+    _require(value in choices, f"{key}={value!r} is not one of {', '.join(map(repr, choices))}.")
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -72,8 +98,7 @@ def _require(condition: bool, message: str) -> None:
 
 def _one_of(config, key: str, choices) -> None:
     section, name = key.split(".")
-    value = config[section][name]
-    _require(value in choices, f"{key}={value!r} is not one of {', '.join(map(repr, choices))}.")
+    _one_of_values(key, config[section][name], choices)
 
 
 def _positive(config, *keys: str) -> None:
@@ -139,6 +164,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
                  "set --config.attention.causal=True.")
     if a.logits_soft_cap is not None:
         _require(a.logits_soft_cap > 0, f"attention.logits_soft_cap={a.logits_soft_cap} must be positive.")
+    _check_context_parallel(a, m.num_heads, sp)
 
     placed_for = packing.packer_layout(d.packer)  # shard_balanced places documents in contiguous shards
     _require(placed_for is None or a.layout in (placed_for, "auto"),

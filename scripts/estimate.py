@@ -37,7 +37,7 @@ import sys  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from longctx.plan import aot  # noqa: E402
+from longctx.plan import aot, collectives  # noqa: E402
 from longctx import config as config_lib  # noqa: E402
 from longctx import reports  # noqa: E402
 from longctx.parallel import mesh as mesh_lib  # noqa: E402
@@ -93,6 +93,36 @@ def check(config, topology: str) -> None:
     mesh_lib.make_mesh(config.mesh, devices=devices)
 
 
+def communication(config, mesh_shape: dict) -> dict:
+    """{strategy label: {"forward", "backward"} bytes one device sends per layer} for every
+    context-parallel strategy the heads and sp allow (longctx.plan.collectives.formula: every
+    ring step, as a causal mask runs; segment ids travel with K/V)."""
+    m, sp = config.model, mesh_shape[mesh_lib.SP]
+    rows = config.data.global_batch_size // max(1, mesh_shape.get("dp", 1) * mesh_shape.get("fsdp", 1))
+    shape = collectives.Shape(batch=max(1, rows), seq_len=config.data.seq_len, sp=sp, heads=m.num_heads,
+                              kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                              dtype_bytes=2 if m.dtype == "bfloat16" else 4, documents=True)
+    out = {"ring": collectives.formula("ring", shape), "all_gather": collectives.formula("all_gather", shape)}
+    if sp > 1 and m.num_heads % sp == 0:
+        out["ulysses"] = collectives.formula("ulysses", shape)
+    for u in range(2, sp):
+        if sp % u == 0 and m.num_heads % u == 0:
+            out[f"usp U={u}"] = collectives.formula("usp", shape, degree=u)
+    return out
+
+
+def _communication_lines(config, mesh_shape: dict) -> str:
+    chosen = config.attention.get("cp", "ring")
+    if chosen == "usp":
+        chosen = f"usp U={config.attention.get('cp_ulysses')}"
+    lines = ["attention communication per device per layer (formula: longctx/plan/collectives.py; "
+             f"x {config.model.num_layers} layers per step):"]
+    for name, b in communication(config, mesh_shape).items():
+        lines.append(f"  {name:11s} forward {b['forward'] / 2**20:9,.1f} MiB   backward "
+                     f"{b['backward'] / 2**20:9,.1f} MiB" + ("   <- attention.cp" if name == chosen else ""))
+    return "\n".join(lines)
+
+
 def result_dict(config, result: aot.CompiledStep) -> dict:
     out = dataclasses.asdict(result)
     out.pop("hlo", None)
@@ -100,7 +130,8 @@ def result_dict(config, result: aot.CompiledStep) -> dict:
                seq_len=config.data.seq_len, global_batch_size=config.data.global_batch_size,
                remat_policy=config.model.remat_policy, impl=config.attention.impl,
                remedies=aot.suggest_remedies(config, result),
-               remedy_estimates=[dataclasses.asdict(r) for r in aot.remedy_estimates(config, result)])
+               remedy_estimates=[dataclasses.asdict(r) for r in aot.remedy_estimates(config, result)],
+               attention_communication_bytes_per_layer=communication(config, result.mesh_shape))
     if result.breakdown is None:
         out.pop("breakdown", None)
     else:
@@ -247,7 +278,10 @@ def _model_line(config) -> str:
             f"{m.param_dtype} params + AdamW, remat {m.remat_policy}, scan_layers {m.scan_layers}, "
             f"attention {config.attention.impl} (block {config.attention.block_size}, "
             f"layout {config.attention.layout}, causal {config.attention.causal}, "
-            f"residuals {config.attention.get('residuals', 'save_qkv')}), parameters over "
+            f"residuals {config.attention.get('residuals', 'save_qkv')}, "
+            f"cp {config.attention.get('cp', 'ring')}"
+            f"{'' if config.attention.get('cp_ulysses') is None else ' x' + str(config.attention.cp_ulysses)}"
+            "), parameters over "
             f"{'x'.join(mesh_lib.split_axes('embed'))}, optimizer state over "
             f"{'x'.join(mesh_lib.split_axes('embed', config.optimizer.get('shard_state_over_dp', False)))}")
 
@@ -315,6 +349,7 @@ def main(argv):
         print(json.dumps(result_dict(config, result), indent=1))
     else:
         print(aot.format_report(config, result))
+        print(_communication_lines(config, result.mesh_shape))
     sys.exit(0 if result.fits in (True, None) else 1)
 
 

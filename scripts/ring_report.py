@@ -19,6 +19,8 @@ layout "auto" picks on those rows, as a training run does on its first rows (dat
   .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --doc-lengths 4096
   .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \
       --doc-lengths 1000,3000,700,5000 --json          # lengths repeat to fill the row
+  .venv/bin/python scripts/ring_report.py --seq-len 8192 --sp 4 --block 256 --causal \
+      --doc-lengths 256 --strategies ring,all_gather,ulysses,usp:2   # each context-parallel strategy
 
   kept_blocks      blocks holding a (query, key) pair the mask and the documents allow
   computed_blocks  blocks the ring computes ([device][ring step], summed over the rows)
@@ -28,6 +30,11 @@ layout "auto" picks on those rows, as a training run does on its first rows (dat
   visited_steps    ring steps the ring goes through (K/V travel a hop each; the kernel of a
                    step with nothing live is skipped): with documents the ring stops after the
                    last step that runs when the mask's steps are one run
+
+`--strategies` adds, on the layout auto picks (or `--layout`), what each context-parallel
+strategy computes on those rows (longctx.ops.strategy_schedule; `usp:U` names usp's Ulysses
+degree): computed and kept blocks, the critical path (blocks, of all heads, on the slowest path,
+with the strategy's waits), the ring steps K/V travel and the efficiency.
 
 With `--data DIR` (a prepared directory's train split) or `--mix long_tail|uniform` (seeded
 synthetic document lengths, longctx/data/length_mixes.py) the report compares packers instead:
@@ -54,7 +61,8 @@ cli.start()  # longctx.ops imports jax: CPU platform set before
 
 from longctx.ops import masks  # noqa: E402
 from longctx import ops  # noqa: E402
-from longctx.ops import tables  # noqa: E402
+from longctx.ops import strategy_schedule, tables  # noqa: E402
+from longctx.ops.context_parallel import STRATEGIES  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
 from longctx.data import length_mixes, packer_report  # noqa: E402
 from longctx.data.packing import PACKERS, packer_layout  # noqa: E402
@@ -130,9 +138,12 @@ def _documents_report(a, mask_kw) -> int:
             _png(f"{root}_{layout}{ext or '.png'}", sched,
                  f"S={a.seq_len} sp={a.sp} {layout}, documents: efficiency {sched.efficiency:.3f}")
     docs = f"documents {a.doc_lengths}"
+    cp_layout = auto if a.layout in (None, "auto") else a.layout
+    strategies = _strategies_report(a, spec, ids, cp_layout) if a.strategies else None
     if a.json:
         print(json.dumps({"documents": docs, "rows": len(ids), "auto_layout": auto,
-                          "auto_layout_by_the_mask": by_mask, "layouts": report}))
+                          "auto_layout_by_the_mask": by_mask, "layouts": report,
+                          **({"strategies": strategies} if strategies else {})}))
         return 0
     print(f"S={a.seq_len} sp={a.sp} block={a.block} {_describe(mask_kw)}, {docs} "
           f"(layout auto on these documents -> {auto}; by the mask alone -> {by_mask})")
@@ -146,7 +157,40 @@ def _documents_report(a, mask_kw) -> int:
         steps = f"{len(r['run_steps'])}/{len(r['visited_steps'])}"
         print(f"{layout:>11} {r['kept_blocks']:>8} {computed:>9} {r['critical_path']:>14} "
               f"{steps:>18} {r['doc_efficiency']:>15.4f}")
+    if strategies:
+        print(f"context-parallel strategies on the {cp_layout} layout:")
+        print(f"{'strategy':>11} {'kept':>8} {'computed':>9} {'critical path':>14} {'steps':>6} "
+              f"{'efficiency':>11}")
+        for name, r in strategies.items():
+            print(f"{name:>11} {r['kept_blocks']:>8} {r['computed_blocks']:>9.0f} "
+                  f"{r['critical_path']:>14.1f} {r['steps']:>6} {r['efficiency']:>11.4f}")
     return 0
+
+
+def _strategy_list(text: str) -> list[tuple[str, int | None]]:
+    """--strategies "ring,usp:2" -> [("ring", None), ("usp", 2)]."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, _, degree = item.partition(":")
+        if name not in STRATEGIES or (name == "usp") != bool(degree):
+            raise ConfigError(f"--strategies {text}: {item!r} is not one of {', '.join(STRATEGIES)} "
+                              "(usp as usp:U, U its Ulysses degree).")
+        out.append((name, int(degree) if degree else None))
+    return out
+
+
+def _strategies_report(a, spec, ids, layout) -> dict:
+    report = {}
+    for name, degree in _strategy_list(a.strategies):
+        if degree is not None and (degree < 1 or a.sp % degree):
+            raise ConfigError(f"--strategies: usp:{degree} needs a degree dividing --sp {a.sp}.")
+        r = strategy_schedule.strategy_schedule(name, degree, spec, layout, a.seq_len, a.sp,
+                                                a.block, ids)
+        report[name if degree is None else f"{name}:{degree}"] = {
+            "kept_blocks": r.kept_blocks, "computed_blocks": r.computed_blocks,
+            "work_per_device": r.work.tolist(), "critical_path": r.critical_path,
+            "steps": r.steps, "efficiency": r.efficiency}
+    return report
 
 
 def _packers(a) -> list[str]:
@@ -327,6 +371,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-bytes-per-token", type=int, default=packer_report.KV_BYTES_PER_TOKEN,
                    help="with --data / --mix: K and V bytes per token and layer (default "
                    "Llama-3-8B's in bfloat16)")
+    p.add_argument("--strategies", default=None,
+                   help="with --doc-lengths: ring,all_gather,ulysses,usp:U (context-parallel strategies)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", default=None, help="write the device x step heatmap here")
     a = p.parse_args(argv)

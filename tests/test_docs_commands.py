@@ -124,11 +124,14 @@ def _is_command(text: str) -> bool:
 
 
 def _needed_files(words: list[str]) -> list[str]:
+    """The files the command needs that this machine lacks (a fresh clone lacks them all; a
+    machine where someone installed the peers in /tmp/peers has that one, and the command must
+    then run as any other)."""
     needed = [path for path in NEEDS_A_FILE
               if path in words or any(w.endswith(("=" + path, ":" + path)) for w in words)]
     if any(script in words for script in READS_DATA):
         needed += [path for preset, path in PRESET_FILES.items() if f"--config={preset}" in words]
-    return needed
+    return [path for path in needed if not os.path.exists(os.path.join(ROOT, path))]
 
 
 def _split_and(words: list[str]) -> list[list[str]]:

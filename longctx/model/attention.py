@@ -1,7 +1,8 @@
 """A decoder layer's attention over the mesh, and what its backward keeps (`attention.residuals`).
 
-The ring runs in a `jax.shard_map` over the mesh, on each device's shard of the sequence
-(`longctx.ops.ring_attention`). Its backward needs q, k, v, the output and the logsumexp of every
+Attention runs in a `jax.shard_map` over the mesh, on each device's shard of the sequence, by the
+context-parallel strategy `attention.cp` names (`longctx.ops.context_parallel_attention`: the ring,
+all-gather, Ulysses or Ulysses x ring; below, "the ring" stands for whichever runs). Its backward needs q, k, v, the output and the logsumexp of every
 layer; with layers scanned and their other activations rematerialised, those are most of what a
 long sequence keeps alive across the forward pass. The policies:
 
@@ -28,8 +29,7 @@ import functools
 
 import jax
 
-from longctx import ops
-from longctx.ops import ring as ring_lib
+from longctx.ops import context_parallel
 from longctx.parallel import mesh as mesh_lib
 
 RESIDUAL_POLICIES = ("save_qkv", "recompute_qkv", "offload_qkv")
@@ -53,9 +53,18 @@ def mask_kwargs(attention_config) -> dict:
     }
 
 
-def _ring_keywords(attention_config, layout: str) -> dict:
+def strategy_kwargs(attention_config) -> dict:
+    """The context-parallel strategy keywords of `context_parallel_attention` for
+    `config.attention` (configs older than `attention.cp` ran the ring)."""
     a = attention_config
-    return dict(**mask_kwargs(a), logits_soft_cap=a.logits_soft_cap,
+    strategy = a.get("cp", "ring")
+    return {"strategy": strategy,
+            "ulysses_degree": a.get("cp_ulysses") if strategy == "usp" else None}
+
+
+def _attention_keywords(attention_config, layout: str) -> dict:
+    a = attention_config
+    return dict(**mask_kwargs(a), **strategy_kwargs(a), logits_soft_cap=a.logits_soft_cap,
                 axis_name=mesh_lib.SP, layout=layout, impl=a.impl, block_sizes=a.block_size)
 
 
@@ -76,11 +85,12 @@ def _doc_inputs(segment_ids, positions, sinks):
                   None if sinks is None else ())
 
 
-def ring_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout: str):
-    """Global [b, t, n, h] arrays in, ring attention on each device's sequence shard, global out;
-    the ring's own VJP (the save_qkv policy). `positions` (in-document) start chunked
+def attention_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout: str):
+    """Global [b, t, n, h] arrays in, attention on each device's sequence shard, global out;
+    the strategy's own VJP (the save_qkv policy). `positions` (in-document) start chunked
     attention's chunks at each document's start."""
-    attend = functools.partial(ops.ring_attention, **_ring_keywords(attention_config, layout))
+    attend = functools.partial(context_parallel.context_parallel_attention,
+                               **_attention_keywords(attention_config, layout))
     positions = _ring_positions(segment_ids, positions)
 
     def per_shard(q, k, v, segment_ids, positions, sinks):
@@ -95,12 +105,12 @@ def ring_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, lay
 
 def _forward_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout):
     """(out, lse) of the ring on global arrays."""
-    keywords = _ring_keywords(attention_config, layout)
+    keywords = _attention_keywords(attention_config, layout)
     positions = _ring_positions(segment_ids, positions)
 
     def per_shard(q, k, v, segment_ids, positions, sinks):
-        return ring_lib.ring_attention_forward(q, k, v, segment_ids, segment_ids, sinks,
-                                               positions=positions, **keywords)
+        return context_parallel.context_parallel_forward(q, k, v, segment_ids, segment_ids, sinks,
+                                                         positions=positions, **keywords)
 
     qkv, lse = _specs(ATTN_ACTIVATION, _LSE_ACTIVATION)
     in_specs = (qkv, qkv, qkv, *_doc_inputs(segment_ids, positions, sinks))
@@ -111,12 +121,13 @@ def _forward_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config,
 def _backward_over_mesh(q, k, v, out, lse, d_out, segment_ids, positions, sinks, attention_config,
                         layout):
     """(dq, dk, dv, d_sinks) of the ring on global arrays."""
-    keywords = _ring_keywords(attention_config, layout)
+    keywords = _attention_keywords(attention_config, layout)
     positions = _ring_positions(segment_ids, positions)
 
     def per_shard(q, k, v, out, lse, d_out, segment_ids, positions, sinks):
-        return ring_lib.ring_attention_backward(q, k, v, out, lse, d_out, segment_ids, segment_ids,
-                                                sinks, positions=positions, **keywords)
+        return context_parallel.context_parallel_backward(
+            q, k, v, out, lse, d_out, segment_ids, segment_ids, sinks, positions=positions,
+            **keywords)
 
     qkv, lse_spec = _specs(ATTN_ACTIVATION, _LSE_ACTIVATION)
     doc_specs = _doc_inputs(segment_ids, positions, sinks)
@@ -190,7 +201,7 @@ def decoder_layer(project, finish, x, qkv_weights, finish_weights, positions, se
         raise ValueError(f"attention.residuals={policy!r} is not one of {RESIDUAL_POLICIES}")
     if policy == "save_qkv":
         q, k, v = remat(project)(x, qkv_weights, positions)
-        out = ring_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout)
+        out = attention_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout)
         return remat(finish)(x, out, finish_weights)
     layer = _layer_with_own_vjp(project, finish, attention_config, layout,
                                 offload=policy == "offload_qkv")

@@ -1,4 +1,4 @@
-"""Ring attention and its backends.
+"""Attention over the sp axis: the ring, the other context-parallel strategies, their backends.
 
 Public API:
   ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None,
@@ -6,6 +6,8 @@ Public API:
                  logits_soft_cap=None, softmax_scale=None, axis_name="sp", layout="contiguous",
                  impl="splash", block_sizes=None) -> [batch, L, heads, head_dim]
       Call inside jax.shard_map with `axis_name` bound, on this device's shard in layout order.
+  context_parallel_attention(..., strategy="ring", ulysses_degree=None, **ring_attention's)
+      The same, by strategy "ring" | "all_gather" | "ulysses" | "usp" (STRATEGIES).
   reference_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, *,
                       positions, causal, sliding_window, chunk_size, logits_soft_cap, softmax_scale)
       Dense oracle on whole natural-order sequences (tests).
@@ -24,9 +26,10 @@ Public API:
       computed_blocks [device, step], run_steps, efficiency, steps, critical_path.
 """
 from longctx.ops.auto_layout import resolve_layout
+from longctx.ops.context_parallel import STRATEGIES, context_parallel_attention
 from longctx.ops.reference import reference_attention
 from longctx.ops.ring import IMPLS, ring_attention
 from longctx.ops.tables import ring_schedule, ring_schedule_efficiency
 
-__all__ = ["IMPLS", "ring_attention", "reference_attention", "resolve_layout", "ring_schedule",
+__all__ = ["IMPLS", "STRATEGIES", "context_parallel_attention", "ring_attention", "reference_attention", "resolve_layout", "ring_schedule",
            "ring_schedule_efficiency"]

@@ -77,7 +77,8 @@ class RingConfig:
         return tables_lib.ring_tables(self.spec, self.layout, self.seq_len, self.sp, self.bq, self.bkv)
 
 
-def _backend(cfg):
+def step_backend(cfg):
+    """The module that computes a step for cfg.impl: splash.py or xla.py (interface above)."""
     if cfg.impl == "splash":
         # Imported when first used (lazily, not to break a circle): the splash backend pulls in
         # Pallas, which an impl="xla" run never needs.
@@ -173,9 +174,10 @@ def _step_blocks(cfg, d, t):
                                   d, pick(cfg.tables.kv_source, d, t))
 
 
-def _live(cfg, blocks, q_ranges, ks_t):
+def live_blocks(cfg, blocks, q_ranges, ks_t):
     """bool [b or 1, q_blocks, kv_blocks]: the blocks of the step this device computes (the
-    static mask's, less those whose queries and keys share no document)."""
+    static mask's, less those whose queries and keys share no document). Every strategy's
+    steps use it (ops/shard_pairs.py)."""
     if not cfg.skip_documents:
         q_ranges = None
     kv_ranges = None if q_ranges is None else tables_lib.document_ranges(ks_t, cfg.bkv)
@@ -201,49 +203,74 @@ def _stop(cfg, d, q_ranges, ks):
     return _steps_to_visit(cfg, d, q_ranges, ks)
 
 
-def _forward(cfg, q, k, v, qs, ks, aux):
-    backend = _backend(cfg)
+def scaled_query(cfg, q):
+    """q times the softmax scale, in q's dtype: the kernels take scaled queries."""
+    return (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
+
+
+def add_sinks(o, lse, aux):
+    """(out, lse) of the keys with the sink logits aux [n] added (None: unchanged). The sink is
+    one more logit in the denominator, with no value: it only rescales. Every strategy adds
+    them here, once, in float32, after its steps."""
+    if aux is None:
+        return o, lse
+    lse_all = jnp.logaddexp(lse, aux.astype(jnp.float32)[None, None, :])
+    return o * jnp.exp(lse - lse_all)[..., None], lse_all
+
+
+def backward_inputs(q, out, lse, do):
+    """(dO in q's dtype, di, lse for the kernels) of a backward from the forward's out, lse.
+    di = rowsum(dO * O), the softmax-backward correction, float32. Rows with nothing to attend
+    to (and no sink) have lse = -inf; any finite value makes the kernels' p = exp(masked - lse)
+    exactly 0 there, so their gradients are 0, not NaN."""
+    do = do.astype(q.dtype)
+    di = jnp.einsum("btnh,btnh->btn", do.astype(jnp.float32), out.astype(jnp.float32))
+    return do, di, jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+
+def sink_gradient(aux, lse_k, di):
+    """dL/d aux [n] from this device's rows (None without sinks). d lse_all / d aux = p_sink, so
+    dL/d aux = -sum_rows p_sink * di. Summed over this shard's rows and batch; the cotangent of
+    a replicated input is summed over devices by shard_map (or `sum_over_devices`)."""
+    if aux is None:
+        return None
+    p_sink = jnp.exp(aux.astype(jnp.float32)[None, None, :] - lse_k)
+    return (-jnp.sum(p_sink * di, axis=(0, 1))).astype(aux.dtype)
+
+
+def forward(cfg, q, k, v, qs, ks, aux):
+    backend = step_backend(cfg)
     d = lax.axis_index(cfg.axis_name)
-    qx = (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
+    qx = scaled_query(cfg, q)
     q_ranges = None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
     ctx, state = backend.fwd_start(cfg, qx, qs, k.shape[2])
 
     def body(t, travel, _, state):
         k_t, v_t, ks_t = travel
         blocks = _step_blocks(cfg, d, t)
-        live = _live(cfg, blocks, q_ranges, ks_t)
+        live = live_blocks(cfg, blocks, q_ranges, ks_t)
         run = _any_live(cfg, d, t, live, qs)
         return (), backend.fwd_step(cfg, ctx, state, k_t, v_t, ks_t, blocks, live, run)
 
     travel = (backend.to_kv_layout(k), backend.to_kv_layout(v), ks)
     _, state, _ = _ring_loop(cfg, travel, (), state, body, _stop(cfg, d, q_ranges, ks))
-    o, lse = backend.fwd_end(cfg, ctx, state)
-    if aux is not None:
-        # The sink is one more logit in the denominator, with no value: it only rescales.
-        lse_all = jnp.logaddexp(lse, aux.astype(jnp.float32)[None, None, :])
-        o = o * jnp.exp(lse - lse_all)[..., None]
-        lse = lse_all
+    o, lse = add_sinks(*backend.fwd_end(cfg, ctx, state), aux)
     return o.astype(q.dtype), lse
 
 
-def _backward(cfg, res, do):
+def backward(cfg, res, do):
     q, k, v, qs, ks, aux, out, lse = res
-    backend = _backend(cfg)
+    backend = step_backend(cfg)
     d = lax.axis_index(cfg.axis_name)
-    qx = (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
-    do = do.astype(q.dtype)
-    # di = rowsum(dO * O), the softmax-backward correction, float32.
-    di = jnp.einsum("btnh,btnh->btn", do.astype(jnp.float32), out.astype(jnp.float32))
-    # Rows with nothing to attend to (and no sink) have lse = -inf; any finite value makes the
-    # kernels' p = exp(masked - lse) exactly 0 there, so their gradients are 0, not NaN.
-    lse_k = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    qx = scaled_query(cfg, q)
+    do, di, lse_k = backward_inputs(q, out, lse, do)
     q_ranges = None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
     ctx, dq = backend.bwd_start(cfg, qx, qs, lse_k, do, di, k.shape[2])
 
     def body(t, travel, acc, dq):
         k_t, v_t, ks_t = travel
         blocks = _step_blocks(cfg, d, t)
-        live = _live(cfg, blocks, q_ranges, ks_t)
+        live = live_blocks(cfg, blocks, q_ranges, ks_t)
         run = _any_live(cfg, d, t, live, qs)
         # dQ stays with its queries; dK and dV (float32) travel with K and V, and go home below.
         dq, dk, dv = backend.bwd_step(cfg, ctx, (dq, *acc), k_t, v_t, ks_t, blocks, live, run)
@@ -256,13 +283,7 @@ def _backward(cfg, res, do):
     dk, dv = backend.from_kv_layout(dk), backend.from_kv_layout(dv)
     dq = backend.bwd_end(cfg, ctx, dq)
     dq = (dq * cfg.scale).astype(q.dtype)
-    daux = None
-    if aux is not None:
-        # d lse_all / d aux = p_sink; dL/d aux = -sum_rows p_sink * di. Summed over this shard's
-        # rows and batch; the cotangent of a replicated input is summed over devices by shard_map.
-        p_sink = jnp.exp(aux.astype(jnp.float32)[None, None, :] - lse_k)
-        daux = (-jnp.sum(p_sink * di, axis=(0, 1))).astype(aux.dtype)
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, daux
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, sink_gradient(aux, lse_k, di)
 
 
 # What padding becomes inside the ring: different ids on the query and key side, so that the
@@ -295,15 +316,15 @@ def ring_fn(cfg: RingConfig):
 
     @jax.custom_vjp
     def ring(q, k, v, qs, ks, aux):
-        return _forward(cfg, q, k, v, qs, ks, aux)[0]
+        return forward(cfg, q, k, v, qs, ks, aux)[0]
 
     def fwd(q, k, v, qs, ks, aux):
-        out, lse = _forward(cfg, q, k, v, qs, ks, aux)
+        out, lse = forward(cfg, q, k, v, qs, ks, aux)
         return out, (q, k, v, qs, ks, aux, out, lse)
 
     # optimize_remat: under lax.scan (the model's layer loop) JAX would otherwise linearise the
     # forward ring itself and keep every step's probabilities, sp x heads x L x L per device.
-    ring.defvjp(fwd, functools.partial(_backward, cfg), optimize_remat=True)
+    ring.defvjp(fwd, functools.partial(backward, cfg), optimize_remat=True)
     return ring
 
 
@@ -384,7 +405,7 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     documents to the element-wise mask (the same result, slower: for measuring what the
     skipping buys). Returns [b, L, heads, head_dim] in query's dtype.
     """
-    cfg, q_ids, kv_ids, aux = _prepare(
+    cfg, q_ids, kv_ids, aux = prepare(
         query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, positions=positions,
         causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
         logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale, axis_name=axis_name,
@@ -397,9 +418,9 @@ def ring_attention_forward(query, key, value, q_segment_ids=None, kv_segment_ids
     """`ring_attention`'s forward alone: (out, lse), lse [b, L, heads] float32 the logsumexp of
     each query's scores (sinks included). For callers that write their own VJP around the ring
     (longctx.model.attention keeps fewer residuals than `ring_attention` does); the same keywords."""
-    cfg, q_ids, kv_ids, aux = _prepare(query, key, value, q_segment_ids, kv_segment_ids,
+    cfg, q_ids, kv_ids, aux = prepare(query, key, value, q_segment_ids, kv_segment_ids,
                                        softmax_aux, **kwargs)
-    return _forward(cfg, query, key, value, q_ids, kv_ids, aux)
+    return forward(cfg, query, key, value, q_ids, kv_ids, aux)
 
 
 def ring_attention_backward(query, key, value, out, lse, d_out, q_segment_ids=None,
@@ -407,13 +428,13 @@ def ring_attention_backward(query, key, value, out, lse, d_out, q_segment_ids=No
     """The ring's backward from the forward's (out, lse): (d_query, d_key, d_value, d_aux), the
     gradients of `ring_attention` for the cotangent `d_out`. d_aux (None without sinks) is the
     gradient of the replicated softmax_aux, summed over every device."""
-    cfg, q_ids, kv_ids, aux = _prepare(query, key, value, q_segment_ids, kv_segment_ids,
+    cfg, q_ids, kv_ids, aux = prepare(query, key, value, q_segment_ids, kv_segment_ids,
                                        softmax_aux, **kwargs)
-    dq, dk, dv, _, _, daux = _backward(cfg, (query, key, value, q_ids, kv_ids, aux, out, lse), d_out)
+    dq, dk, dv, _, _, daux = backward(cfg, (query, key, value, q_ids, kv_ids, aux, out, lse), d_out)
     return dq, dk, dv, None if daux is None else sum_over_devices(daux)
 
 
-def _prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, positions=None,
+def prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, positions=None,
              causal=False, sliding_window=None, chunk_size=None, logits_soft_cap=None,
              softmax_scale=None, axis_name="sp", layout="contiguous", impl="splash",
              block_sizes=None, skip_documents=True):

@@ -174,7 +174,7 @@ def test_run_info_counts_the_steps_the_ring_visits_with_chunks_per_document(tmp_
     seen = {}
 
     def per_shard(q, seg, pos):
-        seen["cfg"] = ring_lib._prepare(q, q, q, seg, None, None, positions=pos, causal=True,
+        seen["cfg"] = ring_lib.prepare(q, q, q, seg, None, None, positions=pos, causal=True,
                                         chunk_size=chunk, layout="zigzag", impl="xla", block_sizes=block)[0]
         return q
 

@@ -273,7 +273,7 @@ def _steps_visited_on_device(layout, seg, sp=4):
     q = jnp.zeros((seg.shape[0], seg.shape[1], 1, 128), jnp.float32)
 
     def per_shard(q, seg):
-        cfg, q_ids, kv_ids, _ = ring_lib._prepare(q, q, q, seg, None, None, causal=True,
+        cfg, q_ids, kv_ids, _ = ring_lib.prepare(q, q, q, seg, None, None, causal=True,
                                                   layout=layout, impl="xla", block_sizes=BLOCK)
         stop = ring_lib._stop(cfg, jax.lax.axis_index("sp"),
                               tables.document_ranges(q_ids, cfg.bq), kv_ids)

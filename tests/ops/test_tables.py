@@ -432,7 +432,8 @@ def test_ring_report_with_documents():
     script = os.path.join(ROOT,
                           "scripts", "ring_report.py")
     out = subprocess.run([sys.executable, script, "--seq-len", "4096", "--sp", "4", "--block", "256",
-                          "--causal", "--doc-lengths", "512", "--json"],
+                          "--causal", "--doc-lengths", "512", "--json",
+                          "--strategies", "ring,all_gather,ulysses,usp:2"],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     report = json.loads(out.strip().splitlines()[-1])
     contiguous = report["layouts"]["contiguous"]
@@ -444,6 +445,12 @@ def test_ring_report_with_documents():
             for name, r in report["layouts"].items()}
     assert cost[report["auto_layout"]] == min(cost.values())
     assert report["auto_layout_by_the_mask"] == "zigzag"
+    # each context-parallel strategy computes the same 24 kept blocks, 6 per device here
+    strategies = report["strategies"]
+    assert list(strategies) == ["ring", "all_gather", "ulysses", "usp:2"]
+    for name, r in strategies.items():
+        assert r["kept_blocks"] == r["computed_blocks"] == 24, name
+        assert r["work_per_device"] == [6.0] * 4 and r["critical_path"] == 6.0, name
 
 
 def test_default_block_keeps_a_zigzag_shards_halves_apart():

@@ -240,12 +240,15 @@ def _runs(base):
 
     four = _copy_cut(ref.workdir, base / "four", CUT_AT)
     one_one_eight = _copy_cut(ref.workdir, base / "one_one_eight", CUT_AT)
+    ulysses = _copy_cut(ref.workdir, base / "ulysses", CUT_AT)
     ref_snapshot = _snapshot(ref.workdir)
     phase2 = {
         "term2": Run("term2", term.workdir),
         "kill2": Run("kill2", kill.workdir),
         "four": Run("four", four, "--config.mesh.dp=1", "--config.mesh.fsdp=2", "--config.mesh.sp=2", devices=4),
         "one_one_eight": Run("one_one_eight", one_one_eight, "--config.mesh.dp=1", "--config.mesh.fsdp=1", "--config.mesh.sp=8"),
+        # saved by the ring, resumed by Ulysses: the parameters do not depend on the strategy
+        "ulysses": Run("ulysses", ulysses, "--config.attention.cp=ulysses"),
         "shape": Run("shape", ref.workdir, "--config.model.d_model=64"),
     }
     for name, run in phase2.items():
@@ -376,6 +379,11 @@ def test_resume_on_four_devices(runs):
 def test_resume_on_mesh_1x1x8(runs):
     assert "8 cpu devices, mesh {'dp': 1, 'fsdp': 1, 'sp': 8}" in runs["one_one_eight_out"]
     _assert_close_losses(runs, "one_one_eight")
+
+
+@pytest.mark.slow
+def test_resume_under_another_context_parallel_strategy(runs):
+    _assert_close_losses(runs, "ulysses")
 
 
 def _restore_in_process(workdir, config, devices=None):

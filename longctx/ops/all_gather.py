@@ -1,0 +1,76 @@
+"""All-gather context parallelism: every device gathers all of K/V once per layer and attends its
+own query shard to them (Llama 3's long-context recipe; MaxText's default).
+
+With grouped-query attention K/V are small next to Q (Llama-3-8B: 8 KV heads for 32 query heads),
+so gathering them costs less than the ring's sp - 1 passes of the same bytes, and the gather is
+one collective that XLA can run under compute instead of sp - 1 dependent ones. The price is
+memory: each device holds the whole sequence's K/V for one layer at a time (and, in the
+backward, their float32 gradients until the reduce-scatter).
+
+Forward: the local K/V shard's pairs first (ops/shard_pairs.py), which need no communication, so
+the gather of the other shards can run under them (as PyTorch's all-gather CP does); then the
+gathered shards. Backward: K/V gathered again (a layer keeps only its own shards between
+forward and backward, as the ring does), dK and dV of every shard accumulated in float32 on
+each device and reduce-scattered to their owners. The gather takes every shard: what a window
+or chunk needs of them is decided per pair by the tables (pairs no block of which the mask keeps
+are neither computed nor read), not by gathering less, which would need a collective per shape
+of the mask. The data layout decides the balance, as for the ring (contiguous / zigzag /
+striped / auto: the same tables).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from longctx.ops import ring, shard_pairs
+
+
+def _travelling(cfg, x):
+    """A [b, L, ...] K/V shard stacked [1, ...] in the backend's travelling layout."""
+    return jax.vmap(ring.step_backend(cfg).to_kv_layout)(x[None])
+
+
+def _gathered(cfg, k, v, ks):
+    """Every shard's K, V (travelling layout) and K/V segment ids, stacked [sp, ...] in shard
+    order."""
+    gather = lambda x: None if x is None else lax.all_gather(x, cfg.axis_name)  # noqa: E731
+    return gather(_travelling(cfg, k)[0]), gather(_travelling(cfg, v)[0]), gather(ks)
+
+
+def forward(cfg, q, k, v, qs, ks, aux):
+    """(out [b, L, n, h] in q's dtype, lse [b, L, n] float32) of this device's query shard."""
+    d = lax.axis_index(cfg.axis_name)
+    shards = jnp.arange(cfg.sp, dtype=jnp.int32)
+    qx = ring.scaled_query(cfg, q)[None]
+    qs1 = None if qs is None else qs[None]
+    kv_heads = k.shape[2]
+    acc = shard_pairs.forward_start(cfg, qx, qs1, kv_heads)
+    local = (_travelling(cfg, k), _travelling(cfg, v), None if ks is None else ks[None])
+    acc = shard_pairs.forward(cfg, acc, qx, qs1, d[None], local, d[None], kv_heads)
+    acc = shard_pairs.forward(cfg, acc, qx, qs1, d[None], _gathered(cfg, k, v, ks), shards,
+                              kv_heads, skip_kv_shard=d)
+    o, lse = shard_pairs.forward_end(cfg, acc)
+    o, lse = ring.add_sinks(o[0], lse[0], aux)
+    return o.astype(q.dtype), lse
+
+
+def backward(cfg, res, do):
+    """(dq, dk, dv, None, None, d_aux): the gradients of this device's shards."""
+    q, k, v, qs, ks, aux, out, lse = res
+    backend = ring.step_backend(cfg)
+    d = lax.axis_index(cfg.axis_name)
+    shards = jnp.arange(cfg.sp, dtype=jnp.int32)
+    do, di, lse_k = ring.backward_inputs(q, out, lse, do)
+    qx = ring.scaled_query(cfg, q)
+    stack = lambda x: None if x is None else x[None]  # noqa: E731
+    kv = _gathered(cfg, k, v, ks)
+    acc = shard_pairs.backward_start(cfg, qx[None], stack(qs), lse_k[None], do[None], di[None],
+                                     k.shape[2], kv[0].shape)
+    dq, dk, dv = shard_pairs.backward(cfg, acc, qx[None], stack(qs), lse_k[None], do[None],
+                                      di[None], d[None], kv, shards, k.shape[2])
+    # Each device holds a share of every shard's dK, dV: summed over devices, shard c to device c.
+    dk, dv = (backend.from_kv_layout(lax.psum_scatter(x, cfg.axis_name)) for x in (dk, dv))
+    dq = (shard_pairs.backward_end(cfg, dq)[0] * cfg.scale).astype(q.dtype)
+    return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None,
+            ring.sink_gradient(aux, lse_k, di))
