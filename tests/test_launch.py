@@ -176,6 +176,26 @@ def test_given_port_is_used():
     assert f"[p0] 127.0.0.1:{port}" in r.stdout
 
 
+@pytest.mark.parametrize("tail", [b"\n", b""], ids=["with_newline", "cut_at_exit"])
+def test_gloo_connection_lines_are_dropped_also_when_the_child_exits_mid_line(tail):
+    """The pump removes gloo's "[Gloo] Rank N is connected" lines, also one the child left without
+    its newline when it exited (once under load: the line reached the user)."""
+    import importlib.util
+    import io
+    import threading
+
+    spec = importlib.util.spec_from_file_location("launch_local", LOCAL)
+    local = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(local)
+    read, write = os.pipe()
+    os.write(write, b"ours\n[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of "
+             b"connected peer ranks is : 1" + tail)
+    os.close(write)
+    out = io.BytesIO()
+    local._Pump(os.fdopen(read, "rb"), out, b"[p1] ", threading.Lock()).run()
+    assert out.getvalue() == b"[p1] ours\n"
+
+
 # ----------------------------------------------------------------------------- local.py: bad input
 
 
