@@ -27,6 +27,8 @@ demo: $(STAMP)
 # tests (735) it took 18:09 and 19:04 on this project's 2-core machine (12-03, 34 CPU-minutes).
 # After issue 37's re-layout (769 tests), a fresh clone's `make test` took 20:02 with set-up
 # (19:10 in pytest, 35 CPU-minutes), over the 15 minutes it should take: see issue 37's note.
+# With issue 38's strategies and issue 40's packer (844 tests) a fresh clone's took 21:41 with
+# set-up (20:45 in pytest, 38 CPU-minutes user), still over.
 # --dist loadfile keeps each file on one worker, so that a module's fixtures
 # (tests/train/test_checkpoint.py's training runs, for one) run once.
 test: $(STAMP)
