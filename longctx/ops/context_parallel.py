@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
-
 from longctx.ops import all_gather, ring, ulysses
 from longctx.ops.shmap import sum_over_devices
 
@@ -54,19 +52,7 @@ def attention_fn(cfg: ring.RingConfig, strategy: str, degree: int):
     """The differentiable attention of one strategy for one static configuration."""
     if strategy == "ring":
         return ring.ring_fn(cfg)
-    forward, backward = _steps(strategy, degree)
-
-    @jax.custom_vjp
-    def attend(q, k, v, qs, ks, aux):
-        return forward(cfg, q, k, v, qs, ks, aux)[0]
-
-    def fwd(q, k, v, qs, ks, aux):
-        out, lse = forward(cfg, q, k, v, qs, ks, aux)
-        return out, (q, k, v, qs, ks, aux, out, lse)
-
-    # optimize_remat: as for the ring (ring.ring_fn), under the layer scan.
-    attend.defvjp(fwd, functools.partial(backward, cfg), optimize_remat=True)
-    return attend
+    return ring.differentiable(cfg, *_steps(strategy, degree))
 
 
 def _prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, strategy,

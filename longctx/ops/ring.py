@@ -310,22 +310,30 @@ def _kernel_segment_ids(q_ids, kv_ids, positions, chunk_size, layout, seq_len, a
     return jnp.where(q_ids > 0, q_ids, _PAD_Q), jnp.where(kv_ids > 0, kv_ids, _PAD_KV)
 
 
-@functools.lru_cache(maxsize=None)
-def ring_fn(cfg: RingConfig):
-    """The differentiable ring for one static configuration."""
+def differentiable(cfg: RingConfig, forward_fn, backward_fn):
+    """attention(q, k, v, qs, ks, aux) -> out under a custom VJP, from a strategy's
+    forward_fn(cfg, q, k, v, qs, ks, aux) -> (out, lse) and backward_fn(cfg, residuals, d_out) ->
+    the six cotangents: the ring's here, the other strategies' in ops/context_parallel.py. The
+    residuals are the call's own inputs and (out, lse), nothing per step."""
 
     @jax.custom_vjp
-    def ring(q, k, v, qs, ks, aux):
-        return forward(cfg, q, k, v, qs, ks, aux)[0]
+    def attention(q, k, v, qs, ks, aux):
+        return forward_fn(cfg, q, k, v, qs, ks, aux)[0]
 
     def fwd(q, k, v, qs, ks, aux):
-        out, lse = forward(cfg, q, k, v, qs, ks, aux)
+        out, lse = forward_fn(cfg, q, k, v, qs, ks, aux)
         return out, (q, k, v, qs, ks, aux, out, lse)
 
     # optimize_remat: under lax.scan (the model's layer loop) JAX would otherwise linearise the
     # forward ring itself and keep every step's probabilities, sp x heads x L x L per device.
-    ring.defvjp(fwd, functools.partial(backward, cfg), optimize_remat=True)
-    return ring
+    attention.defvjp(fwd, functools.partial(backward_fn, cfg), optimize_remat=True)
+    return attention
+
+
+@functools.lru_cache(maxsize=None)
+def ring_fn(cfg: RingConfig):
+    """The differentiable ring for one static configuration."""
+    return differentiable(cfg, forward, backward)
 
 
 def _block_sizes(block_sizes, shard_len, impl, layout):
