@@ -8,8 +8,9 @@ memory: each device holds the whole sequence's K/V for one layer at a time (and,
 backward, their float32 gradients until the reduce-scatter).
 
 Forward: the local K/V shard's pairs first (ops/shard_pairs.py), which need no communication, so
-the gather of the other shards can run under them (as PyTorch's all-gather CP does); then the
-gathered shards. Backward: K/V gathered again (a layer keeps only its own shards between
+that a scheduler may run the gather of the other shards under them (as PyTorch's all-gather CP
+does; libtpu 0.10.2 does not: it emits a synchronous all-gather after the local pass, see
+docs/attention.md); then the gathered shards. Backward: K/V gathered again (a layer keeps only its own shards between
 forward and backward, as the ring does), dK and dV of every shard accumulated in float32 on
 each device and reduce-scattered to their owners. The gather takes every shard: what a window
 or chunk needs of them is decided per pair by the tables (pairs no block of which the mask keeps
