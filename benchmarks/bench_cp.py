@@ -48,7 +48,6 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -60,7 +59,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 import bench_ring as br  # noqa: E402
-from longctx.errors import MissingFileError  # noqa: E402
 from longctx.ops import context_parallel  # noqa: E402
 from longctx.plan import aot, collectives  # noqa: E402
 
@@ -470,22 +468,11 @@ def main():
         bc.write_section("bench_cp", markdown(result), args.md)
         print(markdown(result))
         return 0
-    explicit = set(a.split("=")[0] for a in sys.argv[1:])
-    if args.quick:
-        if "--seq-lens" not in explicit:
-            args.seq_lens = "1024"
-        if "--repeats" not in explicit:
-            args.repeats = 1
-        args.peers = None
+    br.quick_defaults(args, "1024")
     args.layouts = args.layout
     cases = br.selection(ap, args)
     seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
-    if args.peers:
-        args.peers = os.path.abspath(args.peers)
-        if not os.path.isdir(os.path.join(args.peers, "maxtext")):
-            raise MissingFileError(f"--peers {args.peers}: no maxtext package there (pip install "
-                                   f"--no-deps --target {args.peers} maxtext==0.2.5).")
-        sys.path.insert(0, args.peers)  # this script only; longctx never imports peer code
+    br.use_peers(args, "maxtext==0.2.5")
     mesh = br.sp_mesh(ap, args.sp)
     cli.validated(f"the flags are fine ({len(cases)} case(s) on sp={args.sp})")
     tpu = not args.no_tpu and aot.libtpu_available()

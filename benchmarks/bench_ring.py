@@ -482,6 +482,29 @@ def selection(ap, args):
     return cases
 
 
+def quick_defaults(args, seq_lens: str) -> None:
+    """--quick: `seq_lens` and one run unless the command line says otherwise, and no peers."""
+    explicit = set(a.split("=")[0] for a in sys.argv[1:])
+    if args.quick:
+        if "--seq-lens" not in explicit:
+            args.seq_lens = seq_lens
+        if "--repeats" not in explicit:
+            args.repeats = 1
+        args.peers = None
+
+
+def use_peers(args, packages: str) -> None:
+    """--peers DIR made absolute, checked to hold maxtext, and importable by this script only
+    (longctx never imports peer code); `packages` is the pip install the message suggests."""
+    if not args.peers:
+        return
+    args.peers = os.path.abspath(args.peers)
+    if not os.path.isdir(os.path.join(args.peers, "maxtext")):
+        raise MissingFileError(f"--peers {args.peers}: no maxtext package there (pip install "
+                               f"--no-deps --target {args.peers} {packages}).")
+    sys.path.insert(0, args.peers)
+
+
 def sp_mesh(ap, sp):
     """bench_common.sp_mesh, after checking that --sp has its devices."""
     if jax.device_count() < sp:
@@ -515,21 +538,10 @@ def main():
         bc.write_section("bench_ring", report.markdown(result), args.md)
         print(report.markdown(result))
         return 0
-    explicit = set(a.split("=")[0] for a in sys.argv[1:])
-    if args.quick:
-        if "--seq-lens" not in explicit:
-            args.seq_lens = "2048"
-        if "--repeats" not in explicit:
-            args.repeats = 1
-        args.peers = None
+    quick_defaults(args, "2048")
     cases = selection(ap, args)
     seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
-    if args.peers:
-        args.peers = os.path.abspath(args.peers)
-        if not os.path.isdir(os.path.join(args.peers, "maxtext")):
-            raise MissingFileError(f"--peers {args.peers}: no maxtext package there (pip install --target "
-                                   f"{args.peers} maxtext ringattention).")
-        sys.path.insert(0, args.peers)  # this script only; longctx never imports peer code
+    use_peers(args, "maxtext ringattention")
     mesh = sp_mesh(ap, args.sp)
     cli.validated(f"the flags are fine ({len(cases)} case(s) on sp={args.sp})")
     result = {"command": bc.command_line(), "machine": bc.machine(),
