@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from longctx.ops import masks, shard_pairs
+from longctx.ops import masks, shard_pairs, ulysses
 from longctx.ops import tables as tables_lib
 
 
@@ -95,6 +95,5 @@ def strategy_schedule(strategy: str, degree: int | None, spec: masks.MaskSpec, l
     # The ring of groups visits every step the static mask needs (ulysses.group_steps), whatever
     # the documents need: it does not stop early as the ring does.
     static = _static_pairs(spec, layout, seq_len, sp, block, spec.chunk is not None)
-    visited = [s for s in range(groups)
-               if any(static[shards(g), shards((g - s) % groups)].any() for g in range(groups))]
-    return StrategySchedule(strategy, degree, work, critical, kept, max(1, len(visited)))
+    visited = ulysses.steps_with_pairs(static, degree)
+    return StrategySchedule(strategy, degree, work, critical, kept, len(visited))

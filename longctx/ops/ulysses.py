@@ -114,19 +114,20 @@ class _Groups:
                             tree)
 
 
-@functools.lru_cache(maxsize=32)
-def _group_steps_cached(active_bytes: bytes, sp: int, degree: int) -> tuple[int, ...]:
-    active = np.frombuffer(active_bytes, bool).reshape(sp, sp)
+def steps_with_pairs(active: np.ndarray, degree: int) -> tuple[int, ...]:
+    """The steps of the ring of sp / degree groups at which some group holds a pair that
+    `active` (bool [query shard, K/V shard]) keeps; (0,) when none does (host)."""
+    sp = active.shape[0]
     count = sp // degree
-    shards = lambda g: range(g * degree, (g + 1) * degree)  # noqa: E731
+    shards = lambda g: slice(g * degree, (g + 1) * degree)  # noqa: E731
     return tuple(s for s in range(count)
-                 if any(active[a, c] for g in range(count) for a in shards(g)
-                        for c in shards((g - s) % count)))
+                 if any(active[shards(g), shards((g - s) % count)].any() for g in range(count))) or (0,)
 
 
+@functools.lru_cache(maxsize=32)
 def group_steps(cfg, degree: int) -> tuple[int, ...]:
-    """The steps of the ring of groups at which some group holds a pair the mask keeps (host)."""
-    return _group_steps_cached(shard_pairs.pair_active(cfg).tobytes(), cfg.sp, degree) or (0,)
+    """The steps the program's ring of groups visits: those with a pair the mask keeps."""
+    return steps_with_pairs(shard_pairs.pair_active(cfg), degree)
 
 
 def _kv_to_heads(groups, cfg, x, slots):
