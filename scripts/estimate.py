@@ -37,7 +37,7 @@ import sys  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from longctx.plan import aot, collectives  # noqa: E402
+from longctx.plan import aot, auto, collectives  # noqa: E402
 from longctx import config as config_lib  # noqa: E402
 from longctx import reports  # noqa: E402
 from longctx.parallel import mesh as mesh_lib  # noqa: E402
@@ -89,6 +89,7 @@ def check(config, topology: str) -> None:
     """What a compile for `topology` checks first, without compiling: the topology is known and
     the config fits its device count (ConfigError / ValueError, one sentence)."""
     devices = aot.topology_devices(topology)
+    config = auto.resolve(config, devices).config  # attention.cp=auto, as compile_train_step does
     config_lib.validate(config, num_devices=len(devices))
     mesh_lib.make_mesh(config.mesh, devices=devices)
 
@@ -164,27 +165,11 @@ def sweep_point(config, topology: str, sp: int, shard_len: int) -> dict:
     return out
 
 
-def _source_digest() -> str:
-    """A digest of longctx's own source files: what a stored sweep point was measured with."""
-    import hashlib
-
-    import longctx
-    root = os.path.dirname(os.path.abspath(longctx.__file__))
-    digest = hashlib.sha256()
-    for folder, _, names in sorted(os.walk(root)):
-        for name in sorted(n for n in names if n.endswith(".py")):
-            path = os.path.join(folder, name)
-            digest.update(os.path.relpath(path, root).encode())
-            with open(path, "rb") as f:
-                digest.update(f.read())
-    return digest.hexdigest()[:16]
-
-
 def sweep(config, searches, lo_limit, hi_limit, out_stem) -> dict:
     """Doubling search of the longest per-chip shard L (power of two) that fits, for each
     (topology, sp, first L) of `searches`."""
     results = {"command": reports.command_line(), "model": _model_line(config),
-               "source": _source_digest(), "points": [], "best": [],
+               "source": aot.source_digest(), "points": [], "best": [],
                "search": _SWEEP_GROW.value or _SWEEP_SHRINK.value}
     # Points of an earlier sweep of the same model by the same code are reused (compiles take
     # minutes): an interrupted sweep resumes; a changed longctx measures afresh.
