@@ -48,6 +48,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. con
 _TOPOLOGY = flags.DEFINE_string("topology", "", "TPU topology known to libtpu, e.g. v5p:4x4x4, v5e:8x8, "
                                 "v6e:4x4, v4:2x2x2.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
+_BREAKDOWN = flags.DEFINE_bool("breakdown", True, "Also say what the bytes hold (a second, one-layer "
+                               "compile); --nobreakdown reports the totals only.")
 _SWEEP = flags.DEFINE_bool("sweep", False, "Find the longest sequence that fits per topology and sp.")
 _SWEEP_TOPOLOGIES = flags.DEFINE_list("sweep_topologies", ["v5p:4x4x4", "v6e:16x16", "v5e:16x16"],
                                       "Topologies for --sweep.")
@@ -329,7 +331,12 @@ def main(argv):
         return
     if not _TOPOLOGY.value:
         raise ConfigError("give --topology (e.g. v5p:4x4x4) or --sweep.")
-    result = estimate(config, _TOPOLOGY.value)
+    if config.attention.get("cp") == auto.AUTO and aot.libtpu_available():
+        try:  # the report describes the config the planner chose
+            config = auto.resolve(config, aot.topology_devices(_TOPOLOGY.value)).config
+        except ValueError as e:  # a topology libtpu does not know
+            raise ConfigError(str(e)) from None
+    result = estimate(config, _TOPOLOGY.value, breakdown=_BREAKDOWN.value)
     if _JSON.value:
         print(json.dumps(result_dict(config, result), indent=1))
     else:

@@ -9,8 +9,8 @@ Every valid mesh (dp x fsdp x sp), context-parallel strategy (ring, all_gather, 
 each Ulysses degree), layout, attention residual policy, remat policy and block size is priced by
 the step-time model (longctx/plan/step_time.py, calibrated against published TPU step times:
 docs/planner.md) and the memory model, ranked by predicted step time among those that fit; then
-the best rows are compiled for the topology ahead of time (longctx/plan/aot.py, as estimate.py
-does) for their true memory, until one fits or --compile rows were compiled. A compile is cached
+the best rows are compiled for the topology ahead of time (scripts/estimate.py, each in its own
+process) for their true memory, until one fits or --compile rows were compiled. A compile is cached
 under --cache by the config, the topology and longctx's source digest. Prints the table (step
 time, tokens/s/chip, MFU, HBM per chip, exposed communication, what bounds the step) and why
 each top row wins or loses against the first; `--json` prints one JSON object instead; `--png`
@@ -34,6 +34,7 @@ import copy  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 from absl import flags, logging  # noqa: E402
@@ -43,7 +44,7 @@ from longctx import reports  # noqa: E402
 from longctx.data import length_mixes  # noqa: E402
 from longctx.data import pipeline as data_lib  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
-from longctx.plan import aot, hardware, planner  # noqa: E402
+from longctx.plan import aot, hardware, planner  # noqa: E402  (aot: the source digest)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:llama3_8b_128k.",
                                           lock_config=True)
@@ -59,6 +60,7 @@ _CACHE = flags.DEFINE_string("cache", os.path.expanduser("~/.cache/longctx/plan"
                              "Where compiles are kept.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
 _PNG = flags.DEFINE_string("png", "", "Draw the top rows' predicted step-time breakdown here.")
+_MD = flags.DEFINE_string("md", "", "Also write the table as a markdown page here, with this command.")
 flags.mark_flags_as_required(["config", "topology"])
 
 GIB = 2 ** 30
@@ -125,17 +127,36 @@ def _cache_path(row, topology: str) -> str:
     return os.path.join(_CACHE.value, hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
 
+def _config_flags() -> list[str]:
+    """This command's --config and --config.* flags, for estimate.py."""
+    return [a for a in sys.argv[1:] if a.startswith("--config")]
+
+
 def compile_row(row, topology: str) -> dict:
-    """The row's whole train step compiled for the topology: HBM per chip, fits, XLA's cost."""
+    """The row's whole train step compiled for the topology (scripts/estimate.py --nobreakdown, in
+    its own process: a compiler that aborts takes only that process with it): HBM per chip,
+    whether it fits, XLA's own cost analysis; or what went wrong."""
     path = _cache_path(row, topology)
     if os.path.exists(path):
         with open(path) as f:
             return {**json.load(f), "cached": True}
+    seq = [] if _SEQ_LEN.value is None else [f"--config.data.seq_len={_SEQ_LEN.value}"]
+    command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "estimate.py"),
+               *_config_flags(), *seq, *row.overrides(), f"--topology={topology}", "--nobreakdown",
+               "--json"]
     print(f"plan: compiling {' '.join(row.overrides())} for {topology} ...", file=sys.stderr, flush=True)
-    r = aot.compile_train_step(row.config, topology)
-    out = {"total_bytes": r.total_bytes, "fits": r.fits, "hbm_bytes": r.hbm_bytes,
-           "compile_seconds": r.compile_seconds, "oom_at_compile": r.oom_at_compile,
-           "xla_flops_per_device": r.cost_flops, "xla_bytes_accessed_per_device": r.cost_bytes_accessed}
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode in (0, 1):  # fits, does not fit
+        r = json.loads(done.stdout)
+        out = {"total_bytes": r["total_bytes"], "fits": r["fits"], "hbm_bytes": r["hbm_bytes"],
+               "compile_seconds": r["compile_seconds"], "oom_at_compile": r["oom_at_compile"],
+               "xla_flops_per_device": r.get("cost_flops"),
+               "xla_bytes_accessed_per_device": r.get("cost_bytes_accessed")}
+    else:  # the compiler refused or crashed: say how, in its own last line
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        why = next((line for line in lines if "Check failed" in line or line.startswith("longctx: ")),
+                   lines[-1] if lines else f"exit status {done.returncode}")
+        out = {"fits": False, "error": why.strip()[:300], "exit_status": done.returncode}
     os.makedirs(_CACHE.value, exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
@@ -149,7 +170,8 @@ def _table(rows, compiled: dict, why: list[str]) -> str:
     for i, r in enumerate(rows):
         s = r.step
         c = compiled.get(i)
-        aot_text = "" if c is None else f"{c['total_bytes'] / GIB:.1f} {'fits' if c['fits'] else 'NO'}"
+        aot_text = ("" if c is None else f"compiler failed ({c['error'][:40]})" if "error" in c
+                    else f"{c['total_bytes'] / GIB:.1f} {'fits' if c['fits'] else 'NO'}")
         body.append([i + 1, f"{r.mesh['dp']},{r.mesh['fsdp']},{r.mesh['sp']}", str(r.strategy),
                      r.layout, r.block, r.residuals, r.remat, f"{s.seconds:.3g}",
                      f"{s.tokens_per_second_per_chip:,.0f}", f"{s.mfu:.1%}",
@@ -190,13 +212,13 @@ def main(argv):
         raise ConfigError(str(e)) from None
     config = _config(_CONFIG.value)
     documents = _documents(config)
+    cli.validated(f"config, topology {topology.name} and documents are fine")
     rows = planner.plan(config, topology, segment_ids=documents)
     if not rows:
         raise ConfigError(f"no mesh, strategy and block of this config is valid on {topology.name} "
-                          f"({topology.num_chips} chips): check data.seq_len against the chips and "
-                          f"data.global_batch_size against dp x fsdp (scripts/train.py "
-                          f"--validate-only names the rule).")
-    cli.validated(f"{len(rows)} candidates on {topology.name}")
+                          f"({topology.num_chips} chips): data.seq_len must divide by sp, "
+                          f"data.global_batch_size by dp x fsdp and model.d_model by fsdp x sp for "
+                          f"some split of the chips.")
     top = rows[:_TOP.value]
     compiled = {}
     for i, row in enumerate(top[:_COMPILE.value]):
@@ -212,15 +234,19 @@ def main(argv):
                        for i, (r, w) in enumerate(zip(top, why))]}
     if _PNG.value:
         draw(_PNG.value, top)
+    heading = (f"{topology.name}: {len(rows)} candidates, {result['fit_by_model']} fit by the memory "
+               f"model; the best {len(top)} by predicted step time"
+               f"{'' if documents is None else ', attention priced on ' + result['documents']}:")
+    text = f"{heading}\n\n{_table(top, compiled, why)}\n\nrun the first: {' '.join(top[0].overrides())}"
+    if _MD.value:
+        reports.write_markdown(_MD.value, f"# Plan: {config.model.num_layers} layers, d_model "
+                               f"{config.model.d_model}, {config.data.seq_len:,} tokens on {topology.name}\n\n"
+                               f"Generated by `{reports.command_line()}` (`scripts/plan.py`, "
+                               f"[planner.md](planner.md)).\n\n{text}\n")
     if _JSON.value:
         print(json.dumps(result, indent=1, default=str))
         return
-    print(f"{topology.name}: {len(rows)} candidates, {result['fit_by_model']} fit by the memory model; "
-          f"the best {len(top)} by predicted step time"
-          f"{'' if documents is None else ', attention priced on ' + result['documents']}:\n")
-    print(_table(top, compiled, why))
-    first = top[0]
-    print(f"\nrun the first: {' '.join(first.overrides())}")
+    print(text)
 
 
 if __name__ == "__main__":

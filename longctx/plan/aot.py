@@ -45,6 +45,15 @@ HBM_BYTES_BY_CHIP = {
 }
 
 
+# libtpu 0.10.2's compiler aborts the process (a failed check in tpu_layout_assignment.cc) on every
+# train step with attention.residuals=offload_qkv that we compiled for a topology (the tiny model
+# and the 8B and 70B presets; any strategy, any remat policy), so such a compile is refused with a
+# sentence before it starts. Whether a TPU VM's own compile does the same is not known here.
+OFFLOAD_QKV = "offload_qkv"
+OFFLOAD_ON_TPU = ("attention.residuals=offload_qkv does not compile for TPU with this libtpu (its "
+                  "compiler aborts in layout assignment): use attention.residuals=recompute_qkv, "
+                  "which keeps as little per layer on the device.")
+
 # Set while libtpu starts on a machine without a TPU (see _topology).
 _ONE_HOST_ALONE = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
 
@@ -181,6 +190,8 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
     topology = topology or f"{devices[0].platform}:{len(devices)}"
     config = auto.resolve(config, devices).config  # attention.cp=auto, as a run would start
     sizes = config_lib.validate(config, num_devices=len(devices))
+    if devices[0].platform == "tpu" and config.attention.get("residuals") == OFFLOAD_QKV:
+        raise config_lib.ConfigError(OFFLOAD_ON_TPU)
     mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
     layout = train_state.resolve_layout(config, sizes[mesh_lib.SP])
     # make_setup builds a concrete PRNG key; under set_mesh of abstract TPU devices that would

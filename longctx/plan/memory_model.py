@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 
 from longctx import config as config_lib
-from longctx.model import flops as flops_lib
 from longctx.ops import ulysses
 
 # Fitted on the AOT compiles of docs/fit_*.json and docs/fit_strategies.json

@@ -151,7 +151,7 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
     spec = masks.make_mask_spec(**attention_lib.mask_kwargs(a))
     chips = topology.num_chips
     opened = lambda key, values, current: tuple(values) if key in open_keys else (current,)  # noqa: E731
-    residual_choices = opened("attention.residuals", attention_lib.RESIDUAL_POLICIES, a.residuals)
+    residual_choices = opened("attention.residuals", _residual_policies(topology), a.residuals)
     remat_choices = opened("model.remat_policy", decoder.REMAT_POLICIES, m.remat_policy)
     block_choices = opened("attention.block_size", BLOCK_SIZES, a.block_size)
     rows = []
@@ -195,6 +195,14 @@ def _distinct(rows: list[Row]) -> list[Row]:
             seen.add(key)
             out.append(r)
     return out
+
+
+def _residual_policies(topology: hardware.Topology) -> tuple[str, ...]:
+    """The residual policies a plan may choose: on TPU not offload_qkv, whose whole step this
+    libtpu's compiler aborts on (plan/aot.py, OFFLOAD_ON_TPU)."""
+    if topology.chip.torus_dims:
+        return tuple(p for p in attention_lib.RESIDUAL_POLICIES if p != "offload_qkv")
+    return attention_lib.RESIDUAL_POLICIES
 
 
 def _schedule_rows(segment_ids) -> int:

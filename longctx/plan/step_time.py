@@ -43,7 +43,7 @@ from longctx.ops import strategy_schedule
 from longctx.plan import collectives, hardware
 
 # Fitted by plan/calibration.py on the points docs/planner.md marks "fit" (the others are held
-# out): `benchmarks/calibrate_planner.py` refits them and tests/plan/test_calibration.py checks
+# out): `benchmarks/calibrate_planner.py` refits them and tests/plan/test_planner.py checks
 # these are its result.
 CONSTANTS = {"matmul": 0.6, "attention": 0.32, "collective_latency": 3e-4}
 

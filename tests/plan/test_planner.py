@@ -205,6 +205,9 @@ def test_auto_is_the_planners_best_row_the_same_every_time():
     assert first.chosen.overrides() == again.chosen.overrides() == best.overrides()
     config_lib.validate(first.config, num_devices=64)
     assert first.run_info()["plan"]["chosen"]["cp"] == best.strategy.name
+    # what run_info.json records for any run on a chip the planner knows: its own config, priced
+    own = auto.prediction(first.config, devices)
+    assert own["overrides"] == best.overrides() and own["predicted"]["step_seconds"] > 0
 
 
 def test_auto_on_a_chip_the_planner_does_not_know_is_one_sentence():
@@ -232,6 +235,16 @@ def test_the_top_row_and_autos_choice_compile_for_tpu():
     started = aot.compile_train_step(c, "v5p:2x2x2")
     assert started.fits and started.mesh_shape == chosen.mesh
     assert top.cost_flops and top.cost_flops > 0  # XLA's own count, reported beside the model's
+
+
+@needs_libtpu
+def test_offload_qkv_is_refused_for_tpu_in_one_sentence_and_never_planned():
+    """libtpu's compiler aborts the process on a step with offload_qkv: refused before compiling."""
+    c = _small_tpu_config(residuals="offload_qkv")
+    with pytest.raises(ConfigError, match="offload_qkv does not compile for TPU"):
+        aot.compile_train_step(c, "v5p:2x2x2")
+    rows = planner.plan(_small_tpu_config(), hardware.parse_topology("v5p:2x2x2"))
+    assert rows and "offload_qkv" not in {r.residuals for r in rows}
 
 
 # ----------------------------------------------------------------------------- the command
