@@ -31,9 +31,11 @@ STRATEGIES = {  # name -> estimate.py overrides
     "usp x4": ["--config.attention.cp=usp", "--config.attention.cp_ulysses=4"],
 }
 # (preset, topology, sp, L): issue 38's table (8B on 64 v5p chips at 131,072 / 524,288 /
-# 2,097,152 tokens, 70B on 512 at 131,072)
+# 2,097,152 tokens, 70B on 512 at 131,072). The sweep puts one sequence on each fsdp rank, so the
+# 2,097,152-token row rings over all 64 chips (sp=64, batch 1): at sp=16 it would hold 4 such
+# sequences, which no strategy fits (the ring's step: 95.8 GiB, docs/fit_llama3_8b.md).
 CELLS = [("llama3_8b_128k", "v5p:4x4x4", 16, 8192), ("llama3_8b_128k", "v5p:4x4x4", 16, 32768),
-         ("llama3_8b_128k", "v5p:4x4x4", 16, 131072), ("llama3_70b_128k", "v5p:8x8x8", 16, 8192)]
+         ("llama3_8b_128k", "v5p:4x4x4", 64, 32768), ("llama3_70b_128k", "v5p:8x8x8", 16, 8192)]
 
 
 def _stem(cache, preset, topology, sp, L, strategy):

@@ -53,7 +53,7 @@ _SEQ_LEN = flags.DEFINE_integer("seq-len", None, "Tokens per sequence (overrides
 _DOC_LENGTHS = flags.DEFINE_list("doc-lengths", [], "Document lengths that fill each row, repeated.")
 _DATA = flags.DEFINE_string("data", "", "A prepared dataset (scripts/prepare_data.py) whose packed rows "
                             "price the attention.")
-_TOP = flags.DEFINE_integer("top", 10, "Rows of the table to print.")
+_TOP = flags.DEFINE_integer("top", 10, "Rows of the table: the best ways to split attention.")
 _COMPILE = flags.DEFINE_integer("compile", 1, "Compile the best rows ahead of time until one fits, at "
                                 "most this many (0: none; each takes 1-10 minutes for an 8B model).")
 _CACHE = flags.DEFINE_string("cache", os.path.expanduser("~/.cache/longctx/plan"),
@@ -179,6 +179,13 @@ def _table(rows, compiled: dict, why: list[str]) -> str:
                      f"{s.exposed_communication:.3g}", s.bound])
     lines = [reports.table(header, body), ""]
     lines += [f"{i + 1}. {text}" for i, text in enumerate(why)]
+    for i, c in sorted(compiled.items()):
+        if c.get("xla_flops_per_device"):
+            lines.append(f"\n#{i + 1} compiled: XLA's cost analysis counts {c['xla_flops_per_device']:.3g} "
+                         f"FLOP per device per step, the model {rows[i].step.device_flops:.3g}; "
+                         f"compile {c['compile_seconds']:.0f} s{' (cached)' if c.get('cached') else ''}.")
+        elif "error" in c:
+            lines.append(f"\n#{i + 1} did not compile: {c['error']}")
     return "\n".join(lines)
 
 
@@ -219,7 +226,7 @@ def main(argv):
                           f"({topology.num_chips} chips): data.seq_len must divide by sp, "
                           f"data.global_batch_size by dp x fsdp and model.d_model by fsdp x sp for "
                           f"some split of the chips.")
-    top = rows[:_TOP.value]
+    top = planner.distinct(rows)[:_TOP.value]
     compiled = {}
     for i, row in enumerate(top[:_COMPILE.value]):
         compiled[i] = compile_row(row, topology.name)
@@ -235,7 +242,8 @@ def main(argv):
     if _PNG.value:
         draw(_PNG.value, top)
     heading = (f"{topology.name}: {len(rows)} candidates, {result['fit_by_model']} fit by the memory "
-               f"model; the best {len(top)} by predicted step time"
+               f"model; the best {len(top)} ways to split attention (sp, strategy, layout: each with "
+               f"its best dp x fsdp, block and policies) by predicted step time"
                f"{'' if documents is None else ', attention priced on ' + result['documents']}:")
     text = f"{heading}\n\n{_table(top, compiled, why)}\n\nrun the first: {' '.join(top[0].overrides())}"
     if _MD.value:

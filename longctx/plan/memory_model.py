@@ -63,8 +63,11 @@ def _attention_working(config, mesh_sizes, rows: int) -> float:
     L = d.seq_len // sp
     kv_token = m.num_kv_heads * m.head_dim
     strategy = a.get("cp", "ring")
-    if strategy == "all_gather":  # the whole sequence's K, V and their float32 gradients
-        return rows * d.seq_len * kv_token * 2 * (e + 4)
+    if strategy == "all_gather":
+        # The whole sequence's K, V, and their float32 gradients twice: the kernel's output and
+        # the reduce-scatter's operand are alive together (the 8B step at 2,097,152 tokens over 64
+        # chips compiles to 92.4 GiB, docs/fit_strategies.md; one float32 copy would say 69).
+        return rows * d.seq_len * kv_token * 2 * (e + 2 * 4)
     if strategy in ("ulysses", "usp"):
         u = sp if strategy == "ulysses" else int(a.cp_ulysses)
         slots = ulysses.kv_head_slots(m.num_heads, m.num_kv_heads, u).shape[1]

@@ -142,7 +142,8 @@ def auto_keys(config) -> tuple[str, ...]:
 
 def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
          segment_ids: np.ndarray | None = None) -> list[Row]:
-    """Every valid candidate, best first (fitting ones by predicted step time, then the rest).
+    """Every valid candidate, best first (fitting ones by predicted step time, then the rest;
+    `distinct` keeps the best of each way to split attention, for a table).
 
     open_keys: the SEARCHABLE keys to choose; the others stay as the config has them.
     segment_ids: natural-order rows of the run's packed documents [rows, seq_len] to price the
@@ -179,18 +180,17 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
                                     memory_model.per_device_bytes(cc, mesh),
                                     topology.chip.hbm_bytes))
     order = {id(r): i for i, r in enumerate(rows)}
-    ranked = sorted(rows, key=lambda r: (not r.fits, round(r.step.seconds, 9), r.memory.total_bytes,
-                                         order[id(r)]))
-    return _distinct(ranked)
+    return sorted(rows, key=lambda r: (not r.fits, round(r.step.seconds, 9), r.memory.total_bytes,
+                                       order[id(r)]))
 
 
-def _distinct(rows: list[Row]) -> list[Row]:
-    """The first (fastest, then smallest) row of each mesh, strategy, layout and block: the table
-    lists choices of how to split the work, each with the residual and remat policies that suit
-    it best, not every policy under them."""
+def distinct(rows: list[Row]) -> list[Row]:
+    """The first (fastest, then smallest) row of each sp size, strategy and layout: the table
+    lists the ways to split attention, each with the dp x fsdp split, block and policies that
+    suit it best, not every variant of each (which differ by a fraction of a percent)."""
     seen, out = set(), []
     for r in rows:
-        key = (tuple(r.mesh.values()), r.strategy, r.layout, r.block)
+        key = (r.mesh["sp"], r.strategy, r.layout)
         if key not in seen:
             seen.add(key)
             out.append(r)

@@ -63,6 +63,7 @@ class StepEstimate:
     dp_exposed: float        # the gradient all-reduce over dp the backward did not hide
     communication: dict      # seconds of each collective on its links, hidden or not
     model_flops: float       # per step, all devices (model/flops.py: MFU's numerator)
+    device_flops: float      # per step, one device: what it computes (remat and masked block parts included)
     tokens: int              # per step, all devices
     num_chips: int
     peak_flops: float
@@ -101,7 +102,7 @@ class StepEstimate:
                 "fsdp_exposed_seconds": self.fsdp_exposed, "cp_exposed_seconds": self.cp_exposed,
                 "dp_exposed_seconds": self.dp_exposed,
                 "communication_seconds": dict(self.communication),
-                "model_flops": self.model_flops}
+                "model_flops": self.model_flops, "device_flops": self.device_flops}
 
 
 def _collective_seconds(kind: str, sent_bytes: float, group: int, span: float, wrap: bool,
@@ -204,7 +205,9 @@ def estimate(config, topology: hardware.Topology, schedule: strategy_schedule.St
         cp_exposed=cp_exposed, dp_exposed=dp_exposed,
         communication={"fsdp_gather": m.num_layers * gather, "fsdp_reduce_scatter": m.num_layers * scatter,
                        "dp_all_reduce": allreduce, **cp_seconds},
-        model_flops=flops_lib.flops_per_step(config), tokens=d.global_batch_size * d.seq_len,
+        model_flops=flops_lib.flops_per_step(config),
+        device_flops=dense_hw + m.num_layers * blocks * block_flops * sum(ATTENTION_PASSES.values()),
+        tokens=d.global_batch_size * d.seq_len,
         num_chips=chips, peak_flops=chip.peak_flops, hbm_bound_matmul=hbm_matmul > compute_matmul)
 
 
