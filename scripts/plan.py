@@ -22,7 +22,7 @@ prepared dataset, as a run with attention.layout=auto samples them). The model, 
 and everything not searched stay as the config has them; --seq-len overrides data.seq_len.
 
 `--config.attention.cp=auto` in scripts/train.py and estimate.py applies the same planner to a
-run at start-up (only the strategy, the mesh's -1 axis and attention.layout=auto are chosen).
+run at start-up (only the strategy, the mesh's -1 axes and attention.layout=auto are chosen).
 Exit status 0, or 2 with one line (`longctx: ...`) on bad input.
 """
 

@@ -1,7 +1,7 @@
 """Train a longctx model: flags -> config -> longctx.train.train_and_evaluate (with the passkey
 evaluator of longctx.evals.needle when --config.train.eval_needle_every > 0). With
 --config.attention.cp=auto the planner (longctx.plan.auto) chooses the strategy and the mesh's -1
-axis first, says what it chose in one line and records its best rows in run_info.json.
+axes first, says what it chose in one line and records its best rows in run_info.json.
 
   .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
   .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/x --config.model.num_layers=4

@@ -1,9 +1,9 @@
 """`attention.cp=auto`: the planner's choice applied to a run's config when it starts.
 
-    resolution = resolve(config, devices)
+    resolution = resolve(config, devices)   # .config to run, .chosen row, .rows best first
 
 With attention.cp=auto the planner chooses the strategy (and its Ulysses degree), the mesh's -1
-axis and attention.layout=auto, among the candidates the config leaves open (planner.auto_keys),
+axes (several may be -1 under auto) and attention.layout=auto, among the candidates the config leaves open (planner.auto_keys),
 by the predicted step time of those the memory model fits. Everything else stays as configured.
 The choice depends only on the config and the devices' kind and count, so every host of a run
 makes the same one, and a restart makes it again. Scripts resolve before the run starts

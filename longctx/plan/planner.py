@@ -84,7 +84,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def meshes(config, num_chips: int, open_mesh: bool = True) -> list[dict[str, int]]:
-    """(dp, fsdp, sp) splits of the chips; open_mesh=False keeps the axes the config fixes (not -1)."""
+    """(dp, fsdp, sp) splits of the chips: any (open_mesh), else those that keep the axes the
+    config fixes (the -1 axes are free: a config with cp=auto may leave several at -1)."""
     fixed = {} if open_mesh else {a: int(config.mesh[a]) for a in ("dp", "fsdp", "sp")
                                   if int(config.mesh[a]) != -1}
     out = []
@@ -121,23 +122,18 @@ def candidate_config(config, mesh, strategy, layout, residuals, remat, block):
     return c
 
 
-# What a plan may choose. scripts/plan.py searches all of them; `auto` at start-up only those the
-# config leaves to it (auto_keys).
+# What a plan may choose ("mesh": every split of the chips, not only the -1 axes). scripts/plan.py
+# searches all of them; `auto` at start-up only those the config leaves to it (auto_keys).
 SEARCHABLE = ("mesh", "attention.cp", "attention.layout", "attention.block_size",
               "attention.residuals", "model.remat_policy")
 
 
 def auto_keys(config) -> tuple[str, ...]:
-    """The keys a run's config leaves to the planner: attention.cp=auto (which also resolves the
-    mesh's -1 and attention.layout=auto)."""
+    """The keys a run's config leaves to the planner: attention.cp=auto, and with it
+    attention.layout=auto (the mesh's -1 axes are free in every plan)."""
     if config.attention.get("cp", "ring") != "auto":
         return ()
-    keys = ["attention.cp"]
-    if -1 in (int(config.mesh.dp), int(config.mesh.fsdp), int(config.mesh.sp)):
-        keys.append("mesh")
-    if config.attention.layout == "auto":
-        keys.append("attention.layout")
-    return tuple(keys)
+    return ("attention.cp",) + (("attention.layout",) if config.attention.layout == "auto" else ())
 
 
 def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,

@@ -89,9 +89,11 @@ def test_every_candidate_is_valid_and_every_valid_one_is_there():
 
 def test_the_config_keeps_what_auto_does_not_open():
     c = _config(attention=dict(cp="auto", layout="zigzag"), mesh=dict(dp=1, fsdp=-1, sp=16))
-    assert planner.auto_keys(c) == ("attention.cp", "mesh")
+    assert planner.auto_keys(c) == ("attention.cp",)
     rows = planner.plan(c, hardware.parse_topology("v5p:4x4x4"), open_keys=planner.auto_keys(c))
     assert rows and {r.layout for r in rows} == {"zigzag"}
+    assert {(r.mesh["dp"], r.mesh["sp"]) for r in rows} == {(1, 16)}  # fsdp, the -1, is 4
+    assert len({str(r.strategy) for r in rows}) > 2
     assert {r.residuals for r in rows} == {c.attention.residuals}
     assert {r.block for r in rows} == {c.attention.block_size}
     assert planner.auto_keys(_config()) == ()  # cp=ring: nothing for the planner
@@ -271,6 +273,17 @@ def test_plan_prints_a_ranked_table_and_json():
     steps = [r["predicted"]["step_seconds"] for r in doc["rows"]]
     assert len(steps) == 5 and steps == sorted(steps) and doc["documents"] == "--doc-lengths 1000,7000"
     assert all(r["why"] for r in doc["rows"])
+
+
+def test_train_with_auto_on_cpu_is_one_line_before_anything_runs(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+                             "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'run'}",
+                             "--config.attention.cp=auto"], cwd=ROOT, env=child_env.script_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("longctx: ")]
+    assert len(lines) == 1 and "attention.cp=auto needs the step-time model's figures" in lines[0], result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_plan_bad_topology_is_one_line():
