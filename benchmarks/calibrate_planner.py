@@ -155,15 +155,9 @@ def rank_agreement(rows) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default=os.path.join(bc.DOCS, f"{SECTION}.json"))
-    ap.add_argument("--md", default=os.path.join(bc.DOCS, f"{SECTION}.md"))
-    ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from --json")
+    bc.add_page_arguments(ap, SECTION)
     args = ap.parse_args()
-    if args.render_only:
-        cli.validated(f"--render-only from {args.json}")
-        with open(args.json) as f:
-            result = json.load(f)
-        bc.write_markdown(args.md, markdown(result))
+    if bc.render_only(args, markdown):
         return 0
     cli.validated(f"{len(calibration.POINTS)} published points")
     base = bc.base_config("")

@@ -115,8 +115,11 @@ def reasons(rows) -> list[str]:
         if i:
             delta = {p: getattr(s, p) - getattr(best, p) for p in PARTS}
             worst = max(delta, key=delta.get)
-            text += (f"; {s.seconds / best.seconds - 1:+.0%} vs #1, most from {PARTS[worst]} "
+            text += (f"; {s.seconds / best.seconds - 1:+.1%} vs #1, most from {PARTS[worst]} "
                      f"({delta[worst]:+.3g} s)")
+        if not row.fits:
+            text += (f"; does not fit: ~{row.memory.total_bytes / GIB:.0f} GiB by the memory model, "
+                     f"{planner.HBM_HEADROOM:.0%} of {row.hbm_bytes / GIB:.0f} allowed")
         out.append(text)
     return out
 
