@@ -185,7 +185,8 @@ def _table(rows, compiled: dict, why: list[str]) -> str:
     for i, c in sorted(compiled.items()):
         if c.get("xla_flops_per_device"):
             lines.append(f"\n#{i + 1} compiled: XLA's cost analysis counts {c['xla_flops_per_device']:.3g} "
-                         f"FLOP per device per step, the model {rows[i].step.device_flops:.3g}; "
+                         f"FLOP per device per step, the model {rows[i].step.device_flops:.3g} (XLA "
+                         f"counts the layer loop's body once and the Pallas kernels not at all); "
                          f"compile {c['compile_seconds']:.0f} s{' (cached)' if c.get('cached') else ''}.")
         elif "error" in c:
             lines.append(f"\n#{i + 1} did not compile: {c['error']}")
