@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import re
 import time
+
+from longctx import cli
 
 from longctx.reports import (BENCHMARKS_MD, DOCS, REPO, command_line, table, write_json,
                              write_markdown, write_section)
 
 __all__ = ["BENCHMARKS_MD", "DOCS", "REPO", "command_line", "table", "write_json", "write_markdown",
-           "write_section", "base_config", "add_output_arguments", "largest_square", "max_dim_product",
+           "write_section", "base_config", "add_output_arguments", "add_page_arguments", "render_only",
+           "largest_square", "max_dim_product",
            "cpu_model", "sp_mesh", "machine"]
 
 
@@ -39,6 +43,27 @@ def add_output_arguments(parser, section: str, render_only_help: str | None = No
     parser.add_argument("--md", default=BENCHMARKS_MD)
     if render_only_help:
         parser.add_argument("--render-only", action="store_true", help=render_only_help)
+
+
+def add_page_arguments(parser, page: str) -> None:
+    """--json and --md (docs/<page>.json and .md: a page of its own, not a section of
+    docs/benchmarks.md) and --render-only (the page rewritten from the JSON, nothing measured)."""
+    parser.add_argument("--json", default=os.path.join(DOCS, f"{page}.json"))
+    parser.add_argument("--md", default=os.path.join(DOCS, f"{page}.md"))
+    parser.add_argument("--render-only", action="store_true", help="rewrite the markdown from --json")
+
+
+def render_only(args, markdown) -> bool:
+    """Under --render-only: the page rewritten from its JSON by `markdown` and printed (True: the
+    script has nothing else to do)."""
+    if not args.render_only:
+        return False
+    cli.validated(f"--render-only from {args.json}")
+    with open(args.json) as f:
+        result = json.load(f)
+    write_markdown(args.md, markdown(result))
+    print(markdown(result))
+    return True
 
 
 _SHAPE = re.compile(r"\b(?:f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64)\[([\d,]+)\]")

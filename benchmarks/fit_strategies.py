@@ -31,9 +31,11 @@ STRATEGIES = {  # name -> estimate.py overrides
     "usp x4": ["--config.attention.cp=usp", "--config.attention.cp_ulysses=4"],
 }
 # (preset, topology, sp, L): issue 38's table (8B on 64 v5p chips at 131,072 / 524,288 /
-# 2,097,152 tokens, 70B on 512 at 131,072)
+# 2,097,152 tokens, 70B on 512 at 131,072). The sweep puts one sequence on each fsdp rank, so the
+# 2,097,152-token row rings over all 64 chips (sp=64, batch 1): at sp=16 it would hold 4 such
+# sequences, which no strategy fits (the ring's step: 95.8 GiB, docs/fit_llama3_8b.md).
 CELLS = [("llama3_8b_128k", "v5p:4x4x4", 16, 8192), ("llama3_8b_128k", "v5p:4x4x4", 16, 32768),
-         ("llama3_8b_128k", "v5p:4x4x4", 16, 131072), ("llama3_70b_128k", "v5p:8x8x8", 16, 8192)]
+         ("llama3_8b_128k", "v5p:4x4x4", 64, 32768), ("llama3_70b_128k", "v5p:8x8x8", 16, 8192)]
 
 
 def _stem(cache, preset, topology, sp, L, strategy):
@@ -58,13 +60,15 @@ def measure(cache, preset, topology, sp, L, strategy, compile_missing=True) -> d
     with open(stem + ".json") as f:
         sweep = json.load(f)
     points = [p for p in sweep["points"] if p.get("shard_len") == L]
-    point = points[0] if points else {"error": "no point at that L"}
+    point = points[0] if points else {"error": "not valid at this sp (estimate.py said why above)"}
     return {**point, "source": sweep.get("source"), "model": sweep.get("model")}
 
 
 def _cell_text(point) -> str:
     if point.get("error") == "not measured":
         return "not measured"
+    if point.get("error", "").startswith("not valid"):
+        return "not valid (heads / sp)"
     if "error" in point:
         return "error: " + point["error"][:80]
     total = point["total_bytes"] / GIB
@@ -100,18 +104,11 @@ def main():
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/longctx/fit_strategies"),
                     help="where each cell's estimate.py JSON is kept")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    ap.add_argument("--json", default=os.path.join(bc.DOCS, "fit_strategies.json"))
-    ap.add_argument("--md", default=os.path.join(bc.DOCS, "fit_strategies.md"))
-    ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from --json")
+    bc.add_page_arguments(ap, "fit_strategies")
     ap.add_argument("--cached-only", action="store_true",
                     help="tabulate the cells --cache holds; compile nothing")
     args = ap.parse_args()
-    if args.render_only:
-        cli.validated(f"--render-only from {args.json}")
-        with open(args.json) as f:
-            result = json.load(f)
-        bc.write_markdown(args.md, markdown(result))
-        print(markdown(result))
+    if bc.render_only(args, markdown):
         return 0
     strategies = [s for s in args.strategies.split(",") if s]
     unknown = [s for s in strategies if s not in STRATEGIES]

@@ -107,7 +107,8 @@ def _base() -> ml_collections.ConfigDict:
             residuals="save_qkv",
             # How attention is split over the sp axis (docs/attention.md): ring | all_gather |
             # ulysses (query heads divisible by sp) | usp (Ulysses inside groups of cp_ulysses
-            # neighbouring devices, the ring across them)
+            # neighbouring devices, the ring across them) | auto (the planner chooses, with the
+            # mesh's -1 axes, when the run starts on TPU: docs/planner.md)
             cp="ring",
             cp_ulysses=_optional_int(),  # usp's Ulysses degree: divides mesh sp and model.num_heads
         )

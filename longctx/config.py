@@ -68,6 +68,9 @@ def _choices() -> dict[str, tuple]:
 def _check_context_parallel(a, heads: int, sp: int) -> None:
     """attention.cp against the heads and the sp size (configs older than the key ran the ring)."""
     strategy, degree = a.get("cp", "ring"), a.get("cp_ulysses")
+    _require(strategy != "auto", "attention.cp=auto is chosen by the planner as a script starts "
+             "(scripts/train.py, estimate.py); code that calls train_and_evaluate itself resolves "
+             "it first with longctx.plan.auto.resolve(config, jax.devices()).")
     _one_of_values("attention.cp", strategy, context_parallel.STRATEGIES)
     if strategy != "usp":
         _require(degree is None, f"attention.cp_ulysses={degree} is the Ulysses degree of "

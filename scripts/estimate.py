@@ -37,7 +37,7 @@ import sys  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from longctx.plan import aot, collectives  # noqa: E402
+from longctx.plan import aot, auto, collectives  # noqa: E402
 from longctx import config as config_lib  # noqa: E402
 from longctx import reports  # noqa: E402
 from longctx.parallel import mesh as mesh_lib  # noqa: E402
@@ -48,6 +48,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. con
 _TOPOLOGY = flags.DEFINE_string("topology", "", "TPU topology known to libtpu, e.g. v5p:4x4x4, v5e:8x8, "
                                 "v6e:4x4, v4:2x2x2.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
+_BREAKDOWN = flags.DEFINE_bool("breakdown", True, "Also say what the bytes hold (a second, one-layer "
+                               "compile); --nobreakdown reports the totals only.")
 _SWEEP = flags.DEFINE_bool("sweep", False, "Find the longest sequence that fits per topology and sp.")
 _SWEEP_TOPOLOGIES = flags.DEFINE_list("sweep_topologies", ["v5p:4x4x4", "v6e:16x16", "v5e:16x16"],
                                       "Topologies for --sweep.")
@@ -89,6 +91,7 @@ def check(config, topology: str) -> None:
     """What a compile for `topology` checks first, without compiling: the topology is known and
     the config fits its device count (ConfigError / ValueError, one sentence)."""
     devices = aot.topology_devices(topology)
+    config = auto.resolve(config, devices).config  # attention.cp=auto, as compile_train_step does
     config_lib.validate(config, num_devices=len(devices))
     mesh_lib.make_mesh(config.mesh, devices=devices)
 
@@ -164,27 +167,11 @@ def sweep_point(config, topology: str, sp: int, shard_len: int) -> dict:
     return out
 
 
-def _source_digest() -> str:
-    """A digest of longctx's own source files: what a stored sweep point was measured with."""
-    import hashlib
-
-    import longctx
-    root = os.path.dirname(os.path.abspath(longctx.__file__))
-    digest = hashlib.sha256()
-    for folder, _, names in sorted(os.walk(root)):
-        for name in sorted(n for n in names if n.endswith(".py")):
-            path = os.path.join(folder, name)
-            digest.update(os.path.relpath(path, root).encode())
-            with open(path, "rb") as f:
-                digest.update(f.read())
-    return digest.hexdigest()[:16]
-
-
 def sweep(config, searches, lo_limit, hi_limit, out_stem) -> dict:
     """Doubling search of the longest per-chip shard L (power of two) that fits, for each
     (topology, sp, first L) of `searches`."""
     results = {"command": reports.command_line(), "model": _model_line(config),
-               "source": _source_digest(), "points": [], "best": [],
+               "source": aot.source_digest(), "points": [], "best": [],
                "search": _SWEEP_GROW.value or _SWEEP_SHRINK.value}
     # Points of an earlier sweep of the same model by the same code are reused (compiles take
     # minutes): an interrupted sweep resumes; a changed longctx measures afresh.
@@ -344,7 +331,12 @@ def main(argv):
         return
     if not _TOPOLOGY.value:
         raise ConfigError("give --topology (e.g. v5p:4x4x4) or --sweep.")
-    result = estimate(config, _TOPOLOGY.value)
+    if config.attention.get("cp") == auto.AUTO and aot.libtpu_available():
+        try:  # the report describes the config the planner chose
+            config = auto.resolve(config, aot.topology_devices(_TOPOLOGY.value)).config
+        except ValueError as e:  # a topology libtpu does not know
+            raise ConfigError(str(e)) from None
+    result = estimate(config, _TOPOLOGY.value, breakdown=_BREAKDOWN.value)
     if _JSON.value:
         print(json.dumps(result_dict(config, result), indent=1))
     else:

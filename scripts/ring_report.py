@@ -102,14 +102,10 @@ def _png(path, sched, title):
 def _doc_rows(a) -> np.ndarray:
     """Natural-order segment ids [1, S] (0 = padding) from --doc-lengths."""
     if a.doc_lengths:
-        lengths = [int(n) for n in a.doc_lengths.split(",")]
-        if min(lengths) < 1:
-            raise ConfigError(f"--doc-lengths {a.doc_lengths}: lengths must be positive.")
-        ids, t, doc = np.zeros(a.seq_len, np.int32), 0, 1
-        while t < a.seq_len:
-            n = min(lengths[(doc - 1) % len(lengths)], a.seq_len - t)
-            ids[t:t + n], t, doc = doc, t + n, doc + 1
-        return ids[None]
+        try:
+            return length_mixes.segment_ids_of(a.doc_lengths.split(","), a.seq_len)
+        except ValueError:
+            raise ConfigError(f"--doc-lengths {a.doc_lengths}: lengths must be positive.") from None
 
 
 def _documents_report(a, mask_kw) -> int:

@@ -1,5 +1,7 @@
 """Train a longctx model: flags -> config -> longctx.train.train_and_evaluate (with the passkey
-evaluator of longctx.evals.needle when --config.train.eval_needle_every > 0).
+evaluator of longctx.evals.needle when --config.train.eval_needle_every > 0). With
+--config.attention.cp=auto the planner (longctx.plan.auto) chooses the strategy and the mesh's -1
+axes first, says what it chose in one line and records its best rows in run_info.json.
 
   .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
   .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/x --config.model.num_layers=4
@@ -16,8 +18,15 @@ cli.start()  # before jax is imported
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+import jax  # noqa: E402
+
 from longctx import train  # noqa: E402
 from longctx.evals import needle  # noqa: E402
+from longctx.parallel import mesh as mesh_lib  # noqa: E402
+from longctx.plan import auto  # noqa: E402
+
+# Rows of the planner's table run_info.json keeps when attention.cp=auto chose.
+PLAN_ROWS_KEPT = 5
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:tiny.",
                                           lock_config=True)
@@ -29,9 +38,16 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     config = _CONFIG.value
+    mesh_lib.maybe_initialize_distributed(config.distributed)  # all hosts' devices, for the planner
+    resolution = auto.resolve(config, jax.devices())  # attention.cp=auto, if asked
+    config = resolution.config
+    if resolution.chosen is not None and jax.process_index() == 0:
+        print(f"longctx: {auto.describe(resolution.chosen)}", flush=True)
+    run_info = resolution.run_info(PLAN_ROWS_KEPT)
+    run_info["predicted"] = auto.prediction(config, jax.devices())  # None off the planner's chips
     # The loop runs evaluations it is given; it never imports them (they live above it).
     evaluators = [needle.PASSKEY_EVALUATOR] if config.train.get("eval_needle_every") else []
-    train.train_and_evaluate(config, _WORKDIR.value, evaluators=evaluators)
+    train.train_and_evaluate(config, _WORKDIR.value, evaluators=evaluators, run_info=run_info)
 
 
 if __name__ == "__main__":

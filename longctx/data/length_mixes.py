@@ -39,3 +39,16 @@ def document_lengths(mix: str, num_tokens: int, seed: int = 0) -> np.ndarray:
 def documents(lengths, vocab_size: int = 256) -> list[np.ndarray]:
     """Documents of those lengths (int32 ids, their index modulo `vocab_size` as every token)."""
     return [np.full(int(n), i % vocab_size, np.int32) for i, n in enumerate(lengths)]
+
+
+def segment_ids_of(lengths, seq_len: int) -> np.ndarray:
+    """Natural-order segment ids [1, seq_len] (1, 2, ...) of documents of `lengths`, repeated in
+    order until the row is full (the last one cut at the row's end)."""
+    lengths = [int(n) for n in lengths]
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"document lengths {lengths}: give at least one, each positive.")
+    ids, t, doc = np.zeros(seq_len, np.int32), 0, 1
+    while t < seq_len:
+        n = min(lengths[(doc - 1) % len(lengths)], seq_len - t)
+        ids[t:t + n], t, doc = doc, t + n, doc + 1
+    return ids[None]

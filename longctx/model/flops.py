@@ -87,14 +87,23 @@ def recomputed_flops_per_step(config) -> float:
     return float(m.num_layers * per_layer)
 
 
-def flops_per_step(config) -> float:
-    """Training FLOPs of one step (forward + backward = 3x forward), for the global batch."""
-    m, a, d = config.model, config.attention, config.data
+def dense_flops_per_step(config) -> float:
+    """Training FLOPs of one step's matmuls with weights (projections, MLP, output projection)."""
+    m, d = config.model, config.data
     tokens = d.global_batch_size * d.seq_len
     # Matmul parameters touched per token: attention projections, MLP, output projection.
     per_layer = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim
-    dense = 2 * tokens * (m.num_layers * per_layer + m.d_model * m.vocab_size)
+    return 3.0 * 2 * tokens * (m.num_layers * per_layer + m.d_model * m.vocab_size)
+
+
+def attention_flops_per_step(config) -> float:
+    """Training FLOPs of one step's attention (QK^T and PV) over the pairs the static mask keeps."""
+    m, a, d = config.model, config.attention, config.data
     pairs = kept_pairs(d.seq_len, causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
-    # QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add, per head, per kept pair.
-    attention = 4 * d.global_batch_size * m.num_layers * m.num_heads * m.head_dim * pairs
-    return 3.0 * (dense + attention)
+    # 2 matmuls x 2 FLOPs per multiply-add, per head, per kept pair.
+    return 3.0 * 4 * d.global_batch_size * m.num_layers * m.num_heads * m.head_dim * pairs
+
+
+def flops_per_step(config) -> float:
+    """Training FLOPs of one step (forward + backward = 3x forward), for the global batch."""
+    return dense_flops_per_step(config) + attention_flops_per_step(config)

@@ -48,17 +48,6 @@ class StrategySchedule:
         return self.kept_blocks / (len(self.work) * self.critical_path)
 
 
-def _pair_blocks(schedule: tables_lib.DocumentSchedule) -> np.ndarray:
-    """int [query shard, K/V shard]: the live blocks of every pair, summed over the rows."""
-    per_step = schedule.computed_blocks  # [device a, ring step s]
-    sp = per_step.shape[0]
-    pairs = np.zeros_like(per_step)
-    for a in range(sp):
-        for s in range(sp):
-            pairs[a, (a - s) % sp] = per_step[a, s]
-    return pairs
-
-
 def _static_pairs(spec, layout, seq_len, sp, block, chunked_documents: bool) -> np.ndarray:
     """bool [query shard, K/V shard]: pairs the static mask keeps (shard_pairs.pair_active);
     with documents a chunked mask runs as the causal window a chunk spans (ring.prepare)."""
@@ -74,13 +63,28 @@ def strategy_schedule(strategy: str, degree: int | None, spec: masks.MaskSpec, l
     packed documents `segment_ids` [rows, S], as `tables.document_schedule` takes them."""
     schedule = tables_lib.document_schedule(spec, layout, seq_len, sp, block, segment_ids,
                                             count_kept=count_kept, positions=positions)
-    per_step = schedule.computed_blocks
-    pairs = _pair_blocks(schedule)
-    kept = schedule.kept_blocks
+    # The ring of groups visits every step the static mask needs (ulysses.group_steps), whatever
+    # the documents need: it does not stop early as the ring does.
+    static = _static_pairs(spec, layout, seq_len, sp, block, spec.chunk is not None)
+    return from_step_blocks(strategy, degree, schedule.computed_blocks,
+                            float(schedule.critical_path), schedule.kept_blocks,
+                            len(schedule.visited_steps), static)
+
+
+def from_step_blocks(strategy: str, degree: int | None, per_step: np.ndarray,
+                     ring_critical_path: float, kept: int | None, ring_steps: int,
+                     static_pairs: np.ndarray) -> StrategySchedule:
+    """The schedule of `strategy` from the blocks of every (device a, ring step s) pair
+    `per_step` [sp, sp], the ring's own critical path and steps (which depend on how it stops),
+    and the pairs the static mask keeps (bool [query shard, K/V shard]: the usp ring's steps)."""
+    sp = per_step.shape[0]
+    pairs = np.zeros_like(per_step)
+    for a in range(sp):
+        for s in range(sp):
+            pairs[a, (a - s) % sp] = per_step[a, s]
     if strategy == "ring":
         work = per_step.sum(axis=1).astype(float)
-        return StrategySchedule(strategy, 1, work, float(schedule.critical_path), kept,
-                                len(schedule.visited_steps))
+        return StrategySchedule(strategy, 1, work, ring_critical_path, kept, ring_steps)
     if strategy == "all_gather":
         work = pairs.sum(axis=1).astype(float)
         return StrategySchedule(strategy, 1, work, float(work.max()), kept, 1)
@@ -92,8 +96,5 @@ def strategy_schedule(strategy: str, degree: int | None, spec: masks.MaskSpec, l
                           for g in range(groups)], float) / degree
     work = np.repeat(step_work.sum(axis=1), degree)
     critical = float(sum(step_work[:, s].max() for s in range(groups)))
-    # The ring of groups visits every step the static mask needs (ulysses.group_steps), whatever
-    # the documents need: it does not stop early as the ring does.
-    static = _static_pairs(spec, layout, seq_len, sp, block, spec.chunk is not None)
-    visited = ulysses.steps_with_pairs(static, degree)
+    visited = ulysses.steps_with_pairs(static_pairs, degree)
     return StrategySchedule(strategy, degree, work, critical, kept, len(visited))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import re
 import time
@@ -26,7 +27,7 @@ from jax.experimental import topologies
 from longctx import config as config_lib
 from longctx.parallel import devices as devices_lib
 from longctx.parallel import mesh as mesh_lib
-from longctx.plan import memory
+from longctx.plan import auto, memory
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
 
@@ -43,6 +44,15 @@ HBM_BYTES_BY_CHIP = {
     "TPU v6e": 32 * GIB,
 }
 
+
+# libtpu 0.10.2's compiler aborts the process (a failed check in tpu_layout_assignment.cc) on every
+# train step with attention.residuals=offload_qkv that we compiled for a topology (the tiny model
+# and the 8B and 70B presets; any strategy, any remat policy), so such a compile is refused with a
+# sentence before it starts. Whether a TPU VM's own compile does the same is not known here.
+OFFLOAD_QKV = "offload_qkv"
+OFFLOAD_ON_TPU = ("attention.residuals=offload_qkv does not compile for TPU with this libtpu (its "
+                  "compiler aborts in layout assignment): use attention.residuals=recompute_qkv, "
+                  "which keeps as little per layer on the device.")
 
 # Set while libtpu starts on a machine without a TPU (see _topology).
 _ONE_HOST_ALONE = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
@@ -72,6 +82,20 @@ def _environment(settings: dict[str, str]):
     finally:
         for name in added:
             os.environ.pop(name, None)
+
+
+def source_digest() -> str:
+    """A digest of longctx's own source files: what a stored compile was made with (a result
+    cached under it is stale once any of them changes)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder, _, names in sorted(os.walk(root)):
+        for name in sorted(n for n in names if n.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def libtpu_available() -> bool:
@@ -105,6 +129,9 @@ class CompiledStep:
     oom_at_compile: bool = False  # the TPU compiler refused it: temporaries alone exceed HBM
     hlo: str | None = dataclasses.field(default=None, repr=False)  # compiled HLO (keep_hlo=True)
     breakdown: memory.MemoryBreakdown | None = None  # what the bytes hold (compile_train_step(breakdown=True))
+    # XLA's own cost analysis of the compiled program (per device): FLOPs and HBM bytes accessed.
+    cost_flops: float | None = None
+    cost_bytes_accessed: float | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -161,7 +188,10 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
         devices = topology_devices(topology)
     devices = list(devices)
     topology = topology or f"{devices[0].platform}:{len(devices)}"
+    config = auto.resolve(config, devices).config  # attention.cp=auto, as a run would start
     sizes = config_lib.validate(config, num_devices=len(devices))
+    if devices[0].platform == "tpu" and config.attention.get("residuals") == OFFLOAD_QKV:
+        raise config_lib.ConfigError(OFFLOAD_ON_TPU)
     mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
     layout = train_state.resolve_layout(config, sizes[mesh_lib.SP])
     # make_setup builds a concrete PRNG key; under set_mesh of abstract TPU devices that would
@@ -196,15 +226,28 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
             seconds = time.perf_counter() - start
             stats = compiled.memory_analysis()
             hlo = compiled.as_text() if keep_hlo or breakdown else None
+            cost = _cost_analysis(compiled)
             result = CompiledStep(
                 **common, argument_bytes=stats.argument_size_in_bytes,
                 output_bytes=stats.output_size_in_bytes, temp_bytes=stats.temp_size_in_bytes,
                 alias_bytes=stats.alias_size_in_bytes, compile_seconds=seconds,
-                hlo=hlo if keep_hlo else None)
+                hlo=hlo if keep_hlo else None, cost_flops=cost.get("flops"),
+                cost_bytes_accessed=cost.get("bytes accessed"))
     if breakdown:
         result.breakdown = memory.memory_breakdown(config, mesh, layout, setup, state, batch, hlo,
                                             measure_remat_remedy=result.fits is False)
     return result
+
+
+def _cost_analysis(compiled) -> dict:
+    """XLA's cost analysis of a compiled program ({} where the backend gives none)."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001  (a backend without one)
+        return {}
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+        cost = cost[0] if cost else {}
+    return dict(cost or {})
 
 
 def cores_per_chip(devices) -> int:

@@ -428,6 +428,14 @@ def formula(strategy: str, shape: Shape, *, degree: int | None = None, steps=Non
     strategy: ring | all_gather | ulysses | usp (degree U for usp; ulysses is U = sp).
     steps: the ring's run steps (ring) or the ring of groups' steps (usp); default every step
     (a causal or full mask; `ring_run_steps` / `usp_group_steps` give a window's fewer)."""
+    parts = formula_parts(strategy, shape, degree=degree, steps=steps)
+    return {p: sum(kinds.values()) for p, kinds in parts.items()}
+
+
+def formula_parts(strategy: str, shape: Shape, *, degree: int | None = None, steps=None) -> dict:
+    """`formula`'s bytes by pass and by kind of collective: {"forward" | "backward": {"permute"
+    (the ring's sends), "all_gather", "reduce_scatter", "all_to_all": bytes}}, the kinds the
+    planner prices on different links and overlaps differently (plan/step_time.py)."""
     b, L, n, kvh, h, e = (shape.batch, shape.seq_len // shape.sp, shape.heads, shape.kv_heads,
                           shape.head_dim, shape.dtype_bytes)
     sp = shape.sp
@@ -436,11 +444,12 @@ def formula(strategy: str, shape: Shape, *, degree: int | None = None, steps=Non
     if strategy == "ring":
         sends, last = _sends(range(sp) if steps is None else steps, sp)
         home = 1 if last % sp else 0  # dK, dV back to their owner: one send of the distance
-        return {"forward": sends * (2 * kv + ids),
-                "backward": sends * (2 * kv + ids) + (sends + home) * 2 * kv32}
+        return {"forward": {"permute": sends * (2 * kv + ids)},
+                "backward": {"permute": sends * (2 * kv + ids) + (sends + home) * 2 * kv32}}
     if strategy == "all_gather":
         gather = (sp - 1) * (2 * kv + ids)
-        return {"forward": gather, "backward": gather + (sp - 1) * 2 * kv32}
+        return {"forward": {"all_gather": gather},
+                "backward": {"all_gather": gather, "reduce_scatter": (sp - 1) * 2 * kv32}}
     if strategy not in ("ulysses", "usp"):
         raise ValueError(f"strategy={strategy!r} is not one of ring, all_gather, ulysses, usp")
     u = sp if strategy == "ulysses" else int(degree)
@@ -453,8 +462,9 @@ def formula(strategy: str, shape: Shape, *, degree: int | None = None, steps=Non
     sends, last = _sends(range(groups) if steps is None else steps, groups)
     home = 1 if last % groups else 0
     travel = 2 * held + u * ids  # K, V slots of the group's U shards (+ their ids)
-    forward = a2a(q) + 2 * a2a(held) + gathers + sends * travel + a2a(q32) + a2a(row32)
-    backward = (2 * a2a(q) + 2 * a2a(row32) + 2 * a2a(held) + gathers
-                + sends * (travel + 2 * held32) + home * 2 * held32
-                + a2a(q32) + 2 * a2a(held32))
-    return {"forward": forward, "backward": backward}
+    return {"forward": {"all_to_all": a2a(q) + 2 * a2a(held) + a2a(q32) + a2a(row32),
+                        "all_gather": gathers, "permute": sends * travel},
+            "backward": {"all_to_all": (2 * a2a(q) + 2 * a2a(row32) + 2 * a2a(held)
+                                        + a2a(q32) + 2 * a2a(held32)),
+                         "all_gather": gathers,
+                         "permute": sends * (travel + 2 * held32) + home * 2 * held32}}

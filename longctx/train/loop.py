@@ -160,12 +160,13 @@ def check_inputs(config, workdir: str, sizes: dict) -> str:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       evaluators: Sequence[hooks.Evaluator] = ()) -> dict:
+                       evaluators: Sequence[hooks.Evaluator] = (), run_info: dict | None = None) -> dict:
     """Trains (resuming if `workdir` holds a checkpoint) and returns the last logged metrics.
 
     `evaluators`: evaluations of the parameters being trained, each run every
     `config.train[evaluator.every_key]` steps (longctx.train.hooks; scripts/train.py passes the
-    passkey evaluator of longctx.evals.needle when train.eval_needle_every > 0)."""
+    passkey evaluator of longctx.evals.needle when train.eval_needle_every > 0). `run_info`: more
+    entries for run_info.json (scripts/train.py: what attention.cp=auto chose and why)."""
     mesh_lib.maybe_initialize_distributed(config.distributed)
     sizes = config_lib.validate(config)
     hooks.check_evaluators(config, evaluators)
@@ -175,11 +176,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     # hang the others in the first collective.
     data_dir = cli.agreed(lambda: _local_inputs(config, workdir))
     with lease_lib.hold(workdir):  # one run per workdir: a second one is refused here
-        return _train_and_evaluate_held(config, workdir, sizes, data_dir, evaluators)
+        return _train_and_evaluate_held(config, workdir, sizes, data_dir, evaluators, run_info or {})
 
 
 def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, sizes: dict, data_dir: str,
-                             evaluators: Sequence[hooks.Evaluator]) -> dict:
+                             evaluators: Sequence[hooks.Evaluator], run_info: dict) -> dict:
     """`train_and_evaluate` once the inputs are checked and this run holds `workdir`."""
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
 
@@ -190,7 +191,7 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
                     and data_lib.packer_layout(config.data.packer) is None)
     documents = data_lib.layout_sample(config, data_dir) if by_documents else None
     layout = resolve_layout(config, sizes[mesh_lib.SP], documents)
-    _write_run_info(config, workdir, mesh, layout, data_dir, documents)
+    _write_run_info(config, workdir, mesh, layout, data_dir, documents, run_info)
     if jax.process_index() == 0:
         chosen = (f" (auto, chosen on the documents of {len(documents)} sampled rows)" if by_documents
                   else f" (auto, the layout data.packer={config.data.packer} places documents for)"
@@ -261,7 +262,8 @@ def _start_up_notes(config, checkpointer, state) -> list[str]:
     return optimizer_notes(config, saved, int(jax.device_get(applied_updates(state.opt_state))))
 
 
-def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str, documents=None) -> None:
+def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str, documents=None,
+                    extra: dict | None = None) -> None:
     """`workdir/run_info.json`: what this run is, for reports that compare runs (scripts/ablate.py).
     The ring's schedule is the mask's (every row); `documents`: the rows "auto" was chosen on."""
     if jax.process_index() != 0:
@@ -286,6 +288,7 @@ def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str, docu
         "tokens_per_step": config.data.global_batch_size * config.data.seq_len,
         "data_dir": data_dir,
         "config": config.to_dict(),
+        **(extra or {}),
     }
     (workdir_lib.resolve(workdir) / "run_info.json").write_text(json.dumps(info, indent=1))
 

@@ -86,6 +86,10 @@ ENTRY %main (p: f32[8,16]) -> f32[32,16] {
     assert t.count["all-gather"] == t.count["collective-permute"] == 1
 
 
+# formula_parts' kinds as the HLO names them
+HLO_KIND = {"permute": "collective-permute", "all_gather": "all-gather",
+            "reduce_scatter": "reduce-scatter", "all_to_all": "all-to-all"}
+
 # (strategy, Ulysses degree, KV heads, documents, mask): every strategy; GQA and KV heads fewer
 # than the Ulysses degree (replicated: ulysses.kv_head_slots); a window the ring prunes to 2 steps.
 STRATEGY_CASES = [
@@ -109,9 +113,13 @@ def test_formula_equals_the_lowered_program(mesh, strategy, degree, kv_heads, do
     steps = (collectives.ring_run_steps(shape, **kw) if strategy == "ring" else
              collectives.usp_group_steps(shape, degree, **kw) if strategy == "usp" else None)
     want = collectives.formula(strategy, shape, degree=degree, steps=steps)
+    parts = collectives.formula_parts(strategy, shape, degree=degree, steps=steps)
     for part in ("forward", "backward"):
         t = got[part]
         assert t.unknown_loops == 0 and t.total_sent == t.total_received == want[part], (part, t)
+        # kind by kind too: the planner prices each kind on its own links (plan/step_time.py)
+        by_kind = {HLO_KIND[k]: n for k, n in parts[part].items() if n}
+        assert {k: n for k, n in t.sent.items() if n} == by_kind, (part, t.sent, by_kind)
     if "sliding_window" in mask:
         assert steps == (0, 1)  # K/V go one hop, not SP - 1
 

@@ -1,0 +1,92 @@
+"""`attention.cp=auto`: the planner's choice applied to a run's config when it starts.
+
+    resolution = resolve(config, devices)   # .config to run, .chosen row, .rows best first
+
+With attention.cp=auto the planner chooses the strategy (and its Ulysses degree), the mesh's -1
+axes (several may be -1 under auto) and attention.layout=auto, among the candidates the config leaves open (planner.auto_keys),
+by the predicted step time of those the memory model fits. Everything else stays as configured.
+The choice depends only on the config and the devices' kind and count, so every host of a run
+makes the same one, and a restart makes it again. Scripts resolve before the run starts
+(scripts/train.py, estimate.py); longctx.train, which sits below the planner, never sees "auto"
+(config.validate refuses it with the way out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from longctx.errors import ConfigError
+from longctx.plan import hardware, planner
+
+AUTO = "auto"
+
+
+def topology_of(devices) -> hardware.Topology:
+    """The slice `devices` form: their chip and the extent of their coordinates (TPU), or a
+    switch of n devices (GPU). ConfigError where the planner knows no such chip."""
+    kind = devices[0].device_kind
+    chip = hardware.chip_for_device_kind(kind)
+    if chip is None:
+        known = ", ".join(hardware.CHIPS)
+        raise ConfigError(f"attention.cp=auto needs the step-time model's figures for the chip, and "
+                          f"longctx has none for {devices[0].platform} devices ({kind!r}; it knows "
+                          f"{known}): set --config.attention.cp=ring (or all_gather, ulysses, usp).")
+    coords = [getattr(d, "coords", None) for d in devices]
+    if chip.torus_dims and all(c is not None for c in coords):
+        chips = {tuple(c) for c in coords}
+        extent = tuple(int(n) for n in np.ptp(np.array(sorted(chips)), axis=0) + 1)
+        shape = tuple(n for n in extent if n > 1) or (1,)
+    else:
+        shape = (len(devices),)
+    return hardware.Topology(chip, shape, f"{chip.name}:{'x'.join(map(str, shape))}")
+
+
+@dataclasses.dataclass
+class Resolution:
+    config: object                   # the config to run, nothing left to auto
+    chosen: planner.Row | None       # the planner's row it is (None: nothing was asked)
+    rows: list                       # the planner's rows, best first
+
+    def run_info(self, rows: int = 5) -> dict:
+        """What run_info.json records: the choice's predicted step and the best rows."""
+        if self.chosen is None:
+            return {}
+        return {"plan": {"chosen": self.chosen.as_dict(),
+                         "rows": [r.as_dict() for r in self.rows[:rows]]}}
+
+
+def resolve(config, devices) -> Resolution:
+    """The config with attention.cp=auto resolved (as it is when it asks for nothing)."""
+    keys = planner.auto_keys(config)
+    if not keys:
+        return Resolution(config, None, [])
+    topology = topology_of(devices)
+    rows = planner.plan(config, topology, open_keys=keys)
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        best = min(rows, key=lambda r: r.memory.total_bytes, default=None)
+        need = "" if best is None else (f" (the smallest needs ~{best.memory.total_bytes / 2**30:.0f} "
+                                        f"GiB of {best.hbm_bytes / 2**30:.0f})")
+        raise ConfigError(f"attention.cp=auto: no strategy and mesh fit {topology.name} by the memory "
+                          f"model{need}: run scripts/plan.py to see what does, or set attention.cp.")
+    return Resolution(fitting[0].config, fitting[0], rows)
+
+
+def prediction(config, devices) -> dict | None:
+    """The planner's figures for `config` as it is (no choice), for run_info.json, so that a run
+    on real hardware can be held against them; None on devices the planner has no figures for."""
+    try:
+        topology = topology_of(devices)
+    except ConfigError:
+        return None
+    rows = planner.plan(config, topology, open_keys=())
+    return rows[0].as_dict() if rows else None
+
+
+def describe(row: planner.Row) -> str:
+    """The start-up line of an auto choice."""
+    mesh = ", ".join(f"{a}={n}" for a, n in row.mesh.items())
+    return (f"attention.cp=auto chose {row.strategy} ({row.layout}, mesh {mesh}); predicted step "
+            f"{row.step.seconds:.3g} s, MFU {row.step.mfu:.0%}, {row.step.bound}-bound")

@@ -1,0 +1,102 @@
+"""A fast model of a train step's HBM per device, to prune a plan's candidates before any compile.
+
+    per_device_bytes(config, mesh_sizes) -> MemoryEstimate
+
+Counted, as plan/memory.py measures them on a compiled step: parameters and AdamW state (split
+over fsdp x sp, the state over dp too with ZeRO-1), gradients (sharded as the parameters), what
+each layer keeps for its backward (the remat and residual policies), and the largest working set
+of one layer's backward (the strategy's K/V or heads, the MLP chunk, the loss chunk's logits).
+The compiler's own figure holds more than the arrays named here (copies, padding to tiles,
+buffers it keeps alive across a fusion), so the activation terms are scaled by ACTIVATION_SCALE,
+fitted on whole-step TPU compiles (benchmarks/calibrate_planner.py: the points and their error are
+in docs/planner.md). The planner compiles its best rows for their true figure; this only prunes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from longctx import config as config_lib
+from longctx.ops import ulysses
+
+# Fitted on the AOT compiles of docs/fit_*.json and docs/fit_strategies.json
+# (benchmarks/calibrate_planner.py).
+ACTIVATION_SCALE = 1.19
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    state_bytes: int          # parameters + optimizer state
+    gradient_bytes: int
+    saved_bytes: int          # every layer's residuals for the backward
+    working_bytes: int        # one layer's backward at its largest
+    scale: float = ACTIVATION_SCALE
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.state_bytes + self.gradient_bytes
+                   + self.scale * (self.saved_bytes + self.working_bytes))
+
+
+def _saved_per_token(config) -> float:
+    """Bytes one layer keeps per token for its backward."""
+    m, a = config.model, config.attention
+    e = 2 if m.dtype == "bfloat16" else 4
+    qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * e
+    attention_out = m.num_heads * m.head_dim * e + m.num_heads * 4  # out and its log-sum-exp
+    carry = m.d_model * e  # the layer's input, which the scan over layers keeps
+    residuals = a.get("residuals", "save_qkv")
+    kept_qkv = qkv if residuals == "save_qkv" else 0
+    if m.remat_policy == "nothing_saveable":
+        return carry + kept_qkv + attention_out
+    if m.remat_policy in ("dots_saveable", "dots_with_no_batch_dims_saveable"):
+        return carry + qkv + attention_out + (2 * m.d_model + 2 * m.mlp_dim) * e
+    # no remat: every intermediate of the layer
+    return carry + qkv + attention_out + (4 * m.d_model + 4 * m.mlp_dim) * e
+
+
+def _attention_working(config, mesh_sizes, rows: int) -> float:
+    """The strategy's largest attention arrays on one device, one layer (forward + backward)."""
+    m, a, d = config.model, config.attention, config.data
+    e = 2 if m.dtype == "bfloat16" else 4
+    sp = mesh_sizes["sp"]
+    L = d.seq_len // sp
+    kv_token = m.num_kv_heads * m.head_dim
+    strategy = a.get("cp", "ring")
+    if strategy == "all_gather":
+        # The whole sequence's K, V, and their float32 gradients twice: the kernel's output and
+        # the reduce-scatter's operand are alive together (the 8B step at 2,097,152 tokens over 64
+        # chips compiles to 92.4 GiB, docs/fit_strategies.md; one float32 copy would say 69).
+        return rows * d.seq_len * kv_token * 2 * (e + 2 * 4)
+    if strategy in ("ulysses", "usp"):
+        u = sp if strategy == "ulysses" else int(a.cp_ulysses)
+        slots = ulysses.kv_head_slots(m.num_heads, m.num_kv_heads, u).shape[1]
+        tokens = rows * L * u  # the group's tokens, 1/u of the heads
+        heads = m.num_heads // u
+        q_like = tokens * heads * m.head_dim * (2 * e + 4 + 4)  # q, out, dq and d_out float32
+        kv = tokens * slots * m.head_dim * 2 * (e + 4) * (2 if strategy == "usp" else 1)
+        return q_like + kv
+    # ring: K, V in flight (two buffers) and dK, dV float32 travelling with them
+    return rows * L * kv_token * 2 * (2 * e + 2 * 4)
+
+
+def per_device_bytes(config, mesh_sizes: dict[str, int]) -> MemoryEstimate:
+    m, d, t = config.model, config.data, config.train
+    dp, fsdp, sp = mesh_sizes["dp"], mesh_sizes["fsdp"], mesh_sizes["sp"]
+    params = config_lib.num_params_estimate(config)
+    p_bytes = 2 if m.param_dtype == "bfloat16" else 4
+    param_ways = fsdp * sp
+    state_ways = param_ways * (dp if config.optimizer.get("shard_state_over_dp", False) else 1)
+    state = params * p_bytes / param_ways + params * 2 * p_bytes / state_ways
+    gradients = params * p_bytes / param_ways
+    rows = d.global_batch_size // (dp * fsdp)
+    tokens = rows * d.seq_len // sp
+    e = 2 if m.dtype == "bfloat16" else 4
+    saved = m.num_layers * tokens * _saved_per_token(config)
+    chunk = min(m.get("mlp_chunk_size") or d.seq_len // sp, d.seq_len // sp)
+    mlp = rows * chunk * m.mlp_dim * e * 3 * 2  # gate, up, activation; and their gradients
+    logits = rows * min(t.loss_chunk_size, d.seq_len // sp) * m.vocab_size * 4 * 2
+    layer = tokens * (m.d_model * e * 6 + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * e * 2)
+    gathered = config_lib.num_params_estimate(config) / m.num_layers * e * 2  # this layer and the next
+    working = max(mlp, logits) + layer + _attention_working(config, mesh_sizes, rows) + gathered
+    return MemoryEstimate(int(state), int(gradients), int(saved), int(working))

@@ -1,0 +1,213 @@
+"""How to run a config on a slice: every valid (mesh, strategy, layout, residual and remat policy,
+block) priced by the step-time model, pruned by the memory model, ranked.
+
+    plan(config, topology) -> [Row, ...]   (best first; each Row holds its config)
+
+A candidate is valid when `config.validate` accepts it (heads against the Ulysses degree, sp
+against seq_len, blocks against shards, batch against dp x fsdp: the rules a run would meet), so
+the planner proposes nothing a run would refuse. What it does not enumerate stays as the config
+has it (model, data, optimizer). Ties in predicted time go to less memory, then to the order of
+the enumeration: the ranking is a pure function of the config and the topology, the same on
+every host and at every restart.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+
+import numpy as np
+
+from longctx import config as config_lib
+from longctx.errors import ConfigError
+from longctx.model import attention as attention_lib
+from longctx.model import decoder
+from longctx.ops import masks, strategy_schedule
+from longctx.parallel import layout as layout_lib
+from longctx.plan import attention_work, hardware, memory_model, step_time
+
+# The blocks a plan tries (the ring's tables and the splash kernel's blocks, on TPU).
+BLOCK_SIZES = (512, 1024, 2048)
+# Fraction of HBM a candidate may use by the memory model, which only prunes (the compile decides).
+HBM_HEADROOM = 0.95
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    name: str                  # attention.cp
+    degree: int | None = None  # attention.cp_ulysses (usp)
+
+    def __str__(self) -> str:
+        return self.name if self.degree is None else f"{self.name} x{self.degree}"
+
+
+@dataclasses.dataclass
+class Row:
+    config: object            # the candidate's whole config (ml_collections.ConfigDict)
+    mesh: dict[str, int]
+    strategy: Strategy
+    layout: str
+    residuals: str
+    remat: str
+    block: int
+    step: step_time.StepEstimate
+    memory: memory_model.MemoryEstimate
+    hbm_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total_bytes <= HBM_HEADROOM * self.hbm_bytes
+
+    def overrides(self) -> list[str]:
+        """The command-line overrides that make the config this row."""
+        out = [f"--config.mesh.{a}={n}" for a, n in self.mesh.items()]
+        out += [f"--config.attention.cp={self.strategy.name}"]
+        if self.strategy.degree is not None:
+            out += [f"--config.attention.cp_ulysses={self.strategy.degree}"]
+        out += [f"--config.attention.layout={self.layout}",
+                f"--config.attention.block_size={self.block}",
+                f"--config.attention.residuals={self.residuals}",
+                f"--config.model.remat_policy={self.remat}"]
+        return out
+
+    def as_dict(self) -> dict:
+        return {"mesh": self.mesh, "cp": self.strategy.name, "cp_ulysses": self.strategy.degree,
+                "layout": self.layout, "residuals": self.residuals, "remat_policy": self.remat,
+                "block_size": self.block, "predicted": self.step.as_dict(),
+                "memory_model_bytes": self.memory.total_bytes, "hbm_bytes": self.hbm_bytes,
+                "fits_by_model": self.fits, "overrides": self.overrides()}
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def meshes(config, num_chips: int, open_mesh: bool = True) -> list[dict[str, int]]:
+    """(dp, fsdp, sp) splits of the chips: any (open_mesh), else those that keep the axes the
+    config fixes (the -1 axes are free: a config with cp=auto may leave several at -1)."""
+    fixed = {} if open_mesh else {a: int(config.mesh[a]) for a in ("dp", "fsdp", "sp")
+                                  if int(config.mesh[a]) != -1}
+    out = []
+    for sp in _divisors(num_chips):
+        for dp in _divisors(num_chips // sp):
+            m = {"dp": dp, "fsdp": num_chips // sp // dp, "sp": sp}
+            if all(m[a] == n for a, n in fixed.items()):
+                out.append(m)
+    return out
+
+
+def strategies(config, sp: int) -> list[Strategy]:
+    heads = config.model.num_heads
+    out = [Strategy("ring"), Strategy("all_gather")]
+    if sp > 1 and heads % sp == 0:
+        out.append(Strategy("ulysses"))
+    out += [Strategy("usp", u) for u in _divisors(sp) if 1 < u < sp and heads % u == 0]
+    return out if sp > 1 else [Strategy("ring")]
+
+
+def _layouts(strategy: Strategy) -> tuple[str, ...]:
+    # Ulysses computes the whole sequence on every device: the layout changes nothing.
+    return ("contiguous",) if strategy.name == "ulysses" else layout_lib.LAYOUTS
+
+
+def candidate_config(config, mesh, strategy, layout, residuals, remat, block):
+    c = copy.deepcopy(config)
+    c.unlock()
+    c.mesh.update(dp=mesh["dp"], fsdp=mesh["fsdp"], sp=mesh["sp"])
+    c.attention.update(cp=strategy.name, cp_ulysses=strategy.degree, layout=layout,
+                       block_size=block, residuals=residuals)
+    c.model.remat_policy = remat
+    c.lock()
+    return c
+
+
+# What a plan may choose ("mesh": every split of the chips, not only the -1 axes). scripts/plan.py
+# searches all of them; `auto` at start-up only those the config leaves to it (auto_keys).
+SEARCHABLE = ("mesh", "attention.cp", "attention.layout", "attention.block_size",
+              "attention.residuals", "model.remat_policy")
+
+
+def auto_keys(config) -> tuple[str, ...]:
+    """The keys a run's config leaves to the planner: attention.cp=auto, and with it
+    attention.layout=auto (the mesh's -1 axes are free in every plan)."""
+    if config.attention.get("cp", "ring") != "auto":
+        return ()
+    return ("attention.cp",) + (("attention.layout",) if config.attention.layout == "auto" else ())
+
+
+def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
+         segment_ids: np.ndarray | None = None) -> list[Row]:
+    """Every valid candidate, best first (fitting ones by predicted step time, then the rest;
+    `distinct` keeps the best of each way to split attention, for a table).
+
+    open_keys: the SEARCHABLE keys to choose; the others stay as the config has them.
+    segment_ids: natural-order rows of the run's packed documents [rows, seq_len] to price the
+    attention by (None: the static mask, rows of one document)."""
+    a, m = config.attention, config.model
+    spec = masks.make_mask_spec(**attention_lib.mask_kwargs(a))
+    chips = topology.num_chips
+    opened = lambda key, values, current: tuple(values) if key in open_keys else (current,)  # noqa: E731
+    residual_choices = opened("attention.residuals", _residual_policies(topology), a.residuals)
+    remat_choices = opened("model.remat_policy", decoder.REMAT_POLICIES, m.remat_policy)
+    block_choices = opened("attention.block_size", BLOCK_SIZES, a.block_size)
+    rows = []
+    for mesh in meshes(config, chips, open_mesh="mesh" in open_keys):
+        candidates = strategies(config, mesh["sp"])
+        if "attention.cp" not in open_keys:
+            candidates = [Strategy(a.get("cp", "ring"), a.get("cp_ulysses"))]
+        for strategy in candidates:
+            layouts = (_layouts(strategy) if "attention.layout" in open_keys or a.layout == "auto"
+                       else (a.layout,))
+            for layout, block in itertools.product(layouts, block_choices):
+                c = candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy,
+                                     block)
+                try:
+                    config_lib.validate(c, num_devices=chips)
+                except ConfigError:
+                    continue
+                schedule = _schedule(strategy, spec, layout, c.data.seq_len, mesh["sp"], block,
+                                     segment_ids)
+                for residuals, remat in itertools.product(residual_choices, remat_choices):
+                    cc = candidate_config(config, mesh, strategy, layout, residuals, remat, block)
+                    rows.append(Row(cc, mesh, strategy, layout, residuals, remat, block,
+                                    step_time.estimate(cc, topology, schedule, mesh,
+                                                       rows_in_schedule=_schedule_rows(segment_ids)),
+                                    memory_model.per_device_bytes(cc, mesh),
+                                    topology.chip.hbm_bytes))
+    order = {id(r): i for i, r in enumerate(rows)}
+    return sorted(rows, key=lambda r: (not r.fits, round(r.step.seconds, 9), r.memory.total_bytes,
+                                       order[id(r)]))
+
+
+def distinct(rows: list[Row]) -> list[Row]:
+    """The first (fastest, then smallest) row of each sp size, strategy and layout: the table
+    lists the ways to split attention, each with the dp x fsdp split, block and policies that
+    suit it best, not every variant of each (which differ by a fraction of a percent)."""
+    seen, out = set(), []
+    for r in rows:
+        key = (r.mesh["sp"], r.strategy, r.layout)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def _residual_policies(topology: hardware.Topology) -> tuple[str, ...]:
+    """The residual policies a plan may choose: on TPU not offload_qkv, whose whole step this
+    libtpu's compiler aborts on (plan/aot.py, OFFLOAD_ON_TPU)."""
+    if topology.chip.torus_dims:
+        return tuple(p for p in attention_lib.RESIDUAL_POLICIES if p != "offload_qkv")
+    return attention_lib.RESIDUAL_POLICIES
+
+
+def _schedule_rows(segment_ids) -> int:
+    return 1 if segment_ids is None else int(segment_ids.shape[0])
+
+
+def _schedule(strategy, spec, layout, seq_len, sp, block, segment_ids):
+    if segment_ids is None:
+        return attention_work.static_schedule(strategy.name, strategy.degree, spec, layout,
+                                              seq_len, sp, block)
+    return strategy_schedule.strategy_schedule(strategy.name, strategy.degree, spec, layout,
+                                               seq_len, sp, block, segment_ids)

@@ -1,0 +1,249 @@
+"""A model of one train step's time on a TPU slice (or GPUs), from the config alone.
+
+    estimate(config, topology, schedule) -> StepEstimate
+
+Per device: the matmuls of the model (model/flops.py, plus what remat recomputes) at a fraction
+of the chip's peak, or at HBM speed where their operands make them slower; the attention blocks
+the device computes on the strategy's critical path (plan/attention_work.py: the ring's tables,
+documents included where the caller sampled them); the optimizer update at HBM speed; and every
+collective as bytes over the links the mesh puts it on (hardware.py).
+
+What overlaps what (the model's assumptions, all here):
+  - FSDP weight all-gathers (forward, and again in the backward) and gradient reduce-scatters
+    overlap the layer's own compute (XLA's async collectives); a layer waits only for what its
+    compute cannot hide: max(0, collective - compute), per layer.
+  - The ring's K/V pass overlaps the step's blocks (ops/ring.py sends before it computes); a
+    ring step takes max(blocks, transfer).
+  - all_gather's K/V gather and dK/dV reduce-scatter do not overlap (the TPU compiler runs them
+    before and after the kernel: ops/all_gather.py).
+  - Ulysses' all-to-alls do not overlap: the kernel needs their result, and they need its.
+  - The dp all-reduce of gradients overlaps the backward: max(0, all-reduce - backward).
+  - Collectives along a mesh axis use 2 link directions per torus axis it spans (a
+    bidirectional ring; half that without wrap-around links), the ring's pass one direction of
+    one link; a slice's axes never cross DCN (the planner plans one slice).
+
+  - Every context-parallel collective costs CONSTANTS["collective_latency"] seconds that nothing
+    hides (its launch and synchronisation), once per call: once per ring step and pass, once per
+    gather, all-to-all or reduce-scatter.
+
+Three constants, fitted on published step times (plan/calibration.py, docs/planner.md): the
+fraction of peak the matmuls reach (CONSTANTS["matmul"]), the fraction the attention kernel
+reaches on the blocks it computes (CONSTANTS["attention"]), and the latency above. Everything
+else is counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from longctx import config as config_lib
+from longctx.model import flops as flops_lib
+from longctx.ops import strategy_schedule
+from longctx.plan import collectives, hardware
+
+# Fitted by plan/calibration.py on the points docs/planner.md marks "fit" (the others are held
+# out): `benchmarks/calibrate_planner.py` refits them and tests/plan/test_planner.py checks
+# these are its result.
+CONSTANTS = {"matmul": 0.6, "attention": 0.32, "collective_latency": 3e-4}
+
+# The splash kernel's backward computes 5 block matmuls to the forward's 2 (it recomputes the
+# scores): hardware work is 3.5x the forward's, where model FLOPs count 3x.
+ATTENTION_PASSES = {"forward": 1.0, "backward": 2.5}
+
+
+@dataclasses.dataclass
+class StepEstimate:
+    """Seconds of one train step by what takes them, per device."""
+    matmul: float            # the model's matmuls (+ remat), compute or HBM bound
+    attention: float         # the attention blocks on the critical path
+    optimizer: float         # AdamW's update of this device's shard (HBM bound)
+    fsdp_exposed: float      # weight gathers + gradient reduce-scatters the compute did not hide
+    cp_exposed: float        # the strategy's collectives the compute did not hide
+    dp_exposed: float        # the gradient all-reduce over dp the backward did not hide
+    communication: dict      # seconds of each collective on its links, hidden or not
+    model_flops: float       # per step, all devices (model/flops.py: MFU's numerator)
+    device_flops: float      # per step, one device: what it computes (remat and masked block parts included)
+    tokens: int              # per step, all devices
+    num_chips: int
+    peak_flops: float
+    hbm_bound_matmul: bool   # the matmuls are limited by HBM, not the MXU
+
+    @property
+    def seconds(self) -> float:
+        return (self.matmul + self.attention + self.optimizer + self.fsdp_exposed
+                + self.cp_exposed + self.dp_exposed)
+
+    @property
+    def exposed_communication(self) -> float:
+        return self.fsdp_exposed + self.cp_exposed + self.dp_exposed
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.seconds * self.num_chips * self.peak_flops)
+
+    @property
+    def tokens_per_second_per_chip(self) -> float:
+        return self.tokens / self.seconds / self.num_chips
+
+    @property
+    def bound(self) -> str:
+        """What the step spends most on: compute, memory (HBM) or communication."""
+        compute = self.attention + (0.0 if self.hbm_bound_matmul else self.matmul)
+        memory = self.optimizer + (self.matmul if self.hbm_bound_matmul else 0.0)
+        parts = {"compute": compute, "memory": memory, "communication": self.exposed_communication}
+        return max(parts, key=parts.get)
+
+    def as_dict(self) -> dict:
+        return {"step_seconds": self.seconds, "mfu": self.mfu,
+                "tokens_per_second_per_chip": self.tokens_per_second_per_chip,
+                "bound": self.bound, "matmul_seconds": self.matmul,
+                "attention_seconds": self.attention, "optimizer_seconds": self.optimizer,
+                "fsdp_exposed_seconds": self.fsdp_exposed, "cp_exposed_seconds": self.cp_exposed,
+                "dp_exposed_seconds": self.dp_exposed,
+                "communication_seconds": dict(self.communication),
+                "model_flops": self.model_flops, "device_flops": self.device_flops}
+
+
+def _collective_seconds(kind: str, sent_bytes: float, group: int, span: float, wrap: bool,
+                        link: float) -> float:
+    """Seconds to move `sent_bytes` (per device, as plan/collectives.py counts them) in a
+    collective of `kind` over a group of `group` devices spanning `span` torus axes."""
+    if group <= 1 or sent_bytes <= 0:
+        return 0.0
+    directions = 2.0 * max(span, 1.0) * (1.0 if wrap else 0.5)
+    if kind == "permute":  # one neighbour, one direction of one link
+        return sent_bytes / link
+    if kind == "all_to_all":
+        # A device's x bytes go 1/group to each other device, group/4 hops away on average on a
+        # bidirectional ring: x * group / 4 byte-hops per device over 2 directed links each,
+        # x * group / (4 * directions) per link; sent_bytes = (group - 1) / group * x.
+        local = sent_bytes * group / (group - 1)
+        return local * group / (4.0 * directions * link)
+    return sent_bytes / (directions * link)  # all-gather, reduce-scatter, all-reduce
+
+
+def _layer_weights(config) -> int:
+    m = config.model
+    return m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim
+
+
+def _activation_bytes_per_token(config) -> float:
+    """HBM bytes one layer's matmuls read and write per token, one pass (compute dtype)."""
+    m = config.model
+    e = 2 if m.dtype == "bfloat16" else 4
+    qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+    return e * (m.d_model + qkv + m.num_heads * m.head_dim + m.d_model  # projections in and out
+                + m.d_model + 2 * m.mlp_dim + m.mlp_dim + m.d_model)   # MLP in, gate/up, down
+
+
+def estimate(config, topology: hardware.Topology, schedule: strategy_schedule.StrategySchedule,
+             mesh_sizes: dict[str, int], *, rows_in_schedule: int = 1,
+             constants: dict | None = None) -> StepEstimate:
+    """One train step of `config` on `topology` with the mesh `mesh_sizes` ({dp, fsdp, sp}) and
+    the attention `schedule` of its strategy (plan/attention_work.py) for `rows_in_schedule`
+    rows. config.attention.block_size is the schedule's block."""
+    eff = dict(CONSTANTS, **(constants or {}))
+    chip = topology.chip
+    m, a, d = config.model, config.attention, config.data
+    dp, fsdp, sp = mesh_sizes["dp"], mesh_sizes["fsdp"], mesh_sizes["sp"]
+    chips = dp * fsdp * sp
+    rows = d.global_batch_size // (dp * fsdp)  # sequences each sp group holds
+    tokens_per_device = rows * d.seq_len // sp
+    compute_bytes = 2 if m.dtype == "bfloat16" else 4
+    spans = hardware.axis_links(topology, mesh_sizes, ("sp", "fsdp", "dp"))
+    link = chip.ici_link_bandwidth
+
+    # Matmuls: model FLOPs + what remat and the residual policy recompute, split evenly.
+    dense_model = flops_lib.dense_flops_per_step(config)
+    dense_hw = (dense_model + flops_lib.recomputed_flops_per_step(config)) / chips
+    passes = 3 + (1 if m.remat_policy == "nothing_saveable" else 0)  # fwd, 2 bwd, remat fwd
+    gathered_layer = _layer_weights(config) * compute_bytes
+    hbm_matmul = m.num_layers * passes * (
+        gathered_layer + tokens_per_device * _activation_bytes_per_token(config)) / chip.hbm_bandwidth
+    compute_matmul = dense_hw / (chip.peak_flops * eff["matmul"])
+    matmul = max(compute_matmul, hbm_matmul)
+
+    # Attention: the blocks on the critical path, every row this device's sp group holds.
+    block = a.block_size
+    blocks = schedule.critical_path * rows / rows_in_schedule
+    block_flops = 4.0 * block * block * m.head_dim * m.num_heads  # forward, all heads
+    attention_pass = {p: m.num_layers * blocks * block_flops * w / (chip.peak_flops * eff["attention"])
+                      for p, w in ATTENTION_PASSES.items()}
+    attention = sum(attention_pass.values())
+
+    # AdamW on this device's shard: read parameter, gradient, two moments; write three (float32).
+    params = config_lib.num_params_estimate(config)
+    param_ways = fsdp * sp
+    state_ways = param_ways * (dp if config.optimizer.get("shard_state_over_dp", False) else 1)
+    optimizer = (params / param_ways * 8 + params / state_ways * 24) / chip.hbm_bandwidth
+
+    # FSDP: every layer's weights gathered over fsdp x sp twice (forward, backward), gradients
+    # reduce-scattered once (float32), each hidden behind that layer's compute.
+    param_span = spans["fsdp"] + spans["sp"]
+    param_wrap = hardware.has_wraparound(topology, max(fsdp, sp))
+    share = (param_ways - 1) / param_ways
+    gather = _collective_seconds("all_gather", 2 * share * gathered_layer, param_ways, param_span,
+                                 param_wrap, link)
+    scatter = _collective_seconds("reduce_scatter", share * _layer_weights(config) * 4, param_ways,
+                                  param_span, param_wrap, link)
+    layer_compute = (matmul + attention) / m.num_layers
+    fsdp_exposed = m.num_layers * max(0.0, gather + scatter - layer_compute)
+
+    # dp: the gradient shard all-reduced, hidden behind the backward.
+    allreduce = _collective_seconds("all_reduce", 2 * (dp - 1) / dp * params / param_ways * 4, dp,
+                                    spans["dp"], hardware.has_wraparound(topology, dp), link)
+    backward = (matmul + attention) * 2.0 / 3.0
+    dp_exposed = max(0.0, allreduce - backward)
+
+    # Context parallelism: per layer, per pass, by kind.
+    cp_seconds, cp_exposed = _cp_seconds(config, topology, schedule, mesh_sizes, spans, rows,
+                                         attention_pass, eff["collective_latency"])
+
+    return StepEstimate(
+        matmul=matmul, attention=attention, optimizer=optimizer, fsdp_exposed=fsdp_exposed,
+        cp_exposed=cp_exposed, dp_exposed=dp_exposed,
+        communication={"fsdp_gather": m.num_layers * gather, "fsdp_reduce_scatter": m.num_layers * scatter,
+                       "dp_all_reduce": allreduce, **cp_seconds},
+        model_flops=flops_lib.flops_per_step(config),
+        device_flops=dense_hw + m.num_layers * blocks * block_flops * sum(ATTENTION_PASSES.values()),
+        tokens=d.global_batch_size * d.seq_len,
+        num_chips=chips, peak_flops=chip.peak_flops, hbm_bound_matmul=hbm_matmul > compute_matmul)
+
+
+def _cp_seconds(config, topology, schedule, mesh_sizes, spans, rows, attention_pass, latency):
+    """({"cp_<kind>": seconds on the links}, exposed seconds) of the strategy, all layers."""
+    m, a = config.model, config.attention
+    sp = mesh_sizes["sp"]
+    if sp == 1:
+        return {}, 0.0
+    strategy = a.get("cp", "ring")
+    degree = schedule.degree if strategy == "usp" else None
+    shape = collectives.Shape(batch=rows, seq_len=config.data.seq_len, sp=sp, heads=m.num_heads,
+                              kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                              dtype_bytes=2 if m.dtype == "bfloat16" else 4,
+                              documents=bool(a.use_segment_ids))
+    steps = range(schedule.steps)  # the steps K/V travel (the ring's or the ring of groups')
+    parts = collectives.formula_parts(strategy, shape, degree=degree, steps=steps)
+    link = topology.chip.ici_link_bandwidth
+    u = sp if strategy == "ulysses" else (degree or 1)
+    # The Ulysses group is the inner part of sp (mesh.ring_cycle): its links are sp's first.
+    u_span = min(spans["sp"], math.log(u) / math.log(max(2, sp)) * spans["sp"]) if sp > 1 else 0.0
+    groups = {"all_to_all": (u, u_span), "permute": (2, 1.0),
+              "all_gather": (u if strategy in ("ulysses", "usp") else sp,
+                             u_span if strategy in ("ulysses", "usp") else spans["sp"]),
+              "reduce_scatter": (sp, spans["sp"])}
+    seconds, exposed = {}, 0.0
+    for p, kinds in parts.items():
+        for kind, sent in kinds.items():
+            group, span = groups[kind]
+            t = m.num_layers * _collective_seconds(kind, sent, group, span,
+                                                   hardware.has_wraparound(topology, group), link)
+            seconds[f"cp_{kind}"] = seconds.get(f"cp_{kind}", 0.0) + t
+            if kind == "permute":
+                # Each ring step's pass hides behind that step's blocks.
+                n = max(1, schedule.steps)
+                exposed += max(0.0, t - attention_pass[p]) + m.num_layers * n * latency
+            else:
+                exposed += t + m.num_layers * latency
+    return seconds, exposed
