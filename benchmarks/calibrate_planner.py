@@ -10,7 +10,7 @@ calibration.fit on the points marked fit. HBM: the compiles of docs/fit_llama3_8
 fit_llama3_8b_save_qkv.json, fit_llama3_70b.json and fit_strategies.json (scripts/estimate.py,
 benchmarks/fit_strategies.py), memory_model.ACTIVATION_SCALE fitted on fit_llama3_8b.json's.
 The fitted values are what longctx/plan/step_time.py and memory_model.py hold
-(tests/plan/test_calibration.py checks they agree).
+(tests/plan/test_planner.py checks they agree).
 """
 from longctx import cli
 

@@ -10,7 +10,7 @@ its key runs. Each query's interval [lo, hi] has both ends non-decreasing in its
 (masks.MaskSpec.bounds), so over a run of consecutive positions the union is the single interval
 [lo(first), hi(last)]: the test is exact wherever blocks are runs of consecutive positions
 (contiguous, zigzag, striped with stripes of several tokens). Token stripes (stride sp) fall back
-to the exact classifier. tests/plan/test_attention_work.py checks the two agree.
+to the exact classifier. tests/plan/test_planner.py checks the two agree.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
     resolution = resolve(config, devices)   # .config to run, .chosen row, .rows best first
 
 With attention.cp=auto the planner chooses the strategy (and its Ulysses degree), the mesh's -1
-axes (several may be -1 under auto) and attention.layout=auto, among the candidates the config leaves open (planner.auto_keys),
-by the predicted step time of those the memory model fits. Everything else stays as configured.
+axes (several may be -1 under auto) and attention.layout=auto, among the candidates the config
+leaves open (planner.auto_keys), by the predicted step time of those the memory model fits.
+Everything else stays as configured.
 The choice depends only on the config and the devices' kind and count, so every host of a run
 makes the same one, and a restart makes it again. Scripts resolve before the run starts
 (scripts/train.py, estimate.py); longctx.train, which sits below the planner, never sees "auto"
