@@ -249,7 +249,10 @@ def main(argv):
                f"model; the best {len(top)} ways to split attention (sp, strategy, layout: each with "
                f"its best dp x fsdp, block and policies) by predicted step time"
                f"{'' if documents is None else ', attention priced on ' + result['documents']}:")
-    text = f"{heading}\n\n{_table(top, compiled, why)}\n\nrun the first: {' '.join(top[0].overrides())}"
+    # The first row the compiler fits, where one was compiled; else the model's first.
+    chosen = next((i for i, c in sorted(compiled.items()) if c.get("fits")), 0)
+    text = (f"{heading}\n\n{_table(top, compiled, why)}\n\nrun #{chosen + 1}: "
+            f"{' '.join(top[chosen].overrides())}")
     if _MD.value:
         reports.write_markdown(_MD.value, f"# Plan: {config.model.num_layers} layers, d_model "
                                f"{config.model.d_model}, {config.data.seq_len:,} tokens on {topology.name}\n\n"

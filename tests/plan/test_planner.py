@@ -266,7 +266,7 @@ def test_plan_prints_a_ranked_table_and_json():
             "--compile", "0", "--top", "5"]
     table = _plan(*args)
     assert table.returncode == 0, table.stderr[-2000:]
-    assert "| 1 |" in table.stdout and "run the first: --config.mesh.dp=" in table.stdout
+    assert "| 1 |" in table.stdout and "run #1: --config.mesh.dp=" in table.stdout
     result = _plan(*args, "--json", "--doc-lengths", "1000,7000")
     assert result.returncode == 0, result.stderr[-2000:]
     doc = json.loads(result.stdout)
