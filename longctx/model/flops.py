@@ -87,13 +87,17 @@ def recomputed_flops_per_step(config) -> float:
     return float(m.num_layers * per_layer)
 
 
+def matmul_params_per_layer(config) -> int:
+    """Weights one decoder layer multiplies by every token: the attention projections and the MLP."""
+    m = config.model
+    return m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim
+
+
 def dense_flops_per_step(config) -> float:
     """Training FLOPs of one step's matmuls with weights (projections, MLP, output projection)."""
     m, d = config.model, config.data
     tokens = d.global_batch_size * d.seq_len
-    # Matmul parameters touched per token: attention projections, MLP, output projection.
-    per_layer = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim
-    return 3.0 * 2 * tokens * (m.num_layers * per_layer + m.d_model * m.vocab_size)
+    return 3.0 * 2 * tokens * (m.num_layers * matmul_params_per_layer(config) + m.d_model * m.vocab_size)
 
 
 def attention_flops_per_step(config) -> float:

@@ -123,11 +123,6 @@ def _collective_seconds(kind: str, sent_bytes: float, group: int, span: float, w
     return sent_bytes / (directions * link)  # all-gather, reduce-scatter, all-reduce
 
 
-def _layer_weights(config) -> int:
-    m = config.model
-    return m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim
-
-
 def _activation_bytes_per_token(config) -> float:
     """HBM bytes one layer's matmuls read and write per token, one pass (compute dtype)."""
     m = config.model
@@ -158,7 +153,7 @@ def estimate(config, topology: hardware.Topology, schedule: strategy_schedule.St
     dense_model = flops_lib.dense_flops_per_step(config)
     dense_hw = (dense_model + flops_lib.recomputed_flops_per_step(config)) / chips
     passes = 3 + (1 if m.remat_policy == "nothing_saveable" else 0)  # fwd, 2 bwd, remat fwd
-    gathered_layer = _layer_weights(config) * compute_bytes
+    gathered_layer = flops_lib.matmul_params_per_layer(config) * compute_bytes  # bf16 weights
     hbm_matmul = m.num_layers * passes * (
         gathered_layer + tokens_per_device * _activation_bytes_per_token(config)) / chip.hbm_bandwidth
     compute_matmul = dense_hw / (chip.peak_flops * eff["matmul"])
@@ -185,8 +180,9 @@ def estimate(config, topology: hardware.Topology, schedule: strategy_schedule.St
     share = (param_ways - 1) / param_ways
     gather = _collective_seconds("all_gather", 2 * share * gathered_layer, param_ways, param_span,
                                  param_wrap, link)
-    scatter = _collective_seconds("reduce_scatter", share * _layer_weights(config) * 4, param_ways,
-                                  param_span, param_wrap, link)
+    layer_params = flops_lib.matmul_params_per_layer(config)
+    scatter = _collective_seconds("reduce_scatter", share * layer_params * 4, param_ways, param_span,
+                                  param_wrap, link)
     layer_compute = (matmul + attention) / m.num_layers
     fsdp_exposed = m.num_layers * max(0.0, gather + scatter - layer_compute)
 
