@@ -48,6 +48,16 @@ class StrategySchedule:
         return self.kept_blocks / (len(self.work) * self.critical_path)
 
 
+def by_pair(per_step: np.ndarray) -> np.ndarray:
+    """[device a, ring step s] -> [query shard a, K/V shard (a - s) mod sp]: what device a holds at
+    step s, indexed by the K/V shard instead."""
+    sp = per_step.shape[0]
+    a = np.arange(sp)[:, None]
+    pairs = np.zeros_like(per_step)
+    pairs[a, (a - np.arange(sp)[None, :]) % sp] = per_step
+    return pairs
+
+
 def _static_pairs(spec, layout, seq_len, sp, block, chunked_documents: bool) -> np.ndarray:
     """bool [query shard, K/V shard]: pairs the static mask keeps (shard_pairs.pair_active);
     with documents a chunked mask runs as the causal window a chunk spans (ring.prepare)."""
@@ -78,10 +88,7 @@ def from_step_blocks(strategy: str, degree: int | None, per_step: np.ndarray,
     `per_step` [sp, sp], the ring's own critical path and steps (which depend on how it stops),
     and the pairs the static mask keeps (bool [query shard, K/V shard]: the usp ring's steps)."""
     sp = per_step.shape[0]
-    pairs = np.zeros_like(per_step)
-    for a in range(sp):
-        for s in range(sp):
-            pairs[a, (a - s) % sp] = per_step[a, s]
+    pairs = by_pair(per_step)
     if strategy == "ring":
         work = per_step.sum(axis=1).astype(float)
         return StrategySchedule(strategy, 1, work, ring_critical_path, kept, ring_steps)

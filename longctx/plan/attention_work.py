@@ -65,9 +65,6 @@ def static_schedule(strategy: str, degree: int | None, spec: masks.MaskSpec, lay
     per_step = static_step_blocks(spec, layout, seq_len, sp, block)
     run = [s for s in range(sp) if per_step[:, s].any()]
     critical = float(sum(per_step[:, s].max() for s in run))
-    pairs = np.zeros((sp, sp), bool)
-    for a in range(sp):
-        for s in range(sp):
-            pairs[a, (a - s) % sp] = per_step[a, s] > 0
     return strategy_schedule.from_step_blocks(strategy, degree, per_step, critical,
-                                              int(per_step.sum()), len(run), pairs)
+                                              int(per_step.sum()), len(run),
+                                              strategy_schedule.by_pair(per_step) > 0)
