@@ -27,22 +27,15 @@ from jax.experimental import topologies
 from longctx import config as config_lib
 from longctx.parallel import devices as devices_lib
 from longctx.parallel import mesh as mesh_lib
-from longctx.plan import auto, memory
+from longctx.plan import auto, hardware, memory
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
 
 GIB = 1024 ** 3
 
-# HBM per chip (bytes) by the device_kind libtpu reports.
-HBM_BYTES_BY_CHIP = {
-    "TPU v4": 32 * GIB,
-    "TPU v5 lite": 16 * GIB,
-    "TPU v5e": 16 * GIB,
-    "TPU v5": 95 * GIB,
-    "TPU v5p": 95 * GIB,
-    "TPU v6 lite": 32 * GIB,
-    "TPU v6e": 32 * GIB,
-}
+# HBM per chip (bytes) by the device_kind libtpu reports: the planner's chip table's.
+HBM_BYTES_BY_CHIP = {kind: chip.hbm_bytes for chip in hardware.CHIPS.values() if chip.torus_dims
+                     for kind in chip.device_kinds}
 
 
 # libtpu 0.10.2's compiler aborts the process (a failed check in tpu_layout_assignment.cc) on every

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from longctx.model import flops
+
 GB = 1e9
 GIB = 2 ** 30
 
@@ -27,7 +29,7 @@ GIB = 2 ** 30
 class Chip:
     name: str                  # the prefix of libtpu's topology names (v5p:4x4x4), or a GPU's
     device_kinds: tuple        # jax's device_kind strings for it
-    peak_flops: float          # dense bf16 FLOP/s
+    peak_flops: float          # dense bf16 FLOP/s (model/flops.py's table, which MFU reads)
     hbm_bytes: int
     hbm_bandwidth: float       # bytes/s
     ici_link_bandwidth: float  # bytes/s, one direction, one link (GPU: NVLink per GPU)
@@ -37,17 +39,22 @@ class Chip:
     source: str
 
 
+def _peak(device_kind: str) -> float:
+    """Dense bf16 FLOP/s: model/flops.py's table, which MFU reads too."""
+    return flops.PEAK_TFLOPS_BY_CHIP[device_kind] * 1e12
+
+
 CHIPS = {
-    "v4": Chip("v4", ("TPU v4",), 275e12, 32 * GIB, 1.2e12, 4.5e10, 3, 4, 6.25e9, "[SB] [GCP]"),
-    "v5e": Chip("v5e", ("TPU v5 lite", "TPU v5e"), 197e12, 16 * GIB, 8.1e11, 4.5e10, 2, 16,
+    "v4": Chip("v4", ("TPU v4",), _peak("TPU v4"), 32 * GIB, 1.2e12, 4.5e10, 3, 4, 6.25e9, "[SB] [GCP]"),
+    "v5e": Chip("v5e", ("TPU v5 lite", "TPU v5e"), _peak("TPU v5e"), 16 * GIB, 8.1e11, 4.5e10, 2, 16,
                 3.125e9, "[SB] [GCP]"),
-    "v5p": Chip("v5p", ("TPU v5", "TPU v5p"), 459e12, 95 * GIB, 2.8e12, 9e10, 3, 4, 6.25e9,
+    "v5p": Chip("v5p", ("TPU v5", "TPU v5p"), _peak("TPU v5p"), 95 * GIB, 2.8e12, 9e10, 3, 4, 6.25e9,
                 "[SB] [GCP]"),
-    "v6e": Chip("v6e", ("TPU v6 lite", "TPU v6e"), 918e12, 32 * GIB, 1.64e12, 9e10, 2, 16,
+    "v6e": Chip("v6e", ("TPU v6 lite", "TPU v6e"), _peak("TPU v6e"), 32 * GIB, 1.64e12, 9e10, 2, 16,
                 3.125e9, "[SB] [GCP]"),
-    "h100": Chip("h100", ("NVIDIA H100 80GB HBM3",), 989e12, 80 * GB, 3.35e12, 4.5e11, 0, 0,
+    "h100": Chip("h100", ("NVIDIA H100 80GB HBM3",), _peak("NVIDIA H100 80GB HBM3"), 80 * GB, 3.35e12, 4.5e11, 0, 0,
                  5e10, "[NV]"),
-    "h200": Chip("h200", ("NVIDIA H200",), 989e12, 141 * GB, 4.8e12, 4.5e11, 0, 0, 5e10, "[NV]"),
+    "h200": Chip("h200", ("NVIDIA H200",), _peak("NVIDIA H200"), 141 * GB, 4.8e12, 4.5e11, 0, 0, 5e10, "[NV]"),
 }
 
 
