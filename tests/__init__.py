@@ -2,8 +2,7 @@
 benchmarks/ for the benchmarks' smoke tests, and here the tests of the modules at longctx/'s top
 (config, cli, the import graph), the docs' commands and links, and launch/. Shared helpers live
 here too: child_env.py (a child script's environment), child_output.py, synthetic.py (packed
-rows), stalled_save.py, validate_commands.py, fast_compile.py (jit for programs that only
-compile); fixtures/ and assets/ hold files the tests read."""
+rows), stalled_save.py, validate_commands.py; fixtures/ and assets/ hold files the tests read."""
 
 import os
 

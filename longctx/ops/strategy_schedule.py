@@ -73,6 +73,15 @@ def strategy_schedule(strategy: str, degree: int | None, spec: masks.MaskSpec, l
     packed documents `segment_ids` [rows, S], as `tables.document_schedule` takes them."""
     schedule = tables_lib.document_schedule(spec, layout, seq_len, sp, block, segment_ids,
                                             count_kept=count_kept, positions=positions)
+    return from_ring_schedule(strategy, degree, schedule, spec, layout, seq_len, sp, block)
+
+
+def from_ring_schedule(strategy: str, degree: int | None, schedule: tables_lib.DocumentSchedule,
+                       spec: masks.MaskSpec, layout: str, seq_len: int, sp: int,
+                       block: int) -> StrategySchedule:
+    """The schedule of `strategy` from the ring's on the same rows (`tables.document_schedule`
+    with the same arguments): every strategy computes the ring's pairs, so one ring schedule
+    prices them all (the planner computes it once per layout, sp and block)."""
     # The ring of groups visits every step the static mask needs (ulysses.group_steps), whatever
     # the documents need: it does not stop early as the ring does.
     static = _static_pairs(spec, layout, seq_len, sp, block, spec.chunk is not None)

@@ -58,10 +58,11 @@ def static_schedule(strategy: str, degree: int | None, spec: masks.MaskSpec, lay
     blocks, the ring running every step that holds one (it cannot stop early without documents)."""
     if spec.chunk is not None:
         # With segment ids a chunked mask runs as the causal window a chunk spans and prunes by
-        # chunk ids (ring.prepare): the per-document path prices that exactly.
+        # chunk ids (ring.prepare): the per-document path prices that exactly. Its element-wise
+        # count of kept blocks (minutes at 128K tokens) is left out: a plan reads the work only.
         ids = np.ones((1, seq_len), np.int32)
         return strategy_schedule.strategy_schedule(strategy, degree, spec, layout, seq_len, sp,
-                                                   block, ids)
+                                                   block, ids, count_kept=False)
     per_step = static_step_blocks(spec, layout, seq_len, sp, block)
     run = [s for s in range(sp) if per_step[:, s].any()]
     critical = float(sum(per_step[:, s].max() for s in run))

@@ -23,7 +23,7 @@ from longctx import config as config_lib
 from longctx.errors import ConfigError
 from longctx.model import attention as attention_lib
 from longctx.model import decoder
-from longctx.ops import masks, strategy_schedule
+from longctx.ops import masks, strategy_schedule, tables
 from longctx.parallel import layout as layout_lib
 from longctx.plan import attention_work, hardware, memory_model, step_time
 
@@ -152,6 +152,7 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
     remat_choices = opened("model.remat_policy", decoder.REMAT_POLICIES, m.remat_policy)
     block_choices = opened("attention.block_size", BLOCK_SIZES, a.block_size)
     rows = []
+    ring_schedules = {}  # with documents: _schedule's ring schedule per (layout, sp, block)
     for mesh in meshes(config, chips, open_mesh="mesh" in open_keys):
         candidates = strategies(config, mesh["sp"])
         if "attention.cp" not in open_keys:
@@ -167,7 +168,7 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
                 except ConfigError:
                     continue
                 schedule = _schedule(strategy, spec, layout, c.data.seq_len, mesh["sp"], block,
-                                     segment_ids)
+                                     segment_ids, ring_schedules)
                 for residuals, remat in itertools.product(residual_choices, remat_choices):
                     cc = candidate_config(config, mesh, strategy, layout, residuals, remat, block)
                     rows.append(Row(cc, mesh, strategy, layout, residuals, remat, block,
@@ -205,9 +206,16 @@ def _schedule_rows(segment_ids) -> int:
     return 1 if segment_ids is None else int(segment_ids.shape[0])
 
 
-def _schedule(strategy, spec, layout, seq_len, sp, block, segment_ids):
+def _schedule(strategy, spec, layout, seq_len, sp, block, segment_ids, ring_schedules: dict):
+    """The strategy's schedule. With documents, from the ring's on the rows, which every strategy
+    and every mesh with this layout, sp and block shares (computed once into `ring_schedules`),
+    without the element-wise count of kept blocks, which a plan does not read."""
     if segment_ids is None:
         return attention_work.static_schedule(strategy.name, strategy.degree, spec, layout,
                                               seq_len, sp, block)
-    return strategy_schedule.strategy_schedule(strategy.name, strategy.degree, spec, layout,
-                                               seq_len, sp, block, segment_ids)
+    key = (layout, sp, block)
+    if key not in ring_schedules:
+        ring_schedules[key] = tables.document_schedule(spec, layout, seq_len, sp, block,
+                                                       segment_ids, count_kept=False)
+    return strategy_schedule.from_ring_schedule(strategy.name, strategy.degree, ring_schedules[key],
+                                                spec, layout, seq_len, sp, block)

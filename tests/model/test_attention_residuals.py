@@ -15,7 +15,7 @@ from longctx.parallel import mesh as mesh_lib
 from longctx.plan import aot
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
-from tests import ROOT, fast_compile, synthetic
+from tests import ROOT, synthetic
 
 sys.path.insert(0, ROOT)
 from configs import base as base_config  # noqa: E402
@@ -52,7 +52,7 @@ def _loss_and_grads(config, rows):
              for k in train_steps.BATCH_KEYS}
     with jax.set_mesh(mesh):
         loss_fn = lambda params, batch: train_steps._masked_loss(setup.graphdef, params, batch)  # noqa: E731
-        (loss, _), grads = fast_compile.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params, batch)
+        (loss, _), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params, batch)
     return float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 
 

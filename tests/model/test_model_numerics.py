@@ -33,7 +33,6 @@ from flax import nnx
 from configs import base
 from longctx.model.decoder import Decoder, model_nll
 from longctx.parallel import mesh as mesh_lib
-from tests import fast_compile
 
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
 NUM_LAYERS = 2
@@ -73,7 +72,7 @@ def _gradients(config, batch):
     with jax.set_mesh(mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:1])):
         model = Decoder(config, layout="contiguous", rngs=nnx.Rngs(params=0))
         graphdef, params = nnx.split(model, nnx.Param)
-        grads = fast_compile.jit(jax.grad(lambda p: model_nll(nnx.merge(graphdef, p), batch).mean()))(params)
+        grads = jax.jit(jax.grad(lambda p: model_nll(nnx.merge(graphdef, p), batch).mean()))(params)
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0]
     return {jax.tree_util.keystr(path): np.asarray(g, np.float64) for path, g in flat}
 
@@ -111,5 +110,5 @@ def test_initial_loss_is_near_ln_vocab(tied):
              "positions": np.broadcast_to(np.arange(256, dtype=np.int32), (2, 256)).copy()}
     with jax.set_mesh(mesh_lib.make_mesh(c.mesh, devices=jax.devices()[:1])):
         model = Decoder(c, layout="contiguous", rngs=nnx.Rngs(params=0))
-        loss = float(fast_compile.jit(model_nll)(model, batch).mean())
+        loss = float(jax.jit(model_nll)(model, batch).mean())
     assert abs(loss - math.log(c.model.vocab_size)) <= 0.1 * math.log(c.model.vocab_size), loss

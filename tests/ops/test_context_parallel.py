@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 
 from longctx.ops import context_parallel, reference_attention, ulysses
 from longctx.parallel import layout as layout_lib
-from tests import fast_compile
 from tests.ops import oracle
 
 SHARD, BLOCK, HEAD_DIM = 256, 128, 32
@@ -91,9 +90,8 @@ def _programs(strategy, degree, sp, fsdp, heads, layout, impl, mask, with_seg, w
         out, vjp = jax.vjp(lambda q, k, v, aux: fn(q, k, v, qs, aux), q, k, v, aux)
         return out, vjp(dout)
 
-    # short programs: LLVM level 0 (tests/fast_compile.py)
-    return (fast_compile.jit(functools.partial(out_and_grads, attention)),
-            fast_compile.jit(functools.partial(out_and_grads, reference)))
+    return (jax.jit(functools.partial(out_and_grads, attention)),
+            jax.jit(functools.partial(out_and_grads, reference)))
 
 
 def _check(strategy, impl, layout, mask, *, sp=4, degree=None, heads=4, kv_heads=2,
