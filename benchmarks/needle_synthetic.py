@@ -127,9 +127,10 @@ SYNTHETIC_OVERRIDES = {
 }
 
 
-def train_synthetic(config, seed: int):
+def train_synthetic(config, seed: int, compiler_options: dict | None = None):
     """Trains with the real train_step on synthetic_rows (data and init seeded by `seed`);
-    returns a Runner holding the trained parameters."""
+    returns a Runner holding the trained parameters. `compiler_options` go to XLA for the train
+    step (the tests' LLVM level 0 compiles faster but runs these 200 steps slower)."""
     mesh = mesh_lib.make_mesh(config.mesh)
     layout, sp, d = config.attention.layout, int(mesh.shape[mesh_lib.SP]), config.data
     perm = layout_lib.permutation(layout, d.seq_len, sp)
@@ -138,11 +139,15 @@ def train_synthetic(config, seed: int):
         setup = train_state.make_setup(config, mesh, layout)
         state = setup.init(jax.random.PRNGKey(seed))
         train_step, _ = train_steps.jit_steps(config, setup)
+        compiled = None
         for _ in range(config.train.num_steps):
             rows = synthetic_rows(rng, d.global_batch_size, d.seq_len, config.model.vocab_size,
                                   num_values=SYNTHETIC_NUM_VALUES, sp=sp, layout=layout)
-            state, _ = train_step(state, {k: jax.device_put(rows[k][:, perm], setup.batch_sharding)
-                                          for k in train_steps.BATCH_KEYS})
+            batch = {k: jax.device_put(rows[k][:, perm], setup.batch_sharding)
+                     for k in train_steps.BATCH_KEYS}
+            if compiled is None:
+                compiled = train_step.lower(state, batch).compile(compiler_options)
+            state, _ = compiled(state, batch)
             # One step in flight at a time: with many queued on virtual CPU devices, XLA:CPU's
             # all-gathers were seen to deadlock (5 of 8 devices at the rendezvous, abort at 40 s).
             jax.block_until_ready(state)
