@@ -29,8 +29,9 @@ demo: $(STAMP)
 # (19:10 in pytest, 35 CPU-minutes), over the 15 minutes it should take: see issue 37's note.
 # With issue 38's strategies and issue 40's packer (844 tests) a fresh clone's took 21:41 with
 # set-up (20:45 in pytest, 38 CPU-minutes user), still over. With every test program compiled at LLVM
-# level 0 (tests/conftest.py) and the ring's xla product opt-in, a fresh clone's took 15:46 with set-up
-# (15:04 in pytest, 30 CPU-minutes: 1,648 s user + 137 s sys), 869 tests, on 12-04.
+# level 0 (tests/conftest.py) and the rings' and policies' products opt-in (LONGCTX_EXHAUSTIVE=1), a
+# fresh clone's took 14:40 with set-up (14:03 in pytest, 28 CPU-minutes: 1,538 s user + 125 s sys),
+# 867 tests, on 12-04: under the 15 minutes, with little to spare.
 # --dist loadfile keeps each file on one worker, so that a module's fixtures
 # (tests/train/test_checkpoint.py's training runs, for one) run once.
 test: $(STAMP)
