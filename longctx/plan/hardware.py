@@ -52,9 +52,10 @@ CHIPS = {
                 "[SB] [GCP]"),
     "v6e": Chip("v6e", ("TPU v6 lite", "TPU v6e"), _peak("TPU v6e"), 32 * GIB, 1.64e12, 9e10, 2, 16,
                 3.125e9, "[SB] [GCP]"),
-    "h100": Chip("h100", ("NVIDIA H100 80GB HBM3",), _peak("NVIDIA H100 80GB HBM3"), 80 * GB, 3.35e12, 4.5e11, 0, 0,
-                 5e10, "[NV]"),
-    "h200": Chip("h200", ("NVIDIA H200",), _peak("NVIDIA H200"), 141 * GB, 4.8e12, 4.5e11, 0, 0, 5e10, "[NV]"),
+    "h100": Chip("h100", ("NVIDIA H100 80GB HBM3",), _peak("NVIDIA H100 80GB HBM3"), 80 * GB, 3.35e12,
+                 4.5e11, 0, 0, 5e10, "[NV]"),
+    "h200": Chip("h200", ("NVIDIA H200",), _peak("NVIDIA H200"), 141 * GB, 4.8e12, 4.5e11, 0, 0, 5e10,
+                 "[NV]"),
 }
 
 

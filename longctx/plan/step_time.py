@@ -153,7 +153,8 @@ def estimate(config, topology: hardware.Topology, schedule: strategy_schedule.St
     dense_model = flops_lib.dense_flops_per_step(config)
     dense_hw = (dense_model + flops_lib.recomputed_flops_per_step(config)) / chips
     passes = 3 + (1 if m.remat_policy == "nothing_saveable" else 0)  # fwd, 2 bwd, remat fwd
-    gathered_layer = flops_lib.matmul_params_per_layer(config) * compute_bytes  # bf16 weights
+    layer_params = flops_lib.matmul_params_per_layer(config)
+    gathered_layer = layer_params * compute_bytes  # the layer's weights in the compute dtype
     hbm_matmul = m.num_layers * passes * (
         gathered_layer + tokens_per_device * _activation_bytes_per_token(config)) / chip.hbm_bandwidth
     compute_matmul = dense_hw / (chip.peak_flops * eff["matmul"])
@@ -180,7 +181,6 @@ def estimate(config, topology: hardware.Topology, schedule: strategy_schedule.St
     share = (param_ways - 1) / param_ways
     gather = _collective_seconds("all_gather", 2 * share * gathered_layer, param_ways, param_span,
                                  param_wrap, link)
-    layer_params = flops_lib.matmul_params_per_layer(config)
     scatter = _collective_seconds("reduce_scatter", share * layer_params * 4, param_ways, param_span,
                                   param_wrap, link)
     layer_compute = (matmul + attention) / m.num_layers
