@@ -38,6 +38,13 @@ def _optional_float():
     return config_dict.placeholder(float)
 
 
+# A key that takes an int or "auto" (the planner's choice when the run starts): typed `object`, so
+# that `--config.attention.block_size=auto` and `=1024` both parse (as a Python literal, else a
+# string) where an int field would refuse "auto"; config.validate checks what it holds.
+def _int_or_auto(default: int):
+    return config_dict.FieldReference(default, field_type=object)
+
+
 def _base() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
@@ -100,8 +107,9 @@ def _base() -> ml_collections.ConfigDict:
             logits_soft_cap=_optional_float(),
             use_segment_ids=True,  # document masking: attend only within a packed document
             # q/kv block of the ring's tables and kernels; off TPU, 256 or 128 is faster on short
-            # packed documents (skipping is per block: docs/attention.md, bench_ring_blocks.py)
-            block_size=512,
+            # packed documents (skipping is per block: docs/attention.md, bench_ring_blocks.py);
+            # auto: the planner's choice among 512, 1024 and 2048 when the run starts on TPU
+            block_size=_int_or_auto(512),
             # What the ring's backward keeps per layer (longctx/model/attention.py): save_qkv |
             # recompute_qkv (q/k/v recomputed from the layer input) | offload_qkv (to host memory)
             residuals="save_qkv",

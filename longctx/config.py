@@ -68,9 +68,7 @@ def _choices() -> dict[str, tuple]:
 def _check_context_parallel(a, heads: int, sp: int) -> None:
     """attention.cp against the heads and the sp size (configs older than the key ran the ring)."""
     strategy, degree = a.get("cp", "ring"), a.get("cp_ulysses")
-    _require(strategy != "auto", "attention.cp=auto is chosen by the planner as a script starts "
-             "(scripts/train.py, estimate.py); code that calls train_and_evaluate itself resolves "
-             "it first with longctx.plan.auto.resolve(config, jax.devices()).")
+    _require(strategy != "auto", _chosen_by_the_planner("attention.cp"))
     _one_of_values("attention.cp", strategy, context_parallel.STRATEGIES)
     if strategy != "usp":
         _require(degree is None, f"attention.cp_ulysses={degree} is the Ulysses degree of "
@@ -88,6 +86,20 @@ def _check_context_parallel(a, heads: int, sp: int) -> None:
         _require(degree is not None and degree >= 1 and sp % degree == 0 and heads % degree == 0,
                  f"attention.cp=usp needs attention.cp_ulysses (now {degree}) dividing both sp={sp} "
                  f"and model.num_heads={heads}: {fix}.")
+
+
+def _chosen_by_the_planner(key: str) -> str:
+    return (f"{key}=auto is chosen by the planner as a script starts (scripts/train.py, "
+            "estimate.py); code that calls train_and_evaluate itself resolves it first with "
+            "longctx.plan.auto.resolve(config, jax.devices()).")
+
+
+def _check_block_size(block) -> None:
+    """attention.block_size holds an int or "auto" (configs/base.py types it `object` for that)."""
+    _require(block != "auto", _chosen_by_the_planner("attention.block_size"))
+    _require(isinstance(block, int) and not isinstance(block, bool) and block > 0,
+             f"attention.block_size={block!r} must be a positive integer (or auto, for the planner "
+             "to choose when the run starts).")
 
 
 def _one_of_values(key: str, value, choices) -> None:
@@ -128,8 +140,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
                  f"gradients underflow to zero: set {key}=bfloat16 (float32's range) or float32.")
     for key, choices in _choices().items():
         _one_of(config, key, choices)
+    _check_block_size(a.block_size)
     _positive(config, "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
-              "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "attention.block_size",
+              "model.num_kv_heads", "model.head_dim", "model.mlp_dim",
               "data.seq_len", "data.global_batch_size", "optimizer.learning_rate",
               "train.num_steps", "train.log_every", "train.loss_chunk_size")
 

@@ -37,7 +37,7 @@ import sys  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from longctx.plan import aot, auto, collectives  # noqa: E402
+from longctx.plan import aot, auto, collectives, planner  # noqa: E402
 from longctx import config as config_lib  # noqa: E402
 from longctx import reports  # noqa: E402
 from longctx.parallel import mesh as mesh_lib  # noqa: E402
@@ -91,7 +91,7 @@ def check(config, topology: str) -> None:
     """What a compile for `topology` checks first, without compiling: the topology is known and
     the config fits its device count (ConfigError / ValueError, one sentence)."""
     devices = aot.topology_devices(topology)
-    config = auto.resolve(config, devices).config  # attention.cp=auto, as compile_train_step does
+    config = auto.resolve(config, devices).config  # auto keys, as compile_train_step does
     config_lib.validate(config, num_devices=len(devices))
     mesh_lib.make_mesh(config.mesh, devices=devices)
 
@@ -331,11 +331,13 @@ def main(argv):
         return
     if not _TOPOLOGY.value:
         raise ConfigError("give --topology (e.g. v5p:4x4x4) or --sweep.")
-    if config.attention.get("cp") == auto.AUTO and aot.libtpu_available():
+    if planner.auto_keys(config) and aot.libtpu_available():
         try:  # the report describes the config the planner chose
-            config = auto.resolve(config, aot.topology_devices(_TOPOLOGY.value)).config
+            resolution = auto.resolve(config, aot.topology_devices(_TOPOLOGY.value))
         except ValueError as e:  # a topology libtpu does not know
             raise ConfigError(str(e)) from None
+        config = resolution.config
+        print(f"estimate: {auto.describe(resolution)}", file=sys.stderr, flush=True)
     result = estimate(config, _TOPOLOGY.value, breakdown=_BREAKDOWN.value)
     if _JSON.value:
         print(json.dumps(result_dict(config, result), indent=1))

@@ -21,8 +21,9 @@ given: --doc-lengths (lengths repeated to fill each row) or --data (the first pa
 prepared dataset, as a run with attention.layout=auto samples them). The model, the data shape
 and everything not searched stay as the config has them; --seq-len overrides data.seq_len.
 
-`--config.attention.cp=auto` in scripts/train.py and estimate.py applies the same planner to a
-run at start-up (only the strategy, the mesh's -1 axes and attention.layout=auto are chosen).
+`--config.attention.cp=auto` and `--config.attention.block_size=auto` in scripts/train.py and
+estimate.py apply the same planner to a run at start-up (only the strategy, the mesh's -1 axes, the
+block and attention.layout=auto are chosen, each where the config asks).
 Exit status 0, or 2 with one line (`longctx: ...`) on bad input.
 """
 

@@ -1,7 +1,8 @@
 """Train a longctx model: flags -> config -> longctx.train.train_and_evaluate (with the passkey
 evaluator of longctx.evals.needle when --config.train.eval_needle_every > 0). With
 --config.attention.cp=auto the planner (longctx.plan.auto) chooses the strategy and the mesh's -1
-axes first, says what it chose in one line and records its best rows in run_info.json.
+axes first (with --config.attention.block_size=auto the block), says what it chose in one line and
+records its best rows in run_info.json.
 
   .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
   .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/x --config.model.num_layers=4
@@ -25,7 +26,7 @@ from longctx.evals import needle  # noqa: E402
 from longctx.parallel import mesh as mesh_lib  # noqa: E402
 from longctx.plan import auto  # noqa: E402
 
-# Rows of the planner's table run_info.json keeps when attention.cp=auto chose.
+# Rows of the planner's table run_info.json keeps when the planner chose (an auto key).
 PLAN_ROWS_KEPT = 5
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:tiny.",
@@ -39,10 +40,10 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     config = _CONFIG.value
     mesh_lib.maybe_initialize_distributed(config.distributed)  # all hosts' devices, for the planner
-    resolution = auto.resolve(config, jax.devices())  # attention.cp=auto, if asked
+    resolution = auto.resolve(config, jax.devices())  # attention.cp / block_size=auto, if asked
     config = resolution.config
     if resolution.chosen is not None and jax.process_index() == 0:
-        print(f"longctx: {auto.describe(resolution.chosen)}", flush=True)
+        print(f"longctx: {auto.describe(resolution)}", flush=True)
     run_info = resolution.run_info(PLAN_ROWS_KEPT)
     run_info["predicted"] = auto.prediction(config, jax.devices())  # None off the planner's chips
     # The loop runs evaluations it is given; it never imports them (they live above it).

@@ -181,7 +181,7 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
         devices = topology_devices(topology)
     devices = list(devices)
     topology = topology or f"{devices[0].platform}:{len(devices)}"
-    config = auto.resolve(config, devices).config  # attention.cp=auto, as a run would start
+    config = auto.resolve(config, devices).config  # the auto keys, as a run would start
     sizes = config_lib.validate(config, num_devices=len(devices))
     if devices[0].platform == "tpu" and config.attention.get("residuals") == OFFLOAD_QKV:
         raise config_lib.ConfigError(OFFLOAD_ON_TPU)

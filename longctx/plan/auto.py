@@ -1,15 +1,17 @@
-"""`attention.cp=auto`: the planner's choice applied to a run's config when it starts.
+"""`attention.cp=auto`, `attention.block_size=auto`: the planner's choice applied to a run's config
+when it starts.
 
     resolution = resolve(config, devices)   # .config to run, .chosen row, .rows best first
 
 With attention.cp=auto the planner chooses the strategy (and its Ulysses degree), the mesh's -1
-axes (several may be -1 under auto) and attention.layout=auto, among the candidates the config
-leaves open (planner.auto_keys), by the predicted step time of those the memory model fits.
-Everything else stays as configured.
+axes (several may be -1 under auto) and attention.layout=auto; with attention.block_size=auto the
+block (planner.BLOCK_SIZES), and the layout too where it is auto. It chooses among the candidates
+the config leaves open (planner.auto_keys), by the predicted step time of those the memory model
+fits. Everything else stays as configured.
 The choice depends only on the config and the devices' kind and count, so every host of a run
 makes the same one, and a restart makes it again. Scripts resolve before the run starts
 (scripts/train.py, estimate.py); longctx.train, which sits below the planner, never sees "auto"
-(config.validate refuses it with the way out).
+(config.validate refuses either with the way out).
 """
 
 from __future__ import annotations
@@ -21,19 +23,29 @@ import numpy as np
 from longctx.errors import ConfigError
 from longctx.plan import hardware, planner
 
-AUTO = "auto"
+AUTO = planner.AUTO
 
 
-def topology_of(devices) -> hardware.Topology:
+# What to set instead of each auto key, where the planner has no figures for the chip.
+_INSTEAD = {"attention.cp": "--config.attention.cp=ring (or all_gather, ulysses, usp)",
+            "attention.layout": "--config.attention.layout=auto (the ring's own choice)",
+            "attention.block_size": "--config.attention.block_size=512"}
+
+
+def topology_of(devices, asked=("attention.cp",)) -> hardware.Topology:
     """The slice `devices` form: their chip and the extent of their coordinates (TPU), or a
-    switch of n devices (GPU). ConfigError where the planner knows no such chip."""
+    switch of n devices (GPU). ConfigError, naming the `asked` auto keys, where the planner
+    knows no such chip."""
     kind = devices[0].device_kind
     chip = hardware.chip_for_device_kind(kind)
     if chip is None:
         known = ", ".join(hardware.CHIPS)
-        raise ConfigError(f"attention.cp=auto needs the step-time model's figures for the chip, and "
-                          f"longctx has none for {devices[0].platform} devices ({kind!r}; it knows "
-                          f"{known}): set --config.attention.cp=ring (or all_gather, ulysses, usp).")
+        keys = [k for k in asked if k != "attention.layout"]  # layout=auto runs without the planner
+        raise ConfigError(f"{' and '.join(f'{k}=auto' for k in keys)} "
+                          f"need{'s' if len(keys) == 1 else ''} the step-time model's figures for "
+                          f"the chip, and longctx has none for {devices[0].platform} devices "
+                          f"({kind!r}; it knows {known}): set "
+                          f"{' and '.join(_INSTEAD[k] for k in keys)}.")
     coords = [getattr(d, "coords", None) for d in devices]
     if chip.torus_dims and all(c is not None for c in coords):
         chips = {tuple(c) for c in coords}
@@ -49,6 +61,7 @@ class Resolution:
     config: object                   # the config to run, nothing left to auto
     chosen: planner.Row | None       # the planner's row it is (None: nothing was asked)
     rows: list                       # the planner's rows, best first
+    asked: tuple = ()                # the keys left to the planner (planner.auto_keys)
 
     def run_info(self, rows: int = 5) -> dict:
         """What run_info.json records: the choice's predicted step and the best rows."""
@@ -59,20 +72,21 @@ class Resolution:
 
 
 def resolve(config, devices) -> Resolution:
-    """The config with attention.cp=auto resolved (as it is when it asks for nothing)."""
+    """The config with its auto keys resolved (as it is when it asks for nothing)."""
     keys = planner.auto_keys(config)
     if not keys:
         return Resolution(config, None, [])
-    topology = topology_of(devices)
+    topology = topology_of(devices, keys)
     rows = planner.plan(config, topology, open_keys=keys)
     fitting = [r for r in rows if r.fits]
     if not fitting:
         best = min(rows, key=lambda r: r.memory.total_bytes, default=None)
         need = "" if best is None else (f" (the smallest needs ~{best.memory.total_bytes / 2**30:.0f} "
                                         f"GiB of {best.hbm_bytes / 2**30:.0f})")
-        raise ConfigError(f"attention.cp=auto: no strategy and mesh fit {topology.name} by the memory "
-                          f"model{need}: run scripts/plan.py to see what does, or set attention.cp.")
-    return Resolution(fitting[0].config, fitting[0], rows)
+        asked = ", ".join(f"{k}=auto" for k in keys)
+        raise ConfigError(f"{asked}: no candidate fits {topology.name} by the memory model{need}: "
+                          f"run scripts/plan.py to see what does, or set the keys yourself.")
+    return Resolution(fitting[0].config, fitting[0], rows, keys)
 
 
 def prediction(config, devices) -> dict | None:
@@ -86,8 +100,10 @@ def prediction(config, devices) -> dict | None:
     return rows[0].as_dict() if rows else None
 
 
-def describe(row: planner.Row) -> str:
-    """The start-up line of an auto choice."""
+def describe(resolution: Resolution) -> str:
+    """The start-up line of an auto choice: what was asked, what was chosen, the predicted step."""
+    row, asked = resolution.chosen, ", ".join(f"{k}=auto" for k in resolution.asked)
     mesh = ", ".join(f"{a}={n}" for a, n in row.mesh.items())
-    return (f"attention.cp=auto chose {row.strategy} ({row.layout}, mesh {mesh}); predicted step "
-            f"{row.step.seconds:.3g} s, MFU {row.step.mfu:.0%}, {row.step.bound}-bound")
+    return (f"{asked}: the planner chose {row.strategy} ({row.layout}, mesh {mesh}, block "
+            f"{row.block}); predicted step {row.step.seconds:.3g} s, MFU {row.step.mfu:.0%}, "
+            f"{row.step.bound}-bound")

@@ -29,6 +29,8 @@ from longctx.plan import attention_work, hardware, memory_model, step_time
 
 # The blocks a plan tries (the ring's tables and the splash kernel's blocks, on TPU).
 BLOCK_SIZES = (512, 1024, 2048)
+# The value of a config key that leaves it to the planner (auto_keys; plan/auto.py at start-up).
+AUTO = "auto"
 # Fraction of HBM a candidate may use by the memory model, which only prunes (the compile decides).
 HBM_HEADROOM = 0.95
 
@@ -129,11 +131,17 @@ SEARCHABLE = ("mesh", "attention.cp", "attention.layout", "attention.block_size"
 
 
 def auto_keys(config) -> tuple[str, ...]:
-    """The keys a run's config leaves to the planner: attention.cp=auto, and with it
-    attention.layout=auto (the mesh's -1 axes are free in every plan)."""
-    if config.attention.get("cp", "ring") != "auto":
-        return ()
-    return ("attention.cp",) + (("attention.layout",) if config.attention.layout == "auto" else ())
+    """The keys a run's config leaves to the planner: attention.cp=auto (and with it
+    attention.layout=auto), attention.block_size=auto. The mesh's -1 axes are free in every plan;
+    so is attention.layout=auto, which a candidate must fix to be priced, so a run that asks the
+    planner for its block also runs the planner's layout."""
+    a = config.attention
+    keys = ("attention.cp",) if a.get("cp", "ring") == AUTO else ()
+    if keys and a.layout == AUTO:
+        keys += ("attention.layout",)
+    if a.block_size == AUTO:
+        keys += ("attention.block_size",)
+    return keys
 
 
 def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
@@ -158,7 +166,7 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
         if "attention.cp" not in open_keys:
             candidates = [Strategy(a.get("cp", "ring"), a.get("cp_ulysses"))]
         for strategy in candidates:
-            layouts = (_layouts(strategy) if "attention.layout" in open_keys or a.layout == "auto"
+            layouts = (_layouts(strategy) if "attention.layout" in open_keys or a.layout == AUTO
                        else (a.layout,))
             for layout, block in itertools.product(layouts, block_choices):
                 c = candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy,

@@ -38,7 +38,7 @@ def _config(preset="llama3_8b_128k", **sections):
 def _small_tpu_config(**attention):
     """The tiny model in bf16 with the splash kernel, 8,192 tokens: compiles for v5p:2x2x2 in seconds."""
     return _config("tiny", model=dict(dtype="bfloat16"),
-                   attention=dict(impl="splash", block_size=512, **attention),
+                   attention={"impl": "splash", "block_size": 512, **attention},
                    data=dict(seq_len=8192, global_batch_size=2), mesh=dict(dp=1, fsdp=-1, sp=4))
 
 
@@ -217,6 +217,26 @@ def test_auto_is_the_planners_best_row_the_same_every_time():
     assert own["overrides"] == best.overrides() and own["predicted"]["step_seconds"] > 0
 
 
+def test_block_size_auto_is_the_planners_block_and_nothing_else_changes():
+    devices = [type("Device", (), {"device_kind": "TPU v5", "platform": "tpu", "coords": (x, y, z)})()
+               for x in range(4) for y in range(4) for z in range(4)]
+    c = _config(attention=dict(block_size="auto", layout="zigzag"))  # cp=ring, mesh fixed
+    assert planner.auto_keys(c) == ("attention.block_size",)
+    resolution = auto.resolve(c, devices)
+    rows = planner.plan(c, hardware.parse_topology("v5p:4x4x4"), open_keys=planner.auto_keys(c))
+    best = next(r for r in rows if r.fits)
+    assert {r.block for r in rows} == set(planner.BLOCK_SIZES)  # every block was priced
+    a = resolution.config.attention
+    assert a.block_size == best.block and (a.cp, a.layout) == ("ring", "zigzag")
+    assert (c.mesh.dp, c.mesh.fsdp, c.mesh.sp) == (1, -1, 16)
+    assert resolution.chosen.mesh == {"dp": 1, "fsdp": 4, "sp": 16}  # the preset's, -1 resolved
+    line = auto.describe(resolution)
+    assert line.startswith("attention.block_size=auto: the planner chose ring") and f"block {best.block}" in line
+    # asked together with cp=auto: the planner opens the three keys
+    both = _config(attention=dict(block_size="auto", cp="auto"), mesh=dict(dp=1, fsdp=-1, sp=-1))
+    assert planner.auto_keys(both) == ("attention.cp", "attention.layout", "attention.block_size")
+
+
 def test_auto_on_a_chip_the_planner_does_not_know_is_one_sentence():
     cpu = [type("Device", (), {"device_kind": "cpu", "platform": "cpu"})()] * 8
     with pytest.raises(ConfigError, match=r"attention.cp=auto .* cpu devices .* set --config.attention.cp=ring"):
@@ -224,6 +244,11 @@ def test_auto_on_a_chip_the_planner_does_not_know_is_one_sentence():
     assert auto.prediction(_config("tiny"), cpu) is None
     with pytest.raises(ConfigError, match="attention.cp=auto is chosen by the planner"):
         config_lib.validate(_config("tiny", attention=dict(cp="auto")), num_devices=8)
+    with pytest.raises(ConfigError, match="attention.block_size=auto is chosen by the planner"):
+        config_lib.validate(_config("tiny", attention=dict(block_size="auto")), num_devices=8)
+    for wrong in ("big", 128.0, True):  # the key takes "auto", so it is typed object: validate checks
+        with pytest.raises(ConfigError, match=f"attention.block_size={wrong!r} must be a positive integer"):
+            config_lib.validate(_config("tiny", attention=dict(block_size=wrong)), num_devices=8)
 
 
 @pytest.mark.tpu_aot
@@ -236,11 +261,12 @@ def test_the_top_row_and_autos_choice_compile_for_tpu():
     top = aot.compile_train_step(rows[0].config, "v5p:2x2x2")
     assert top.fits and top.mesh_shape == rows[0].mesh
 
-    c = _small_tpu_config(cp="auto")
+    c = _small_tpu_config(cp="auto", block_size="auto")
     devices = aot.topology_devices("v5p:2x2x2")
-    chosen = auto.resolve(c, devices).chosen
+    resolution = auto.resolve(c, devices)
+    assert resolution.config.attention.block_size == resolution.chosen.block
     started = aot.compile_train_step(c, "v5p:2x2x2")
-    assert started.fits and started.mesh_shape == chosen.mesh
+    assert started.fits and started.mesh_shape == resolution.chosen.mesh
     assert top.cost_flops and top.cost_flops > 0  # XLA's own count, reported beside the model's
 
 
@@ -278,11 +304,12 @@ def test_plan_prints_a_ranked_table_and_json():
 def test_train_with_auto_on_cpu_is_one_line_before_anything_runs(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"),
                              "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'run'}",
-                             "--config.attention.cp=auto"], cwd=ROOT, env=child_env.script_env(),
+                             "--config.attention.block_size=auto"], cwd=ROOT, env=child_env.script_env(),
                             capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
+    assert result.returncode == 2  # the flag parses (the key takes an int or auto); the chip is unknown
     lines = [line for line in result.stderr.splitlines() if line.startswith("longctx: ")]
-    assert len(lines) == 1 and "attention.cp=auto needs the step-time model's figures" in lines[0], result.stderr
+    assert len(lines) == 1 and "attention.block_size=auto needs the step-time model's figures" in lines[0], result.stderr
+    assert lines[0].endswith("set --config.attention.block_size=512."), lines[0]
     assert not (tmp_path / "run").exists()
 
 
