@@ -7,6 +7,7 @@ bad launch fails in seconds with a message a person can act on, not minutes late
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import ml_collections
@@ -97,7 +98,7 @@ def _chosen_by_the_planner(key: str) -> str:
 def _check_block_size(block) -> None:
     """attention.block_size holds an int or "auto" (configs/base.py types it `object` for that)."""
     _require(block != "auto", _chosen_by_the_planner("attention.block_size"))
-    _require(isinstance(block, int) and not isinstance(block, bool) and block > 0,
+    _require(isinstance(block, numbers.Integral) and not isinstance(block, bool) and block > 0,
              f"attention.block_size={block!r} must be a positive integer (or auto, for the planner "
              "to choose when the run starts).")
 

@@ -220,8 +220,14 @@ def _packers_report(a, mask_kw) -> int:
         fixed = packer_layout(packer)
         auto = fixed or ops.resolve_layout("auto", a.seq_len, a.sp, block_size=a.block,
                                            segment_ids=ids[:8], **mask_kw)
+        lengths = packer_report.pieces(ids)
+        bounds = {"visited_bound": packer_report.visited_bound(lengths, len(ids), a.seq_len, a.sp),
+                  "boundary_padding": packer_report.boundary_padding(lengths, a.seq_len, a.sp),
+                  "contiguous_bound": (packer_report.contiguous_bound(lengths, a.seq_len, a.sp, a.block)
+                                       if spec.causal and spec.window is None and spec.chunk is None
+                                       else None)}  # its proof is for the causal mask
         report[packer] = {"padding": rows.padding, "epoch_rows": rows.epoch_rows, "rows": len(ids),
-                          "kept_blocks": kept, "auto_layout": auto, "layouts": {
+                          "kept_blocks": kept, "auto_layout": auto, **bounds, "layouts": {
                               layout: packer_report.summarize(sch, kept, a.sp, a.seq_len, a.batch_size,
                                                               a.kv_bytes_per_token)
                               for layout, sch in schedules.items()}}
@@ -245,6 +251,13 @@ def _packers_report(a, mask_kw) -> int:
                   f"{m['critical_path']:>14,} {m['ideal']:>10,.0f} {m['of_ideal']:>9.3f} "
                   f"{m['visited_mean']:>11.2f} / {m['visited_max']:<3} "
                   f"{m['kv_bytes_per_row'] / 2**20:>12,.0f}")
+    print("what no packer passes on these pieces (longctx/data/packer_report.py derives both):")
+    for packer, r in report.items():
+        contiguous = ("" if r["contiguous_bound"] is None else
+                      f"; of ideal <= {r['contiguous_bound']:.3f} in the contiguous layout")
+        print(f"{packer:>18}  visited >= {r['visited_bound']:.2f} per row in any layout{contiguous}; "
+              f"padding >= {r['boundary_padding']:.2%} if every piece longer than a shard starts on "
+              "a shard boundary")
     if a.png:
         print(f"per-device work: {a.png}")
     return 0

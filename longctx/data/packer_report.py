@@ -9,6 +9,15 @@ padding. The ring's side is ops/tables.document_schedule, the host copy of what 
   K/V passed     (visited - 1) hops x seq_len tokens (every device sends its L tokens per hop)
                  x kv_bytes_per_token, for one layer's forward pass
   padding        padding tokens / all tokens, over every row of one epoch
+
+and two bounds that hold for every packer, computed from the pieces the rows hold (a document,
+or a seq_len piece of a longer one), so a packer's figures can be held against what is possible:
+
+  visited_bound     the fewest ring steps visited per row, on average, in any layout
+  contiguous_bound  the most of the ideal (ideal / critical path) any placement in the
+                    contiguous layout reaches, for a causal mask
+  boundary_padding  the least padding of any packer that starts every piece longer than a
+                    shard on a shard boundary (shard_balanced's rule 2, data/dispatch.py)
 """
 
 from __future__ import annotations
@@ -106,3 +115,63 @@ def summarize(schedules: list[tables.DocumentSchedule], kept: int, sp: int, seq_
             "visited_mean": float(visited.mean()), "visited_max": int(visited.max()),
             "kv_bytes_per_row": float((visited - 1).mean() * seq_len * kv_bytes_per_token),
             "device_work": [s.computed_blocks.tolist() for s in schedules]}
+
+
+def pieces(segment_ids: np.ndarray) -> np.ndarray:
+    """Lengths of the documents' pieces in natural-order rows [rows, seq_len] (0 = padding)."""
+    out = []
+    for row in segment_ids:
+        starts = np.r_[0, np.flatnonzero(np.diff(row)) + 1]
+        ends = np.r_[starts[1:], len(row)]
+        out += [e - b for b, e in zip(starts, ends) if row[b] != 0]
+    return np.asarray(out, np.int64)
+
+
+def visited_bound(lengths: np.ndarray, rows: int, seq_len: int, sp: int) -> float:
+    """The fewest ring steps visited per row, on average over `rows` rows holding pieces of
+    `lengths`, that any packer reaches in any layout.
+
+    A piece of n tokens lies on k >= ceil(n / L) devices (each holds L = seq_len / sp tokens of
+    a row). Its first part's K/V must reach the k - 1 devices holding its later parts, each at
+    its own distance along the ring, so the ring visits at least k steps (0, the step it starts
+    on, included). A row visits at least the largest k among its pieces, which is at least their
+    k weighted by length, sum(k n) / sum(n) >= sum(k n) / seq_len; summed over the rows and
+    divided by their count."""
+    shard_len = seq_len // sp
+    k = -(-lengths // shard_len)
+    return max(1.0, float((k * lengths).sum()) / (seq_len * rows))
+
+
+def contiguous_bound(lengths: np.ndarray, seq_len: int, sp: int, block: int) -> float:
+    """The most of the ideal (ideal / critical path, the report's `of_ideal`) that any placement
+    of pieces of `lengths` in the contiguous layout reaches under a causal mask, every piece
+    starting on a block (a piece across a block boundary adds blocks to both sides).
+
+    In the contiguous layout device d receives at ring step s >= 1 the K/V of device d - s, or,
+    for d < s, of a device holding later positions, which a causal mask never lets it use: at
+    step s at most sp - s <= sp - 1 devices have work, so the busiest computes at least 1/(sp-1)
+    of that step's blocks where the ideal gives each device 1/sp. A piece puts at least
+    `off` of its blocks on steps >= 1 however it lies: step 0 holds its parts' own causal
+    triangles, largest when its parts are q whole shards and the rest (n = q L + r). With W the
+    blocks of all pieces and OFF the sum of `off`:
+        critical path >= (W - OFF) / sp + OFF / (sp - 1),   ideal = W / sp,
+    and the bound is W / sp over the right-hand side."""
+    shard_len = seq_len // sp
+    whole, rest = np.divmod(lengths, shard_len)
+    triangle = lambda n: (lambda m: m * (m + 1) // 2)(-(-n // block))  # noqa: E731
+    work = triangle(lengths)
+    off = work - whole * triangle(np.int64(shard_len)) - triangle(rest)
+    total, off_total = float(work.sum()), float(off.sum())
+    return total / (total + off_total * sp / (sp - 1) - off_total) if total else 1.0
+
+
+def boundary_padding(lengths: np.ndarray, seq_len: int, sp: int) -> float:
+    """The least padding (padding / all tokens) of any placement of pieces of `lengths` that
+    starts every piece longer than a shard on a shard boundary: such a piece of n tokens spans k
+    shards and leaves k L - n tokens of its last shard that only pieces no longer than a shard
+    can fill, so whatever those rooms hold beyond all the short pieces' tokens is padding."""
+    shard_len = seq_len // sp
+    long = lengths[lengths > shard_len]
+    room = int((-(-long // shard_len) * shard_len - long).sum())
+    padding = max(0, room - int(lengths[lengths <= shard_len].sum()))
+    return padding / (int(lengths.sum()) + padding) if len(lengths) else 0.0

@@ -112,12 +112,32 @@ def test_balance_and_ring_steps_beat_best_fit_on_the_contiguous_ring():
         schedules = packer_report.row_schedules(spec, "contiguous", 8192, 4, 128, rows.segment_ids)
         kept = packer_report.kept_blocks(spec, 8192, 4, 128, rows.segment_ids, schedules)
         got[packer] = packer_report.summarize(schedules, kept, 4, 8192)
+        # what no packer passes, on the pieces these rows hold
+        lengths = packer_report.pieces(rows.segment_ids)
+        assert lengths.min() > 0 and lengths.sum() == (rows.segment_ids > 0).sum()
+        assert got[packer]["visited_mean"] >= packer_report.visited_bound(lengths, len(rows.segment_ids), 8192, 4)
+        assert got[packer]["of_ideal"] <= packer_report.contiguous_bound(lengths, 8192, 4, 128)
+        if packer == dispatch.PACKER:  # it starts long pieces on a shard boundary
+            assert rows.padding >= packer_report.boundary_padding(lengths, 8192, 4)
         for r in rows.segment_ids:
             if packer == dispatch.PACKER:
                 check_placement(r, 8192, 4)
     sb, bf = got[dispatch.PACKER], got["best_fit"]
     assert sb["of_ideal"] > bf["of_ideal"] + 0.05, (sb["of_ideal"], bf["of_ideal"])
     assert sb["visited_mean"] < bf["visited_mean"] and sb["kv_bytes_per_row"] < bf["kv_bytes_per_row"]
+
+
+def test_the_bounds_are_the_rings_own_figures_where_they_are_tight():
+    """One document over both shards of a 2-device ring: device 1 alone works at step 1, as the
+    contiguous bound assumes, and the row visits the 2 steps the visited bound says it must."""
+    spec = masks.make_mask_spec(causal=True)
+    ids = np.ones((1, 1024), np.int32)
+    schedules = packer_report.row_schedules(spec, "contiguous", 1024, 2, 64, ids)
+    got = packer_report.summarize(schedules, packer_report.kept_blocks(spec, 1024, 2, 64, ids, schedules), 2, 1024)
+    lengths = packer_report.pieces(ids)
+    assert lengths.tolist() == [1024]
+    assert got["of_ideal"] == pytest.approx(packer_report.contiguous_bound(lengths, 1024, 2, 64), rel=1e-12)
+    assert got["visited_mean"] == packer_report.visited_bound(lengths, 1, 1024, 2) == 2
 
 
 def test_kept_blocks_are_the_contiguous_rings_blocks_for_causal_packed_rows():
