@@ -251,7 +251,7 @@ def _packers_report(a, mask_kw) -> int:
                   f"{m['critical_path']:>14,} {m['ideal']:>10,.0f} {m['of_ideal']:>9.3f} "
                   f"{m['visited_mean']:>11.2f} / {m['visited_max']:<3} "
                   f"{m['kv_bytes_per_row'] / 2**20:>12,.0f}")
-    print("what no packer passes on these pieces (longctx/data/packer_report.py derives both):")
+    print("what no packer passes on these pieces (longctx/data/packer_report.py derives each):")
     for packer, r in report.items():
         contiguous = ("" if r["contiguous_bound"] is None else
                       f"; of ideal <= {r['contiguous_bound']:.3f} in the contiguous layout")

@@ -10,7 +10,7 @@ padding. The ring's side is ops/tables.document_schedule, the host copy of what 
                  x kv_bytes_per_token, for one layer's forward pass
   padding        padding tokens / all tokens, over every row of one epoch
 
-and two bounds that hold for every packer, computed from the pieces the rows hold (a document,
+and three bounds that hold for every packer, computed from the pieces the rows hold (a document,
 or a seq_len piece of a longer one), so a packer's figures can be held against what is possible:
 
   visited_bound     the fewest ring steps visited per row, on average, in any layout
@@ -158,7 +158,10 @@ def contiguous_bound(lengths: np.ndarray, seq_len: int, sp: int, block: int) -> 
     and the bound is W / sp over the right-hand side."""
     shard_len = seq_len // sp
     whole, rest = np.divmod(lengths, shard_len)
-    triangle = lambda n: (lambda m: m * (m + 1) // 2)(-(-n // block))  # noqa: E731
+    def triangle(n):  # causal blocks of pieces of n tokens, starting on a block
+        m = -(-n // block)
+        return m * (m + 1) // 2
+
     work = triangle(lengths)
     off = work - whole * triangle(np.int64(shard_len)) - triangle(rest)
     total, off_total = float(work.sum()), float(off.sum())
