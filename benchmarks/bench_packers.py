@@ -124,6 +124,7 @@ def main():
         bc.write_section(SECTION, markdown(result), args.md)
         return
     seeds = [int(s) for s in args.seeds.split(",")]
+    cli.validated(f"{len(seeds)} seed(s) of configs/base.py:{args.preset}")  # under --validate_only
     layouts = LAYOUTS
     if args.quick:
         seeds, args.steps, layouts = seeds[:1], 3, ("contiguous",)
