@@ -231,7 +231,8 @@ def agreed(check: Callable[[], object]):
     if jax.process_count() == 1:
         return check()
     import numpy as np
-    from jax.experimental import multihost_utils
+
+    from longctx.parallel import processes  # lazily, with jax
 
     value, error = None, None
     try:
@@ -243,7 +244,7 @@ def agreed(check: Callable[[], object]):
     mine = np.zeros(_AGREED_MESSAGE_BYTES + 1, np.int32)
     mine[0] = status
     mine[1:1 + len(text)] = np.frombuffer(text, np.uint8)
-    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    everyone = processes.allgather(mine)
     if error is not None:
         raise error
     failed = [i for i in range(len(everyone)) if everyone[i, 0]]

@@ -46,12 +46,12 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 import longctx
 from longctx import cli
 from longctx import config as config_lib
 from longctx import errors
+from longctx.parallel import processes
 from longctx.train import checkpoint_compat as compat
 from longctx.train import workdir as workdir_lib
 from longctx.train.state import abstract_with_shardings
@@ -70,7 +70,7 @@ def _all_processes_agree(ok: bool) -> bool:
     """True when `ok` holds on every process (a step one process cannot read is unusable for all)."""
     if jax.process_count() == 1:
         return ok
-    return bool(np.all(multihost_utils.process_allgather(np.array([ok], np.int32))))
+    return bool(np.all(processes.allgather(np.array([ok], np.int32))))
 
 
 def _say(message: str) -> None:
@@ -314,8 +314,7 @@ class Checkpointer:
             print(f"longctx: WARNING: checkpoint {source} could not be restored ({why}); moving it to "
                   f"{aside} and trying the previous one.", flush=True)
             workdir_lib.move(source, aside)
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"longctx_set_aside_{step}")
+        processes.allgather(np.int32(step))  # a barrier: the others reload after the move
         self.manager.reload()
 
     def _params_from(self, init_from: str, target):

@@ -473,7 +473,7 @@ class _NotHeld:
 def _from_process_0(message: str) -> str:
     """Process 0's `message` on every process (one all-gather of a fixed-size byte array)."""
     import jax  # lazily (not above: the lease itself needs no jax, and starts without it)
-    from jax.experimental import multihost_utils
+    from longctx.parallel import processes  # lazily, with jax
 
     if jax.process_count() == 1:
         return message
@@ -481,7 +481,7 @@ def _from_process_0(message: str) -> str:
     data = message.encode()[:_MESSAGE_BYTES]
     buffer = np.zeros(_MESSAGE_BYTES, np.uint8)
     buffer[:len(data)] = np.frombuffer(data, np.uint8)
-    gathered = np.asarray(multihost_utils.process_allgather(buffer))
+    gathered = processes.allgather(buffer)
     return bytes(gathered.reshape(-1, _MESSAGE_BYTES)[0]).rstrip(b"\0").decode(errors="replace")
 
 

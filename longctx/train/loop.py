@@ -18,7 +18,6 @@ from typing import Callable, Sequence
 import jax
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from longctx import cli
@@ -29,6 +28,7 @@ from longctx.model import attention as attention_lib
 from longctx.model import flops as flops_lib
 from longctx.ops import tables
 from longctx.parallel import mesh as mesh_lib
+from longctx.parallel import processes
 from longctx.train import checkpoint as checkpoint_lib
 from longctx.train import hooks
 from longctx.train import lease as lease_lib
@@ -99,7 +99,7 @@ class _StopRequest:
     def agreed(self) -> bool:
         if jax.process_count() == 1:
             return self.requested
-        flags = multihost_utils.process_allgather(np.array([self.requested], np.int32))
+        flags = processes.allgather(np.array([self.requested], np.int32))
         return bool(np.any(flags))
 
     def restore(self):
