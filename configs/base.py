@@ -1,4 +1,4 @@
-"""longctx base config with presets.
+r"""longctx base config with presets.
 
 Run (the CPU demo, 8 virtual devices, mesh dp=1 x fsdp=2 x sp=4):
   python scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A JobSet for a multi-slice TPU training run on GKE: one Job per slice, one pod per TPU host.
 
-  python launch/gke_jobset.py --name lc-8b --slices 4 --topology 4x4x4 --accelerator tpu-v5p-slice \
-      --image us-docker.pkg.dev/PROJECT/REPO/longctx:TAG --config configs/base.py:llama3_8b_128k \
+  python launch/gke_jobset.py --name lc-8b --slices 4 --topology 4x4x4 --accelerator tpu-v5p-slice \\
+      --image us-docker.pkg.dev/PROJECT/REPO/longctx:TAG --config configs/base.py:llama3_8b_128k \\
       --workdir gs://BUCKET/runs/lc-8b --dry-run [-- --config.train.num_steps=1000 ...]
 
 --dry-run prints the manifest (YAML); without it the manifest goes to `kubectl apply -f -`.

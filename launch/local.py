@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run one multi-process JAX job on this machine: P processes x D virtual CPU devices, on loopback.
 
-  python launch/local.py --num-processes 2 --devices-per-process 4 -- \
+  python launch/local.py --num-processes 2 --devices-per-process 4 -- \\
       .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/mp
 
 Every child gets the environment that `longctx.parallel.mesh.maybe_initialize_distributed` and

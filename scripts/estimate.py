@@ -15,7 +15,7 @@ most bytes saved first. `--json` prints the same as one JSON object. Exit status
 fit, 2 bad input (one line on stderr, `longctx: ...`).
 
 Sweep: the longest sequence that fits, per chip type and sp (docs/fit_llama3_8b.md + .json):
-  .venv/bin/python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --sweep \
+  .venv/bin/python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --sweep \\
       --sweep_topologies=v5p:4x4x4,v6e:16x16,v5e:16x16 --sweep_sp=16,32
 For each topology and sp the mesh is dp=1, fsdp=N/sp, sp with one sequence per fsdp rank
 (global batch = fsdp: every chip holds one L = S/sp token shard); L doubles (or halves) from

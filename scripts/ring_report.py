@@ -17,9 +17,9 @@ layout "auto" picks on those rows, as a training run does on its first rows (dat
 `auto_layout`, and `auto_layout_by_the_mask` for the mask alone):
 
   .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --doc-lengths 4096
-  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \
+  .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal \\
       --doc-lengths 1000,3000,700,5000 --json          # lengths repeat to fill the row
-  .venv/bin/python scripts/ring_report.py --seq-len 8192 --sp 4 --block 256 --causal \
+  .venv/bin/python scripts/ring_report.py --seq-len 8192 --sp 4 --block 256 --causal \\
       --doc-lengths 256 --strategies ring,all_gather,ulysses,usp:2   # each context-parallel strategy
 
   kept_blocks      blocks holding a (query, key) pair the mask and the documents allow
@@ -45,7 +45,7 @@ against the ideal (kept blocks / sp), the ring steps visited per row and the K/V
 (longctx/data/packer_report.py defines each), and marks the layout "auto" picks on those rows:
 
   .venv/bin/python scripts/ring_report.py --seq-len 131072 --sp 8 --block 512 --causal --mix uniform
-  .venv/bin/python scripts/ring_report.py --seq-len 8192 --sp 4 --block 512 --causal --data data/mine \
+  .venv/bin/python scripts/ring_report.py --seq-len 8192 --sp 4 --block 512 --causal --data data/mine \\
       --packer best_fit,shard_balanced --png docs/mine_packers.png   # per-device work of 3 rows
 """
 import argparse

@@ -252,3 +252,25 @@ def test_documented_command_runs_as_written(doc, command, results):
         assert returncode == 0, f"{doc}: {command!r} cannot run: {out[-2000:]}"
         assert lines == [line for line in lines if line.startswith("longctx: --validate_only: ")] \
             and len(lines) == 1, out[-2000:]
+
+
+def test_commands_in_docstrings_keep_their_line_continuations():
+    """A script's docstring is its --help: a command there split with a backslash must print the
+    backslash. In a plain (not raw) string literal a backslash before the newline joins the lines
+    and is gone, leaving a run of spaces where the reader copies `\\`."""
+    import io
+    import tokenize
+
+    lost = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)):
+        if os.sep + ".venv" + os.sep in path:
+            continue
+        with open(path, "rb") as f:
+            tokens = list(tokenize.tokenize(io.BytesIO(f.read()).readline))
+        for token in tokens:
+            if token.type != tokenize.STRING or "r" in re.match(r"[a-zA-Z]*", token.string).group().lower():
+                continue
+            for offset, line in enumerate(token.string.splitlines()):
+                if re.search(r"(?<!\\)(\\\\)*\\$", line):
+                    lost.append(f"{os.path.relpath(path, ROOT)}:{token.start[0] + offset}")
+    assert not lost, f"write \\\\ (or make the string raw) at {lost}"
