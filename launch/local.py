@@ -224,6 +224,19 @@ def _pdeathsig_preexec(parent_pid: int):
 # removed from the stream, not as whole lines). Kept with --verbose / LONGCTX_DEBUG=1.
 GLOO_NOISE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
                         rb"Expected number of connected peer ranks is : \d+\r?\n")
+# Two of gloo's threads writing at once interleave their messages piece by piece ("[Gloo] Rank
+# [Gloo] Rank 00 is connected to  is connected to 11 peer ranks.  peer ranks. ...: 11" and a
+# second newline; seen about once in 10 two-process start-ups under load): a line made only of
+# those pieces and their numbers, with the blank lines the other messages' newlines leave.
+GLOO_INTERLEAVED = re.compile(
+    rb"(?m)^(?=[^\n]*(?:\[Gloo\] Rank | is connected to |Expected number of connected peer ranks is : ))"
+    rb"(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. |Expected number of connected peer ranks is : )+"
+    rb"(?:\r?\n)+")
+
+
+def drop_gloo_noise(data: bytes) -> bytes:
+    """`data` without gloo's connection messages, whole or interleaved."""
+    return GLOO_INTERLEAVED.sub(b"", GLOO_NOISE.sub(b"", data))
 
 
 def verbose(command: list[str]) -> bool:
@@ -238,7 +251,7 @@ class _Pump(threading.Thread):
     def __init__(self, stream, out, prefix: bytes, lock: threading.Lock, quiet: bool = True):
         super().__init__(daemon=True)
         self.stream, self.out, self.prefix, self.lock = stream, out, prefix, lock
-        self.quiet = quiet  # drop gloo's connection lines (GLOO_NOISE)
+        self.quiet = quiet  # drop gloo's connection lines (drop_gloo_noise)
 
     def _emit(self, piece: bytes) -> None:
         with self.lock:
@@ -260,7 +273,7 @@ class _Pump(threading.Thread):
                 break
             pending += chunk
             if self.quiet:
-                pending = GLOO_NOISE.sub(b"", pending)
+                pending = drop_gloo_noise(pending)
             # Emit every complete piece; a trailing "\r" waits in case "\n" follows it.
             cut = max(pending.rfind(b"\n"), pending.rstrip(b"\r").rfind(b"\r"))
             if cut >= 0:
@@ -274,7 +287,7 @@ class _Pump(threading.Thread):
             # its message and the newline (seen once in 7 runs under load) leaves the bare message.
             pending += b"\n"
             if self.quiet:
-                pending = GLOO_NOISE.sub(b"", pending)
+                pending = drop_gloo_noise(pending)
             if pending.strip():
                 self._emit(pending)
         self.stream.close()

@@ -4,6 +4,7 @@ no traceback (unless LONGCTX_DEBUG=1 or --verbose), and nothing already saved lo
 
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -594,6 +595,27 @@ def test_a_multi_process_run_shows_no_third_party_log_lines(dataset, tmp_path):
     assert f"[p1] longctx: data.path={missing} does not exist." in quiet.stderr.splitlines()
     loud = run(*launch, *command, "--verbose", timeout=300)
     assert loud.returncode == 2 and re.search(r"\[Gloo\] Rank \d is connected to 1 peer ranks", loud.stdout)
+
+
+def _launcher():
+    spec = importlib.util.spec_from_file_location("launch_local", os.path.join(ROOT, "launch", "local.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gloo_messages_are_dropped_whole_interleaved_or_inside_a_line():
+    """launch/local.py's filter on what gloo's threads write: one message, two written at once
+    (the pieces interleaved, as a loaded two-process start-up printed it), a message spliced into
+    a child's line; a child's own lines stay, digits and gloo-like words included."""
+    drop = _launcher().drop_gloo_noise
+    one = b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+    interleaved = (b"[Gloo] Rank [Gloo] Rank 00 is connected to  is connected to 11 peer ranks.  peer ranks. "
+                   b"Expected number of connected peer ranks is : Expected number of connected peer ranks is : 11\n\n")
+    assert drop(one + b"step 1\n" + interleaved + b"step 2\n") == b"step 1\nstep 2\n"
+    assert drop(b"longctx: resumed " + one + b"at step 7\n") == b"longctx: resumed at step 7\n"
+    own = b"42\n\nthe ring is connected to 1 peer ranks. on each side\n"
+    assert drop(own) == own
 
 
 LIBRARY_LOGS = '''
