@@ -88,17 +88,17 @@ devices.configure_cpu_devices()
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from configs import base
 from longctx.parallel import mesh as mesh_lib
+from longctx.parallel import processes
 
 mesh_lib.maybe_initialize_distributed(base.get_config("tiny").distributed)  # empty settings: env
 pid = jax.process_index()
 result = dict(process=pid, count=jax.process_count(), devices=jax.device_count(),
               local=jax.local_device_count())
-gathered = multihost_utils.process_allgather(np.array([10 * pid + 1], np.int32))
+gathered = processes.allgather(np.array([10 * pid + 1], np.int32))
 result["allgather"] = [int(v) for v in np.ravel(gathered)]
 
 # A psum over a mesh axis whose 8 devices live in both processes.
@@ -106,7 +106,7 @@ mesh = Mesh(np.asarray(jax.devices()), ("sp",))
 x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("sp")),
                                  lambda idx: np.arange(1, 9, dtype=np.float32)[idx])
 psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "sp"), mesh=mesh, in_specs=P("sp"),
-                             out_specs=P()))(x)
+                             out_specs=P()))(x).block_until_ready()  # on every local device, before exit
 result["psum"] = float(np.asarray(psum.addressable_data(0)).ravel()[0])
 
 # Results go to a file: gloo's C++ logging writes into this process's stdout from its own threads,
