@@ -33,7 +33,7 @@ demo: $(STAMP)
 # fresh clone's took 14:40 with set-up (14:03 in pytest, 28 CPU-minutes: 1,538 s user + 125 s sys),
 # 867 tests, on 12-04: under the 15 minutes, with little to spare. Later on 12-04 (873 tests), two fresh
 # clones 40 minutes apart took 13:27 and 15:10 with set-up (12:58 and 14:38 in pytest): the same tests,
-# 12% more CPU in the second; this shared machine's speed moves by that much.
+# 13% more CPU in the second; this shared machine's speed moves by that much.
 # --dist loadfile keeps each file on one worker, so that a module's fixtures
 # (tests/train/test_checkpoint.py's training runs, for one) run once.
 test: $(STAMP)
