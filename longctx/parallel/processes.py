@@ -6,8 +6,8 @@ this host's first device only, so it can return while the same collective is sti
 the host's other devices (on CPU, still connecting gloo pairs to the other processes). A process
 that exits right after (the usual next step when an agreement fails) then hangs in the CPU
 client's destructor, waiting on a connection to a peer that has already exited: seen in about one
-start-up failure in 25 with both cores busy, for 150 s each time. `allgather` returns only after
-the collective has finished on every local device.
+start-up failure in 25 with both cores busy, for 150 s each time. `allgather` (and `replicated`,
+for a global array) returns only after the collective has finished on every local device.
 """
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ def allgather(value: np.ndarray) -> np.ndarray:
     mesh = Mesh(devices, ("processes", "local_devices"))
     rows = jax.make_array_from_process_local_data(
         NamedSharding(mesh, PartitionSpec("processes")), value[None])
-    gathered = jax.jit(_identity, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
-    gathered.block_until_ready()  # every local device's part, not only the first (see above)
-    return np.asarray(gathered.addressable_data(0))
+    return replicated(rows)
+
+
+def replicated(array: jax.Array) -> np.ndarray:
+    """The whole value of a global array (NamedSharding) on every process."""
+    whole = jax.jit(_identity, out_shardings=NamedSharding(array.sharding.mesh, PartitionSpec()))(array)
+    whole.block_until_ready()  # every local device's copy, not only the first (see above)
+    return np.asarray(whole.addressable_data(0))

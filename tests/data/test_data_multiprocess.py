@@ -27,11 +27,11 @@ JOB_SEPARATOR = "+"  # between the jobs of one launch (_launch_two)
 
 def worker(data_dir: str, out_dir: str, dp: int, sp: int) -> None:
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from configs import base
     from longctx.data import make_batch_iterator
     from longctx.parallel import mesh as mesh_lib
+    from longctx.parallel import processes
 
     c = base.get_config("tiny")
     mesh_lib.maybe_initialize_distributed(c.distributed)
@@ -43,10 +43,7 @@ def worker(data_dir: str, out_dir: str, dp: int, sp: int) -> None:
     for _ in range(STEPS):
         batch = next(it)
         # The global array, gathered to every process, to compare with the local rows.
-        # (Not multihost_utils.process_allgather: it can return before this host's other devices
-        # finish the collective; longctx/parallel/processes.py says why that matters at exit.)
-        everywhere = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))(batch["tokens"])
-        full.append(np.asarray(everywhere.block_until_ready().addressable_data(0)))
+        full.append(processes.replicated(batch["tokens"]))
     it2 = make_batch_iterator(c, mesh, layout="contiguous", data_dir=data_dir)
     local = [it2.next_local()["tokens"] for _ in range(STEPS)]
     np.savez(os.path.join(out_dir, f"p{jax.process_index()}.npz"), local=np.stack(local),
