@@ -40,16 +40,23 @@ from longctx.ops import tables as tables_lib
 from longctx.ops.shmap import vary_like
 
 
+def by_pair(per_step: np.ndarray) -> np.ndarray:
+    """[device a, ring step s] -> [query shard a, K/V shard (a - s) mod sp]: what device a holds at
+    step s (the ring's ppermute sends device j's K/V to j + 1), indexed by the K/V shard instead.
+    The one such transform on the host (tests/ops/test_strategy_schedule.py checks it against the
+    ring's own permutation)."""
+    sp = per_step.shape[0]
+    a = np.arange(sp)[:, None]
+    pairs = np.zeros_like(per_step)
+    pairs[a, (a - np.arange(sp)[None, :]) % sp] = per_step
+    return pairs
+
+
 @functools.lru_cache(maxsize=32)
 def static_pairs(spec, layout, seq_len, sp, bq, bkv) -> np.ndarray:
     """bool [query shard, K/V shard]: whether the static mask keeps any block of the pair."""
     classes = tables_lib.block_classes(spec, layout, seq_len, sp, bq, bkv)  # [d, step, qb, kb]
-    kept = classes.any(axis=(2, 3))
-    # ring step s on device a holds the K/V of shard (a - s) mod sp
-    active = np.zeros((sp, sp), bool)
-    for a in range(sp):
-        for s in range(sp):
-            active[a, (a - s) % sp] = kept[a, s]
+    active = by_pair(classes.any(axis=(2, 3)))
     active.setflags(write=False)
     return active
 

@@ -31,10 +31,17 @@ from longctx.ops import tables as tables_lib
 class StrategySchedule:
     strategy: str
     degree: int
-    work: np.ndarray              # float [device]: blocks (of all heads) each device computes
+    # float [device, step]: blocks (of all heads) each device computes at each step of the
+    # strategy: the ring's steps (ring), the ring of groups' (usp), one (all_gather, ulysses)
+    step_work: np.ndarray
     critical_path: float          # blocks on the slowest path, with the strategy's waits
     kept_blocks: int | None       # blocks any exact kernel must compute (None: not counted)
     steps: int                    # ring steps K/V travel through (1: no ring)
+
+    @property
+    def work(self) -> np.ndarray:
+        """float [device]: blocks (of all heads) each device computes."""
+        return self.step_work.sum(axis=1)
 
     @property
     def computed_blocks(self) -> float:
@@ -48,14 +55,8 @@ class StrategySchedule:
         return self.kept_blocks / (len(self.work) * self.critical_path)
 
 
-def by_pair(per_step: np.ndarray) -> np.ndarray:
-    """[device a, ring step s] -> [query shard a, K/V shard (a - s) mod sp]: what device a holds at
-    step s, indexed by the K/V shard instead."""
-    sp = per_step.shape[0]
-    a = np.arange(sp)[:, None]
-    pairs = np.zeros_like(per_step)
-    pairs[a, (a - np.arange(sp)[None, :]) % sp] = per_step
-    return pairs
+# [device, ring step] -> [query shard, K/V shard] (plan/attention_work.py reads it here too)
+by_pair = shard_pairs.by_pair
 
 
 def _static_pairs(spec, layout, seq_len, sp, block, chunked_documents: bool) -> np.ndarray:
@@ -99,18 +100,18 @@ def from_step_blocks(strategy: str, degree: int | None, per_step: np.ndarray,
     sp = per_step.shape[0]
     pairs = by_pair(per_step)
     if strategy == "ring":
-        work = per_step.sum(axis=1).astype(float)
-        return StrategySchedule(strategy, 1, work, ring_critical_path, kept, ring_steps)
+        return StrategySchedule(strategy, 1, per_step.astype(float), ring_critical_path, kept,
+                                ring_steps)
     if strategy == "all_gather":
         work = pairs.sum(axis=1).astype(float)
-        return StrategySchedule(strategy, 1, work, float(work.max()), kept, 1)
+        return StrategySchedule(strategy, 1, work[:, None], float(work.max()), kept, 1)
     degree = sp if strategy == "ulysses" else int(degree)
     groups = sp // degree
     shards = lambda g: slice(g * degree, (g + 1) * degree)  # noqa: E731
     # step_work[g, s]: blocks of group g's pairs at group step s, shared by its U devices
     step_work = np.array([[pairs[shards(g), shards((g - s) % groups)].sum() for s in range(groups)]
                           for g in range(groups)], float) / degree
-    work = np.repeat(step_work.sum(axis=1), degree)
     critical = float(sum(step_work[:, s].max() for s in range(groups)))
     visited = ulysses.steps_with_pairs(static_pairs, degree)
-    return StrategySchedule(strategy, degree, work, critical, kept, len(visited))
+    return StrategySchedule(strategy, degree, np.repeat(step_work, degree, axis=0), critical, kept,
+                            len(visited))
