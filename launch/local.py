@@ -12,7 +12,9 @@ Every child gets the environment that `longctx.parallel.mesh.maybe_initialize_di
   JAX_NUM_CPU_DEVICES=D   JAX_PLATFORMS=cpu   PYTHONUNBUFFERED=1
 
 (JAX_NUM_CPU_DEVICES takes precedence over a device count in the parent's XLA_FLAGS, which is
-passed on untouched, so even a child that imports jax without longctx gets D devices.)
+passed on with XLA:CPU's collective timeouts raised and every flag the user set kept, as
+`configure_cpu_devices` does: so even a child that imports jax without longctx gets D devices,
+and none aborts when a starved device thread reaches a collective late.)
 
 so the P processes form one `jax.distributed` job (gloo collectives) with P*D devices.
 
@@ -33,7 +35,8 @@ Behaviour:
   and on Linux each child gets PR_SET_PDEATHSIG=SIGKILL, so even a launcher killed by SIGKILL
   takes its children with it.
 
-This file imports nothing from jax or longctx; it starts in milliseconds.
+This file imports nothing from jax, and from longctx only `longctx.parallel.devices` (which
+imports no jax); it starts in milliseconds.
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ import sys
 import threading
 import time
 
+# This checkout's longctx, whichever Python runs the launcher.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longctx.parallel.devices import with_cpu_collective_timeouts  # noqa: E402
+
 # Sanity limits for virtual CPU devices: beyond these a loopback job is a typo, not a plan.
 MAX_PROCESSES = 64
 MAX_DEVICES_PER_PROCESS = 256
@@ -58,7 +65,7 @@ MAX_TOTAL_DEVICES = 1024
 
 PROG = "launch/local.py"
 
-# longctx.cli's --validate_only (this file imports nothing from longctx, so the names are repeated).
+# longctx.cli's --validate_only (longctx.cli imports absl, so the names are repeated).
 VALIDATE_FLAGS = ("--validate_only", "--validate-only")
 VALIDATE_ENV = "LONGCTX_VALIDATE_ONLY"
 
@@ -183,6 +190,7 @@ def child_env(base: dict[str, str], port: int, num_processes: int, process_id: i
         JAX_NUM_CPU_DEVICES=str(devices),
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
+        XLA_FLAGS=with_cpu_collective_timeouts(base.get("XLA_FLAGS", "")),
     )
     return env
 
@@ -192,7 +200,8 @@ def validate_command(args: argparse.Namespace) -> int:
     config must fit); forming a job would only add the start-up of P processes. Its status."""
     devices = args.num_processes * args.devices_per_process
     env = {k: v for k, v in os.environ.items() if not k.startswith("LONGCTX_") or k == "LONGCTX_DEBUG"}
-    env.update(LONGCTX_CPU_DEVICES=str(devices), JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    env.update(LONGCTX_CPU_DEVICES=str(devices), JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=with_cpu_collective_timeouts(os.environ.get("XLA_FLAGS", "")))
     env[VALIDATE_ENV] = "1"
     try:
         return subprocess.run(args.command, env=env, stdin=subprocess.DEVNULL).returncode

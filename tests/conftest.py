@@ -6,6 +6,8 @@ start (scripts, launch/local.py jobs) choose their own device count (LONGCTX_CPU
 
 import os
 
+from longctx.parallel import devices
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # LLVM at optimisation level 0 instead of XLA's default 3 for the CPU programs the tests compile
@@ -19,6 +21,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # bitwise resume, sharding and bf16 tests pass under it). A level the caller set in XLA_FLAGS is kept.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+# XLA:CPU's collective timeouts raised as every script raises them (longctx.parallel.devices): the
+# 8 virtual devices are 8 threads, and with both cores busy (two xdist workers and their children)
+# one can reach a collective more than the default 40 s after the others, which XLA treats as a
+# deadlock and aborts the whole process. Subprocesses inherit the flags.
+os.environ["XLA_FLAGS"] = devices.with_cpu_collective_timeouts(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
 

@@ -10,18 +10,34 @@ CPU backend's device count; on a CPU-only machine the host is split into N virtu
   `default`             8 unless the script asks for more
 
 N goes to jax as `JAX_NUM_CPU_DEVICES` (jax's `jax_num_cpu_devices` option, which takes precedence
-over `--xla_force_host_platform_device_count` in `XLA_FLAGS`; `XLA_FLAGS` is left alone).
+over `--xla_force_host_platform_device_count` in `XLA_FLAGS`).
+
+`XLA_FLAGS` gets longer CPU collective timeouts (`with_cpu_collective_timeouts`), keeping every flag
+the user set: the N virtual devices are N threads of one process, and XLA:CPU aborts the process
+(SIGABRT, "Termination timeout for all reduce RendezvousKey ... of 40 seconds exceeded") when one
+of them reaches a collective 40 s after the others. On a busy host that is a starved thread, not
+a deadlock: with both cores of a 2-core machine oversubscribed, a tiny model's step on 8 devices
+died so. The tests (tests/conftest.py) and launch/local.py's children get the same flags.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from longctx.errors import ConfigError
 
 ENV = "LONGCTX_CPU_DEVICES"
 JAX_ENV = "JAX_NUM_CPU_DEVICES"
+
+# XLA:CPU's waits at a collective's rendezvous, raised from its defaults (warn after 20 s, abort
+# after 40 s): a device thread starved for minutes on a loaded host is slow, not stuck. A real
+# deadlock still ends, after 20 minutes, with XLA's own message.
+CPU_COLLECTIVE_TIMEOUTS = {
+    "xla_cpu_collective_call_warn_stuck_timeout_seconds": 300,
+    "xla_cpu_collective_call_terminate_timeout_seconds": 1200,
+}
 
 
 def cpu_device_count(default: int = 8) -> int:
@@ -47,6 +63,7 @@ def configure_cpu_devices(default: int = 8) -> int:
     """
     count = cpu_device_count(default)
     os.environ[JAX_ENV] = str(count)
+    os.environ["XLA_FLAGS"] = with_cpu_collective_timeouts(os.environ.get("XLA_FLAGS", ""))
     if not has_accelerator():
         # libtpu is installed for ahead-of-time TPU compiles; without a TPU, skip its probing.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -61,6 +78,14 @@ def configure_cpu_devices(default: int = 8) -> int:
             raise RuntimeError("longctx.parallel.devices.configure_cpu_devices() must run before any jax "
                                f"computation starts a backend ({e}).") from None
     return count
+
+
+def with_cpu_collective_timeouts(xla_flags: str) -> str:
+    """`xla_flags` (an XLA_FLAGS value) with CPU_COLLECTIVE_TIMEOUTS added; a timeout already set
+    there is kept as the user set it. XLA reads XLA_FLAGS when its first backend starts."""
+    added = [f"--{name}={seconds}" for name, seconds in CPU_COLLECTIVE_TIMEOUTS.items()
+             if not re.search(rf"--{name}\b", xla_flags)]
+    return " ".join([xla_flags.strip(), *added]).strip()
 
 
 def has_accelerator() -> bool:
