@@ -35,7 +35,15 @@ DCN_AXES = ("dp", "fsdp", "sp")
 
 
 class BadInput(Exception):
-    pass
+    """Bad input: printed as one sentence, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (a flag that is not a number, one missing) are one BadInput line, not
+    a usage block; the flags' ranges are checked in `validate`."""
+
+    def error(self, message: str):
+        raise BadInput(f"{message} ({PROG} -h lists the flags).")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -44,7 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         own, extra = argv[:split], argv[split + 1:]
     else:
         own, extra = argv, []
-    p = argparse.ArgumentParser(prog=PROG, description="Multi-slice TPU JobSet for longctx training.")
+    p = _Parser(prog=PROG, description="Multi-slice TPU JobSet for longctx training.")
     p.add_argument("--name", default="longctx", help="JobSet name (lowercase letters, digits, '-')")
     p.add_argument("--namespace", default="default")
     p.add_argument("--slices", type=int, required=True, help="number of TPU slices (Jobs)")
@@ -58,9 +66,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--workdir", required=True, help="gs:// path for checkpoints, metrics and logs")
     p.add_argument("--dcn-axis", choices=DCN_AXES, default="dp",
                    help="the mesh axis that spans the slices (mesh.dcn_<axis> = --slices)")
-    p.add_argument("--max-restarts", type=int, default=3, help="JobSet restarts after a failure or preemption")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="JobSet restarts after a failure or preemption (0 or more)")
     p.add_argument("--termination-grace-period", type=int, default=120,
-                   help="seconds between SIGTERM and SIGKILL (time to save a checkpoint)")
+                   help="seconds between SIGTERM and SIGKILL (time to save a checkpoint; 0 or more)")
     p.add_argument("--dry-run", action="store_true", help="print the manifest instead of applying it")
     args = p.parse_args(own)
     args.train_args = extra
@@ -194,8 +203,8 @@ def to_yaml(value, indent: int = 0) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         hosts = validate(args)
     except BadInput as e:
         sys.stderr.write(f"{PROG}: {e}\n")

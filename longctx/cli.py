@@ -47,6 +47,7 @@ processes (launch/local.py's, ablate.py's).
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import importlib.util
 import logging
@@ -135,9 +136,14 @@ def describe(error: BaseException) -> tuple[str, int]:
 
 
 def start(cpu_devices: int | None = 8) -> None:
-    """The bootstrap, first thing in every script: takes `--verbose` off the command line, makes
-    an exception escaping from the script's imports one line, and with `cpu_devices` sets the
-    virtual CPU device count (the default when LONGCTX_CPU_DEVICES is unset) before jax starts."""
+    """The bootstrap, first thing in every script: says in one line when this Python lacks the
+    packages (not .venv's), puts the repository on the path (a config file anywhere may `from
+    configs import base`), takes `--verbose` off the command line, makes an exception escaping
+    from the script's imports one line, and with `cpu_devices` sets the virtual CPU device count
+    (the default when LONGCTX_CPU_DEVICES is unset) before jax starts."""
+    require_packages()
+    if _REPO not in sys.path:
+        sys.path.append(_REPO)  # appended: an installed `configs` or longctx comes first
     _take_start_flags(sys.argv)
     sys.excepthook = _excepthook
     quiet_third_party_logs()
@@ -146,6 +152,22 @@ def start(cpu_devices: int | None = 8) -> None:
             devices.configure_cpu_devices(cpu_devices)
         except LongctxError as e:  # e.g. LONGCTX_CPU_DEVICES=abc
             sys.exit(report(e))
+
+
+# What every script imports that a Python without .venv lacks (setup.cfg's install_requires).
+REQUIRED_PACKAGES = ("jax", "numpy", "absl", "ml_collections")
+
+
+def require_packages(python: str | None = None) -> None:
+    """Exits with one line (status 2) when this interpreter lacks the packages, before any is
+    imported: `python scripts/train.py` with a system Python, not `.venv/bin/python`. (The
+    scripts put the repository on the path before importing this module, so it is found.)"""
+    missing = [name for name in REQUIRED_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.stderr.write(f"{PREFIX}{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                         f"installed for {python or sys.executable}: run the scripts with "
+                         ".venv/bin/python (`make demo` or `make test` creates .venv first).\n")
+        sys.exit(EXIT_BAD_INPUT)
 
 
 # Code whose log records are longctx's own: the package and the repository's scripts and configs
@@ -284,6 +306,52 @@ def run_absl(main: Callable[[list[str]], int | None]) -> None:
     from absl import app  # lazily, as all of absl here: scripts without absl flags never load it
 
     run(lambda: app.run(main, flags_parser=parse_absl_flags))
+
+
+# ----------------------------------------------------------------------------- argparse flags
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the scripts: a bad flag (a value out of its range, a missing or unknown flag)
+    is one ConfigError line naming it, which `run` prints with exit status 2, not a usage block.
+    Subcommands' parsers (`add_subparsers`) are of this class too."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} ({self.prog} -h lists the flags).")
+
+
+def int_at_least(minimum: int):
+    """argparse `type=` of an integer flag whose value must be >= `minimum`: the flag's range is
+    declared where the flag is, and a value below it, or not a whole number, is refused while the
+    command line is parsed (under --validate_only too), naming the flag."""
+    return _bounded(int, "a whole number", minimum, inclusive=True)
+
+
+def float_at_least(minimum: float):
+    """`int_at_least` for a number that may have a fraction."""
+    return _bounded(float, "a number", minimum, inclusive=True)
+
+
+def float_above(minimum: float):
+    """argparse `type=` of a number that must be more than `minimum` (a size, a tolerance > 0)."""
+    return _bounded(float, "a number", minimum, inclusive=False)
+
+
+def _bounded(kind: type, what: str, minimum, inclusive: bool):
+    least = f"at least {minimum}" if inclusive else f"more than {minimum}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; it must be {least}") from None
+        if value < minimum or (value == minimum and not inclusive) or value != value:  # (NaN)
+            raise argparse.ArgumentTypeError(f"{text} is out of range; it must be {least}")
+        return value
+
+    parse.__name__ = kind.__name__  # (argparse names the type by it in its own messages)
+    parse.minimum, parse.inclusive = minimum, inclusive  # the declared range, for the tests
+    return parse
 
 
 # ----------------------------------------------------------------------------- absl flags

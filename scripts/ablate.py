@@ -9,10 +9,13 @@ Re-running skips finished variants and resumes unfinished ones from their checkp
 """
 
 import argparse
+import os
 import shlex
 import sys
 
-from longctx import cli
+# longctx from this checkout even without .venv, so that cli.start() can say in one line what is missing
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longctx import cli  # noqa: E402
 
 cli.start(cpu_devices=None)  # the training runs it starts set up their own devices
 
@@ -39,12 +42,16 @@ def validate_grid(grid: str) -> str:
     return f"the {len(variants)} variants of {grid} are fine"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grid", required=True, help="grid file, e.g. configs/ablations/masks.py")
     parser.add_argument("--workdir", required=True, help="one sub-directory per variant goes here")
     parser.add_argument("--dry-run", action="store_true", help="print the commands (for a cluster) and stop")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     workdir_lib.check_named(args.workdir)
     if cli.validate_only():
         cli.validated(validate_grid(args.grid))

@@ -37,13 +37,17 @@ the --mesh; the logits of the real rows are written to --out and, when expected 
 compared: it prints the max |difference| and exits 1 if it exceeds --tolerance.
 """
 
-from longctx import cli
+import os
+import sys
+
+# longctx from this checkout even without .venv, so that cli.start() can say in one line what is missing
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longctx import cli  # noqa: E402
 
 cli.start()  # before jax is imported
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -233,9 +237,10 @@ def check_logits(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The three commands' flags, each number with its range (a value outside it is one line)."""
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     a = sub.add_parser("to-longctx", help="HF checkpoint directory -> longctx checkpoint")
@@ -256,7 +261,8 @@ def main(argv=None) -> int:
     b.add_argument("--out", required=True, metavar="DIR")
     b.add_argument("--dtype", choices=tuple(_HF_DTYPES), help="tensor dtype (default: the source model's, else float32)")
     b.add_argument("--hf-config", metavar="FILE", help="source config.json whose other fields to keep")
-    b.add_argument("--max-shard-mb", type=float, default=5000.0, help="largest safetensors file")
+    b.add_argument("--max-shard-mb", type=cli.float_above(0), default=5000.0,
+                   help="largest safetensors file, in MiB (more than 0)")
     b.add_argument("--mesh", default="1,-1,1", help="DP,FSDP,SP mesh the parameters are restored onto")
     b.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty --out (the old export is kept until the new one is complete)")
@@ -267,11 +273,16 @@ def main(argv=None) -> int:
     c.add_argument("--out", metavar="FILE.npz", help="write the logits here")
     c.add_argument("--mesh", default="1,1,-1", help="DP,FSDP,SP (default: every device on the ring)")
     c.add_argument("--impl", choices=("splash", "xla"), help="attention impl (default: the checkpoint's)")
-    c.add_argument("--block-size", type=int, default=0, help="attention block (default: chosen to limit padding)")
+    c.add_argument("--block-size", type=cli.int_at_least(0), default=0,
+                   help="attention block (default 0: chosen to limit padding)")
     c.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
-    c.add_argument("--tolerance", type=float, default=1e-4, help="max |logit difference| accepted")
+    c.add_argument("--tolerance", type=cli.float_at_least(0), default=1e-4,
+                   help="max |logit difference| accepted (0 or more)")
+    return p
 
-    args = p.parse_args(argv)
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from absl import logging
 
     logging.set_verbosity(logging.ERROR)  # Orbax's notes about read-only checkpoint directories

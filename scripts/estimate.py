@@ -23,7 +23,12 @@ For each topology and sp the mesh is dp=1, fsdp=N/sp, sp with one sequence per f
 the whole model at that length; nothing is extrapolated.
 """
 
-from longctx import cli
+import os
+import sys
+
+# longctx from this checkout even without .venv, so that cli.start() can say in one line what is missing
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longctx import cli  # noqa: E402
 
 cli.start()  # before jax is imported
 
@@ -31,8 +36,6 @@ import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
 
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -54,9 +57,12 @@ _SWEEP = flags.DEFINE_bool("sweep", False, "Find the longest sequence that fits 
 _SWEEP_TOPOLOGIES = flags.DEFINE_list("sweep_topologies", ["v5p:4x4x4", "v6e:16x16", "v5e:16x16"],
                                       "Topologies for --sweep.")
 _SWEEP_SP = flags.DEFINE_list("sweep_sp", ["16", "32"], "sp sizes for --sweep.")
-_SWEEP_START = flags.DEFINE_integer("sweep_start_shard", 8192, "First L = S/sp tried by --sweep.")
-_SWEEP_MAX = flags.DEFINE_integer("sweep_max_shard", 131072, "Largest L = S/sp tried by --sweep.")
-_SWEEP_MIN = flags.DEFINE_integer("sweep_min_shard", 1024, "Smallest L = S/sp tried by --sweep.")
+_SWEEP_START = flags.DEFINE_integer("sweep_start_shard", 8192, "First L = S/sp tried by --sweep.",
+                                    lower_bound=1)
+_SWEEP_MAX = flags.DEFINE_integer("sweep_max_shard", 131072, "Largest L = S/sp tried by --sweep.",
+                                  lower_bound=1)
+_SWEEP_MIN = flags.DEFINE_integer("sweep_min_shard", 1024, "Smallest L = S/sp tried by --sweep.",
+                                  lower_bound=1)
 _SWEEP_POINTS = flags.DEFINE_list("sweep_points", [], "Searches as topology/sp/first L, e.g. "
                                    "v5p:4x4x4/16/131072,v6e:16x16/32/32768 (instead of topologies x sp).")
 _SWEEP_GROW = flags.DEFINE_bool("sweep_grow", True, "Keep doubling L while it fits; with "

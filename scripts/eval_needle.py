@@ -24,12 +24,16 @@ per length x depth, and the tokenizer and data used) and the heatmap needle.png 
 (default: the workdir) and prints the accuracy per length.
 """
 
-from longctx import cli
+import os
+import sys
+
+# longctx from this checkout even without .venv, so that cli.start() can say in one line what is missing
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longctx import cli  # noqa: E402
 
 cli.start()  # before jax is imported
 
 import argparse  # noqa: E402
-import os  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -42,11 +46,16 @@ from longctx.data import tokenizer as tokenizer_lib  # noqa: E402
 from longctx.errors import ConfigError, MissingFileError  # noqa: E402
 
 
-def _ints(text: str) -> list[int]:
+def _lengths(text: str) -> list[int]:
+    """--lengths: token counts, each at least 1."""
     try:
-        return [int(x) for x in text.split(",") if x]
+        lengths = [int(x) for x in text.split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token counts, "
+                                         "each at least 1")
+    return lengths
 
 
 def _saved_metadata(directory: str, step: int) -> dict:
@@ -135,30 +144,33 @@ def _mesh_overrides(args, config) -> dict:
     return overrides
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The flags, each number with its range (a value outside it is one line naming the flag)."""
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--workdir", required=True, help="training workdir or converted checkpoint directory")
     p.add_argument("--out", help="where needle.json and needle.png go (default: --workdir)")
-    p.add_argument("--lengths", type=_ints, help="haystack lengths in tokens (default: seq_len/8 .. seq_len)")
-    p.add_argument("--depths", type=int, default=len(needle.DEFAULT_DEPTHS),
+    p.add_argument("--lengths", type=_lengths, help="haystack lengths in tokens (default: seq_len/8 .. seq_len)")
+    p.add_argument("--depths", type=cli.int_at_least(1), default=len(needle.DEFAULT_DEPTHS),
                    help="number of needle depths, evenly from 0%% to 100%%")
-    p.add_argument("--samples", type=int, default=4, help="passkeys per (length, depth) cell")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seq-len", type=int, help="run at this data.seq_len instead of the run's")
+    p.add_argument("--samples", type=cli.int_at_least(1), default=4, help="passkeys per (length, depth) cell")
+    p.add_argument("--seed", type=cli.int_at_least(0), default=0, help="passkey seed (0 or more)")
+    p.add_argument("--seq-len", type=cli.int_at_least(1), help="run at this data.seq_len instead of the run's")
     p.add_argument("--mesh", help="DP,FSDP,SP instead of the run's mesh")
     p.add_argument("--impl", choices=("splash", "xla"), help="attention impl instead of the run's")
     p.add_argument("--data", metavar="DIR", help="prepared dataset whose validation text fills the "
                    "haystacks (default: the run's data.path, else the embedded corpus)")
     p.add_argument("--tokenizer", metavar="SPEC", help="the model's tokenizer: byte, "
                    "sentencepiece:MODEL or hf:DIR_OR_JSON (default: see below)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from absl import logging
 
     logging.set_verbosity(logging.ERROR)  # Orbax's notes about read-only checkpoint directories
     workdir_lib.check_named(args.workdir)  # "" would read the current directory
-    if args.samples < 1 or args.depths < 1:
-        raise ConfigError("--samples and --depths must be at least 1.")
 
     config, directory, step = params_io.read_config(args.workdir)
     overrides = _mesh_overrides(args, config)

@@ -27,16 +27,19 @@ block and attention.layout=auto are chosen, each where the config asks).
 Exit status 0, or 2 with one line (`longctx: ...`) on bad input.
 """
 
-from longctx import cli
+import os
+import sys
+
+# longctx from this checkout even without .venv, so that cli.start() can say in one line what is missing
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longctx import cli  # noqa: E402
 
 cli.start()  # before jax is imported
 
 import copy  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -50,13 +53,16 @@ from longctx.plan import aot, hardware, planner  # noqa: E402  (aot: the source 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:llama3_8b_128k.",
                                           lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p:4x4x4, v5e:16x16, v6e:8x8.")
-_SEQ_LEN = flags.DEFINE_integer("seq-len", None, "Tokens per sequence (overrides data.seq_len).")
+_SEQ_LEN = flags.DEFINE_integer("seq-len", None, "Tokens per sequence (overrides data.seq_len).",
+                                 lower_bound=1)
 _DOC_LENGTHS = flags.DEFINE_list("doc-lengths", [], "Document lengths that fill each row, repeated.")
 _DATA = flags.DEFINE_string("data", "", "A prepared dataset (scripts/prepare_data.py) whose packed rows "
                             "price the attention.")
-_TOP = flags.DEFINE_integer("top", 10, "Rows of the table: the best ways to split attention.")
+_TOP = flags.DEFINE_integer("top", 10, "Rows of the table: the best ways to split attention.",
+                             lower_bound=1)
 _COMPILE = flags.DEFINE_integer("compile", 1, "Compile the best rows ahead of time until one fits, at "
-                                "most this many (0: none; each takes 1-10 minutes for an 8B model).")
+                                "most this many (0: none; each takes 1-10 minutes for an 8B model).",
+                                lower_bound=0)
 _CACHE = flags.DEFINE_string("cache", os.path.expanduser("~/.cache/longctx/plan"),
                              "Where compiles are kept.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")

@@ -24,7 +24,9 @@ import argparse
 import os
 import sys
 
-from longctx import cli
+# longctx from this checkout even without .venv, so that cli.start() can say in one line what is missing
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longctx import cli  # noqa: E402
 
 cli.start(cpu_devices=None)  # no jax here
 
@@ -52,9 +54,10 @@ def check_arguments(args) -> str:
     return f"{len(sources)} input file(s), --output {args.output}, tokenizer {args.tokenizer}"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The flags, each number with its range (a value outside it is one line naming the flag)."""
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="text files, .jsonl files or directories")
     p.add_argument("--output", required=True, metavar="DIR")
@@ -62,17 +65,22 @@ def main(argv=None) -> int:
                    help="replace an existing dataset in --output")
     p.add_argument("--tokenizer", default="byte",
                    help="byte | sentencepiece:MODEL_FILE | hf:TOKENIZER_JSON_OR_MODEL_DIR")
-    p.add_argument("--train-sentencepiece", type=int, default=None, metavar="VOCAB",
+    p.add_argument("--train-sentencepiece", type=cli.int_at_least(1), default=None, metavar="VOCAB",
                    help="train a BPE SentencePiece model of this vocabulary size on the input first")
     p.add_argument("--text-field", default="text", help="jsonl field holding the document")
     p.add_argument("--encoding", default="utf-8",
                    help="encoding of plain text files; files that do not decode are skipped")
     p.add_argument("--glob", default="*", help="file-name pattern for directory inputs")
-    p.add_argument("--val-fraction", type=float, default=0.01)
-    p.add_argument("--shard-mb", type=int, default=prepare.DEFAULT_SHARD_BYTES >> 20,
+    p.add_argument("--val-fraction", type=cli.float_at_least(0), default=0.01,
+                   help="share of the documents held out for validation, in [0, 1)")
+    p.add_argument("--shard-mb", type=cli.int_at_least(1), default=prepare.DEFAULT_SHARD_BYTES >> 20,
                    help="start a new ArrayRecord file after this many MiB of token ids")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if cli.validate_only():
         cli.validated(check_arguments(args))
     meta = prepare.prepare(

@@ -53,11 +53,13 @@ import json
 import os
 import sys
 
-import numpy as np
-
-from longctx import cli
+# longctx from this checkout even without .venv, so that cli.start() can say in one line what is missing
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longctx import cli  # noqa: E402
 
 cli.start()  # longctx.ops imports jax: CPU platform set before
+
+import numpy as np  # noqa: E402
 
 from longctx.ops import masks  # noqa: E402
 from longctx import ops  # noqa: E402
@@ -69,9 +71,12 @@ from longctx.data.packing import PACKERS, packer_layout  # noqa: E402
 
 
 def _window(text):
-    parts = [int(p) for p in text.split(",")]
-    if len(parts) not in (1, 2):
-        raise argparse.ArgumentTypeError(f"--sliding-window {text!r}: expected W or LEFT,RIGHT")
+    try:
+        parts = [int(p) for p in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2) or min(parts) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not W or LEFT,RIGHT (whole numbers, at least 0)")
     return parts[0] if len(parts) == 1 else tuple(parts)
 
 
@@ -351,15 +356,16 @@ def _describe(mask_kw) -> str:
     return ", ".join(f"{k}={v}" for k, v in mask_kw.items() if v) or "full"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--sp", type=int, required=True, help="ring size (devices on the sp axis)")
-    p.add_argument("--block", type=int, default=512, help="q and kv block size")
+def build_parser() -> argparse.ArgumentParser:
+    """The flags, each integer one with its range (a value outside it is one line naming the flag)."""
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", type=cli.int_at_least(1), required=True)
+    p.add_argument("--sp", type=cli.int_at_least(1), required=True, help="ring size (devices on the sp axis)")
+    p.add_argument("--block", type=cli.int_at_least(1), default=512, help="q and kv block size")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--sliding-window", type=_window, default=None, help="W or LEFT,RIGHT")
-    p.add_argument("--chunk-size", type=int, default=None, help="chunked causal")
+    p.add_argument("--sliding-window", type=_window, default=None,
+                   help="W or LEFT,RIGHT (tokens, 0 or more)")
+    p.add_argument("--chunk-size", type=cli.int_at_least(1), default=None, help="chunked causal")
     p.add_argument("--layout", default=None, help="contiguous | zigzag | striped | auto "
                    "(required without documents; with them every layout is reported)")
     docs = p.add_mutually_exclusive_group()
@@ -369,22 +375,27 @@ def main(argv=None) -> int:
                       help="a prepared data directory: compare packers on its train split")
     docs.add_argument("--mix", default=None, help="long_tail | uniform: compare packers on "
                       "seeded synthetic document lengths")
-    p.add_argument("--tokens", type=int, default=16 << 20, help="with --mix: tokens to draw")
-    p.add_argument("--seed", type=int, default=0, help="with --data / --mix: shuffle / draw seed")
+    p.add_argument("--tokens", type=cli.int_at_least(1), default=16 << 20, help="with --mix: tokens to draw")
+    p.add_argument("--seed", type=cli.int_at_least(0), default=0,
+                   help="with --data / --mix: shuffle / draw seed (0 or more)")
     p.add_argument("--packer", default=",".join(PACKERS),
                    help="with --data / --mix: the packers to compare, a comma list")
-    p.add_argument("--batches", type=int, default=None,
+    p.add_argument("--batches", type=cli.int_at_least(1), default=None,
                    help="with --data / --mix: measure the first batches only (default: the epoch)")
-    p.add_argument("--batch-size", type=int, default=1,
+    p.add_argument("--batch-size", type=cli.int_at_least(1), default=1,
                    help="with --data / --mix: rows per ring pass (per device's local batch)")
-    p.add_argument("--kv-bytes-per-token", type=int, default=packer_report.KV_BYTES_PER_TOKEN,
+    p.add_argument("--kv-bytes-per-token", type=cli.int_at_least(1), default=packer_report.KV_BYTES_PER_TOKEN,
                    help="with --data / --mix: K and V bytes per token and layer (default "
                    "Llama-3-8B's in bfloat16)")
     p.add_argument("--strategies", default=None,
                    help="with --doc-lengths: ring,all_gather,ulysses,usp:U (context-parallel strategies)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", default=None, help="write the device x step heatmap here")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     mask_kw = dict(causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
     if cli.validate_only():
         cli.validated(_check_arguments(a))

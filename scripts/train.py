@@ -12,7 +12,12 @@ CPU devices. A failure prints one line (`longctx: ...`; exit status 2 for bad in
 that failed); `--verbose` or LONGCTX_DEBUG=1 adds the traceback.
 """
 
-from longctx import cli
+import os
+import sys
+
+# longctx from this checkout even without .venv, so that cli.start() can say in one line what is missing
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longctx import cli  # noqa: E402
 
 cli.start()  # before jax is imported
 
