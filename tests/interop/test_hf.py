@@ -24,8 +24,8 @@ from configs import base
 from longctx import config as config_lib
 from longctx.errors import ConfigError
 from longctx.evals import inference
-from longctx.interop import hf, params_io
-from tests import ASSETS
+from longctx.interop import hf, params_io, staging
+from tests import ASSETS, FIXTURES
 
 ASSETS = os.path.join(ASSETS, "hf")
 from tests import ROOT as REPO
@@ -365,7 +365,8 @@ def test_export_into_a_used_directory(converted, tmp_path, monkeypatch):
         written = hf.write_hf(runner.params, runner.config, out, dtype=np.float32, overwrite=True)
     finally:
         os.umask(old_umask)
-    assert sorted(written) == sorted(os.listdir(out)) == [hf.CONFIG_FILE, hf.SINGLE_FILE]
+    assert sorted(written + [staging.MARKER]) == sorted(os.listdir(out)) == [
+        hf.CONFIG_FILE, staging.MARKER, hf.SINGLE_FILE]
     assert os.listdir(tmp_path) == ["hf"]
     assert oct(os.stat(out).st_mode & 0o777) == oct(0o755)
     assert {oct(os.stat(os.path.join(out, f)).st_mode & 0o777) for f in written} == {oct(0o644)}
@@ -374,14 +375,83 @@ def test_export_into_a_used_directory(converted, tmp_path, monkeypatch):
 
 
 def test_overwrite_never_deletes_what_the_export_reads(tmp_path):
-    from longctx.interop import staging
-
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     for out in (tmp_path, tmp_path / "run"):
         with pytest.raises(ConfigError, match=rf"^--out={out} holds --checkpoint={tmp_path}/run/checkpoints, "
                                               r"which replacing it would delete; choose another --out\.$"):
             staging.check_destination(str(out), True, source=("--checkpoint", str(tmp_path / "run/checkpoints")))
     staging.check_destination(str(tmp_path / "run2"), True, source=("--checkpoint", str(tmp_path / "run")))
+
+
+def test_overwrite_replaces_an_export_never_the_users_own_files(tmp_path):
+    """An export carries staging.MARKER and --overwrite replaces it; a non-empty directory without
+    it (the user's own files, a downloaded model) is refused, with --overwrite or without, and
+    left as it was: before, --overwrite deleted it."""
+    export = str(tmp_path / "export")
+    with staging.staged(export, overwrite=False) as out:
+        open(os.path.join(out, "model.safetensors"), "w").close()
+    assert sorted(os.listdir(export)) == [staging.MARKER, "model.safetensors"]
+    with staging.staged(export, overwrite=True) as out:
+        open(os.path.join(out, "config.json"), "w").close()
+    assert sorted(os.listdir(export)) == ["config.json", staging.MARKER]
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match=(
+                rf"^--out={mine} holds files that are not a longctx export \(no {staging.MARKER}\), which "
+                r"longctx never deletes, with --overwrite or without; choose another --out\.$")):
+            with staging.staged(str(mine), overwrite=overwrite):
+                pass
+    assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "the user's"
+    assert sorted(os.listdir(tmp_path)) == ["export", "mine"]  # no partial directory left
+
+
+def run_validated(*commands):
+    """[(returncode, stdout + stderr)] of `convert_hf.py ARGS` for each ARGS, run as tests/validate_commands.py
+    runs the documented commands (one import of jax, a fork per command); `--validate_only`
+    where a command ends with it, else the real run."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LONGCTX_VALIDATE_ONLY", "LONGCTX_DEBUG")}
+    script = os.path.join(REPO, "scripts", "convert_hf.py")
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "validate_commands.py")],
+                          input=json.dumps([{"argv": [sys.executable, script, *c]} for c in commands]),
+                          capture_output=True, text=True, cwd=REPO, env={**env, "PYTHONPATH": REPO},
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [(r["returncode"], r["stdout"] + r["stderr"]) for r in json.loads(done.stdout)]
+
+
+def test_validate_only_checks_out_as_the_export_does(tmp_path):
+    """to-hf and to-longctx --validate_only refuse the --out the command would refuse (before,
+    both said "fine"), in the same sentence; the real run refuses the user's directory before
+    reading anything, and deletes none of it."""
+    export, mine = tmp_path / "export", tmp_path / "mine"
+    export.mkdir()
+    (export / staging.MARKER).write_text("{}")
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    hf_dir = os.path.join(ASSETS, "llama_tied")
+    to_hf = ("to-hf", f"--checkpoint={os.path.join(FIXTURES, 'checkpoint_2373a90')}")
+    results = run_validated(
+        (*to_hf, f"--out={export}", "--validate_only"),
+        (*to_hf, f"--out={export}", "--overwrite", "--validate_only"),
+        (*to_hf, f"--out={mine}", "--overwrite", "--validate_only"),
+        (*to_hf, f"--out={mine}", "--overwrite"),
+        ("to-longctx", f"--hf={hf_dir}", f"--out={export}", "--validate_only"),
+        ("to-longctx", f"--hf={hf_dir}", f"--out={mine}", "--overwrite", "--validate_only"),
+        ("to-longctx", f"--hf={hf_dir}", f"--out={tmp_path / 'new'}", "--validate_only"))
+    not_empty = (f"longctx: --out={export} is not empty; pass --overwrite to replace it (the old contents "
+                 "are kept until the new ones are complete).")
+    not_export = (f"longctx: --out={mine} holds files that are not a longctx export (no {staging.MARKER}), "
+                  "which longctx never deletes, with --overwrite or without; choose another --out.")
+    for (returncode, out), (want_code, want_line) in zip(results, [
+            (2, not_empty), (0, "longctx: --validate_only: "), (2, not_export), (2, not_export),
+            (2, not_empty), (2, not_export), (0, "longctx: --validate_only: ")]):
+        lines = out.strip().splitlines()
+        assert returncode == want_code and len(lines) == 1 and lines[0].startswith(want_line), out
+    assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "the user's"
+    assert not os.path.exists(tmp_path / "new")
 
 
 def test_reader_prefers_model_safetensors_as_transformers_does(tmp_path):
