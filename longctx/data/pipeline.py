@@ -61,6 +61,7 @@ from grain import experimental as gx
 from longctx import errors
 from longctx.data import packing
 from longctx.data import prepare as prepare_lib
+from longctx.data import shard_counts
 from longctx.data import sharding as sharding_lib
 from longctx.errors import ConfigError, MissingFileError
 from longctx.parallel import layout as layout_lib
@@ -80,14 +81,21 @@ def resolve_dataset(config) -> str:
     """The data directory: `config.data.path`, or the embedded stdlib corpus (prepared once)."""
     path = config.data.path
     if path:
+        if os.path.isfile(path):
+            parent = os.path.dirname(os.path.abspath(path))
+            which = parent if prepare_lib.is_dataset_dir(parent) else "the directory"
+            raise ConfigError(f"data.path={path} is a file, not a directory: point it at {which} "
+                              "scripts/prepare_data.py wrote (its --output).")
         if not os.path.isdir(path):
             raise MissingFileError(f"data.path={path} does not exist.")
         # A missing or corrupt file fails here, with the file named, before anything else starts
-        # (not inside a worker, and not while a checkpoint is being restored).
+        # (not inside a worker, and not while a checkpoint is being restored); so does a count in
+        # metadata.json that its files do not hold.
         meta = load_metadata(path)
         for split in prepare_lib.SPLITS:
             for entry in (meta["splits"].get(split) or {}).get("files", []):
                 check_shard(os.path.join(path, entry["path"]), entry["num_documents"])
+        shard_counts.check_counts(path, meta)
         return path
     cache = config.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "longctx")
     try:

@@ -159,6 +159,7 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
     residual_choices = opened("attention.residuals", _residual_policies(topology), a.residuals)
     remat_choices = opened("model.remat_policy", decoder.REMAT_POLICIES, m.remat_policy)
     block_choices = opened("attention.block_size", BLOCK_SIZES, a.block_size)
+    pairs = None if segment_ids is None else step_time.document_pairs(config, segment_ids)
     rows = []
     ring_schedules = {}  # with documents: _schedule's ring schedule per (layout, sp, block)
     for mesh in meshes(config, chips, open_mesh="mesh" in open_keys):
@@ -181,7 +182,8 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
                     cc = candidate_config(config, mesh, strategy, layout, residuals, remat, block)
                     rows.append(Row(cc, mesh, strategy, layout, residuals, remat, block,
                                     step_time.estimate(cc, topology, schedule, mesh,
-                                                       rows_in_schedule=_schedule_rows(segment_ids)),
+                                                       rows_in_schedule=_schedule_rows(segment_ids),
+                                                       pairs_per_row=pairs),
                                     memory_model.per_device_bytes(cc, mesh),
                                     topology.chip.hbm_bytes))
     order = {id(r): i for i, r in enumerate(rows)}

@@ -13,6 +13,7 @@ import pytest
 
 from configs import base
 from longctx import config as config_lib
+from longctx.data import length_mixes
 from longctx.errors import ConfigError
 from longctx.model import flops
 from longctx.ops import masks, tables
@@ -129,6 +130,31 @@ def test_the_models_flops_are_flops_py(strategy, degree):
     e = step_time.estimate(c, hardware.parse_topology("v5p:4x4x4"), schedule, mesh)
     assert e.model_flops == flops.flops_per_step(c) == \
         flops.dense_flops_per_step(c) + flops.attention_flops_per_step(c)
+
+
+def test_mfu_counts_the_flops_the_documents_need():
+    """Rows of 256-token documents at 65,536 tokens: MFU's numerator counts attention inside each
+    document (256 x 257 / 2 causal pairs each), never more than the blocks a device computes, so
+    no row's MFU passes the fraction of peak its fastest part reaches (crediting the whole row's
+    causal pairs read 80-94% here, with 1.6x the FLOPs a device computes, and 902% for
+    docs/planner.md's 2,097,152-token command)."""
+    c = _config(data=dict(seq_len=65_536, global_batch_size=1))
+    ids = length_mixes.segment_ids_of([256], 65_536)
+    assert step_time.document_pairs(c, ids) == 256 * 256 * 257 / 2
+    assert step_time.document_pairs(c, None) == 65_536 * 65_537 / 2
+    rows = planner.plan(c, hardware.parse_topology("v5p:2x2x2"),
+                        open_keys=("mesh", "attention.cp", "attention.layout"), segment_ids=ids)
+    assert len(rows) > 5
+    dense, attention = flops.dense_flops_per_step(c), flops.attention_flops_per_step(c)
+    for r in rows:
+        s = r.step
+        assert s.model_flops == pytest.approx(dense + attention * (256 * 256 * 257) / (65_536 * 65_537))
+        assert s.model_flops / s.num_chips <= s.device_flops  # counted work is work done
+        assert 0 < s.mfu <= max(step_time.CONSTANTS["matmul"], step_time.CONSTANTS["attention"])
+    # padding attends to nothing; a row of one document is flops.py's count
+    padded = np.where(np.arange(65_536) < 32_768, 1, 0)[None]
+    assert step_time.document_pairs(c, padded) == 32_768 * 32_769 / 2
+    assert step_time.model_flops_per_step(c, None) == flops.flops_per_step(c)
 
 
 def test_axes_take_the_torus_innermost_first():
@@ -293,12 +319,14 @@ def test_plan_prints_a_ranked_table_and_json():
     table = _plan(*args)
     assert table.returncode == 0, table.stderr[-2000:]
     assert "| 1 |" in table.stdout and "run #1: --config.mesh.dp=" in table.stdout
+    assert "MFU counts the model FLOPs of rows of one document" in table.stdout
     result = _plan(*args, "--json", "--doc-lengths", "1000,7000")
     assert result.returncode == 0, result.stderr[-2000:]
     doc = json.loads(result.stdout)
     steps = [r["predicted"]["step_seconds"] for r in doc["rows"]]
     assert len(steps) == 5 and steps == sorted(steps) and doc["documents"] == "--doc-lengths 1000,7000"
     assert all(r["why"] for r in doc["rows"])
+    assert all(0 < r["predicted"]["mfu"] <= 1 for r in doc["rows"])
 
 
 def test_train_with_auto_on_cpu_is_one_line_before_anything_runs(tmp_path):
