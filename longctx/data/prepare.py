@@ -50,7 +50,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from longctx.data import tokenizer as tokenizer_lib
-from longctx.errors import ConfigError, MissingFileError
+from longctx import errors
+from longctx.errors import ConfigError, MissingFileError, RunError
 
 METADATA = "metadata.json"
 DATASET_MARKER = ".longctx-dataset"
@@ -401,10 +402,21 @@ def prepare(inputs: Sequence[str], output: str, *, overwrite: bool = False, **kw
             raise ConfigError(f"--output {output} already holds a dataset; pass --overwrite to "
                               "replace it, or choose another --output.")
     parent = os.path.dirname(output)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(output) + ".tmp-", dir=parent)
     try:
-        meta = write_dataset(inputs, tmp, **kwargs)
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(output) + ".tmp-", dir=parent)
+    except OSError as e:  # a read-only file system, a file in the way, no permission
+        raise ConfigError(f"--output {output} cannot be written ({_why_unwritable(parent, e)}); "
+                          "choose another --output.") from None
+    try:
+        try:
+            meta = write_dataset(inputs, tmp, **kwargs)
+        except (OSError, RuntimeError) as e:  # RuntimeError: ArrayRecord's writer
+            reason = _write_failure(e, tmp)
+            if reason is None:
+                raise
+            raise RunError(f"prepare_data could not write --output {output} ({reason}); {output} "
+                           "is as it was: free space there or choose another --output.") from None
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700
         if os.path.exists(output):
             old = tempfile.mkdtemp(prefix=os.path.basename(output) + ".old-", dir=parent)
@@ -417,6 +429,33 @@ def prepare(inputs: Sequence[str], output: str, *, overwrite: bool = False, **kw
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return meta
+
+
+def _why_unwritable(parent: str, error: OSError) -> str:
+    """'<file> is a file, not a directory' when one is in the way of `parent`, else the system's
+    reason with its errno (never the temporary directory's name: it was never made)."""
+    p = parent
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    if os.path.exists(p) and not os.path.isdir(p):
+        return f"{p} is {'a file' if os.path.isfile(p) else 'there'}, not a directory"
+    return errors.os_reason(error)
+
+
+def _write_failure(error: Exception, tmp: str) -> str | None:
+    """Why a write into the temporary output `tmp` failed (a full disk, a file-size limit), or
+    None for an error that is not one (an input that cannot be read names itself). A write
+    reports no file name (ArrayRecord's writer names it in its message); the reason given leaves
+    the temporary directory's name out."""
+    if isinstance(error, errors.LongctxError):  # an input's own sentence (MissingFileError)
+        return None
+    if isinstance(error, OSError):
+        named = [f for f in (error.filename, error.filename2) if isinstance(f, str)]
+        if any(not (f + os.sep).startswith(tmp + os.sep) for f in named):
+            return None
+        return errors.os_reason(error)
+    message = str(error)
+    return message.split(";")[0].strip() if tmp in message else None
 
 
 def stdlib_root() -> str:

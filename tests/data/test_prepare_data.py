@@ -1,9 +1,12 @@
 """scripts/prepare_data.py on small generated corpora: text + jsonl, byte + SentencePiece."""
 
+import errno
 import hashlib
 import json
 import os
 import random
+import resource
+import signal
 import subprocess
 import sys
 
@@ -11,8 +14,10 @@ import numpy as np
 import pytest
 
 from longctx.data import load_metadata, packed_rows
+from longctx.data import prepare as prepare_lib
 from longctx.data.pipeline import TokenSource
 from longctx.data.tokenizer import load_tokenizer
+from longctx.errors import ConfigError
 from tests import ROOT
 
 SCRIPT = os.path.join(ROOT, "scripts", "prepare_data.py")
@@ -206,3 +211,42 @@ def test_no_validation_documents_warned_at_prepare_refused_at_start(tmp_path, mo
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     config.train.eval_every = 0
     data_lib.check_splits(config, load_metadata(str(out)), str(out), mesh_lib.make_mesh(config.mesh))
+
+
+def test_an_output_that_cannot_be_made_names_it_and_the_reason(corpus, tmp_path, monkeypatch):
+    """It said "unexpected OSError", named its temporary directory and exited 1. A file in the way
+    fails for root too (permission bits do not stop root); a read-only file system is simulated
+    where the temporary directory is made (EROFS is what mkdtemp met there)."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file")
+    out = blocker / "data" / "out"
+    r = run("--input", corpus / "txt", "--output", out)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (f"longctx: --output {out} cannot be written ({blocker} is a file, not a "
+                        "directory); choose another --output.\n")
+
+    def read_only(prefix, dir):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.path.join(dir, prefix + "abc123"))
+
+    monkeypatch.setattr(prepare_lib.tempfile, "mkdtemp", read_only)
+    with pytest.raises(ConfigError) as e:
+        prepare_lib.prepare([str(corpus / "txt")], str(tmp_path / "out"), progress=False)
+    assert str(e.value) == (f"--output {tmp_path / 'out'} cannot be written (Read-only file system "
+                            "(errno 30)); choose another --output.")
+
+
+def _file_size_limit():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))  # a full disk, for root too
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) instead of killing
+
+
+def test_a_write_that_fails_midway_names_the_output_not_its_temporary_copy(corpus, tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, SCRIPT, "--quiet", "--input", corpus / "txt", "--output",
+                        out], capture_output=True, text=True, timeout=300,
+                       preexec_fn=_file_size_limit)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr == (f"longctx: prepare_data could not write --output {out} (write() failed: "
+                        f"File too large); {out} is as it was: free space there or choose another "
+                        "--output.\n")
+    assert os.listdir(tmp_path) == []  # the temporary copy is gone
