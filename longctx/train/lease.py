@@ -14,6 +14,11 @@ The lease is a sequence of small JSON records, `.lease/<n>.json`; the highest n 
 state. Every change (taking it, each refresh, the release) *creates* the next number, only if it
 does not exist yet, and then removes the older files: a file is never rewritten, so a reader never
 sees half a record, and of two runs that try to change the same state only one can create n+1.
+A change counts only if the number it created is then the highest: a holder paused past the stale
+time, whose lease was taken over meanwhile and refreshed by the taker (which removed every record
+below its own, this run's n+1 included), can still create n+1, and finds the taker's above it.
+Such a holder has lost the lease: it writes nothing more, and its run stops before its next save
+(longctx.train.loop), with one line naming the taker.
 Each record names the holder: host, pid (and on Linux the pid's start time and the boot/pid
 namespace it lives in), the run's start, its last refresh and a random run id.
 
@@ -386,12 +391,21 @@ def acquire(workdir: str, *, files=None, refresh_s: float = REFRESH_S, clock: Ca
 
 
 class Lease:
-    """A held lease: refreshed by a daemon thread (`start`), given back by `release` (or `with`)."""
+    """A held lease: refreshed by a daemon thread (`start`), given back by `release` (or `with`).
+
+    It is lost when another run takes it over (this one was paused or starved past the stale
+    time): a refresh finds the next number taken or, once the taker has refreshed (and so
+    removed every record below its own), a number above the one it created. From then on it
+    writes nothing, and `still_held` says so; the training loop asks before every save and
+    stops with `lost_reason`, so two runs never write the same checkpoints."""
 
     def __init__(self, workdir: str, files, number: int, record: Record, *, clock=time.time, say=print):
         self.workdir, self.files, self.number, self.record = workdir, files, number, record
         self.clock, self.say = clock, say
         self.lost = False
+        self.lost_reason = ""  # set with `lost`: whose the lease is now, for the one line
+        self._reported = False  # whether someone took `lost_reason` to the user (else release says it)
+        self._lock = threading.Lock()  # (the refresh thread moves `number`; a check reads it)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
@@ -406,46 +420,86 @@ class Lease:
             self.refresh()
 
     def _advance(self, record: Record) -> bool:
-        """Creates the next record; False (and `lost`) if another run created it first."""
-        if not self.files.create(_name(self.number + 1), record.to_json()):
-            self.lost = True
+        """Creates the next record; False (and `lost`) if another run holds the lease now: it created
+        that number first, or (having refreshed since it took over, which removed this run's
+        records) a higher one. The number created must be the highest, as in `acquire`."""
+        number = self.number + 1
+        created = self.files.create(_name(number), record.to_json())
+        if created and max(_numbers(self.files), default=number) == number:
+            self.number, self.record = number, record
+            _remove_below(self.files, self.number)
+            return True
+        if created:  # below the taker's record: it decides nothing, and is not ours to leave there
             try:
-                taker = Record.from_json(self.files.read(_name(self.number + 1))).holder()
-            except Exception:  # noqa: BLE001  (the taker's name is only for the message)
-                taker = "another run"
-            self.say(f"longctx: WARNING: the lease of workdir {self.workdir} was taken over by {taker} "
-                     f"(this run had not refreshed it for {self.clock() - self.record.refreshed:.0f} s); "
-                     "this run's and that run's files there may now mix: stop one of them.")
-            return False
-        self.number, self.record = self.number + 1, record
-        _remove_below(self.files, self.number)
-        return True
+                self.files.delete(_name(number))
+            except OSError:
+                pass
+        self._lose()
+        return False
+
+    def _lose(self) -> None:
+        try:
+            taker = _newest(self.files, self.workdir)
+            holder = taker[1].holder() if taker is not None else "another run"
+        except Exception:  # noqa: BLE001  (the taker's name is only for the message)
+            holder = "another run"
+        self.lost = True
+        self.lost_reason = (f"the lease of workdir {self.workdir} was taken over by {holder} while this run "
+                            f"had not refreshed it for {max(self.clock() - self.record.refreshed, 0):.0f} s "
+                            "(paused or starved past the stale time)")
 
     def refresh(self) -> None:
-        if self.lost:
-            return
-        try:
-            self._advance(dataclasses.replace(self.record, refreshed=self.clock()))
-            self._failing = False
-        except Exception as e:  # noqa: BLE001  (a network error: the next refresh tries again)
-            if not self._failing:
-                self.say(f"longctx: WARNING: could not refresh the lease of workdir {self.workdir} "
-                         f"({errors.first_line(e)}); trying again in {self.record.refresh_s:.0f} s.")
-            self._failing = True
+        with self._lock:
+            if self.lost:
+                return
+            try:
+                self._advance(dataclasses.replace(self.record, refreshed=self.clock()))
+                self._failing = False
+            except Exception as e:  # noqa: BLE001  (a network error: the next refresh tries again)
+                if not self._failing:
+                    self.say(f"longctx: WARNING: could not refresh the lease of workdir {self.workdir} "
+                             f"({errors.first_line(e)}); trying again in {self.record.refresh_s:.0f} s.")
+                self._failing = True
+
+    def still_held(self) -> bool:
+        """Whether this run holds the lease now (its record is the highest), read from the storage:
+        asked before anything is saved. False also when a refresh found it lost. A storage that
+        cannot be read answers True (the refresh thread says so; a save there fails on its own)."""
+        with self._lock:
+            if self.lost:
+                return False
+            try:
+                highest = max(_numbers(self.files), default=None)
+            except Exception:  # noqa: BLE001
+                return True
+            if highest != self.number:
+                self._lose()
+            return not self.lost
+
+    def lost_error(self) -> str:
+        """`lost_reason`, for the caller that stops the run with it (release then says nothing)."""
+        self._reported = True
+        return self.lost_reason
 
     def release(self) -> None:
-        """Stops the refreshes and marks the lease released (the next run takes it at once)."""
+        """Stops the refreshes and marks the lease released (the next run takes it at once). A lease
+        lost and never reported is reported here, once."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         _held_run_ids.discard(self.record.run_id)
-        if not self.lost and not self.record.released:
-            try:
-                self._advance(dataclasses.replace(self.record, refreshed=self.clock(), released=True))
-            except Exception as e:  # noqa: BLE001  (the lease then goes stale, and is taken over)
-                self.say(f"longctx: WARNING: could not release the lease of workdir {self.workdir} "
-                         f"({errors.first_line(e)}); the next run takes it over when it is stale.")
+        with self._lock:
+            if not self.lost and not self.record.released:
+                try:
+                    self._advance(dataclasses.replace(self.record, refreshed=self.clock(), released=True))
+                except Exception as e:  # noqa: BLE001  (the lease then goes stale, and is taken over)
+                    self.say(f"longctx: WARNING: could not release the lease of workdir {self.workdir} "
+                             f"({errors.first_line(e)}); the next run takes it over when it is stale.")
+            if self.lost and not self._reported:
+                self._reported = True
+                self.say(f"longctx: WARNING: {self.lost_reason}; this run's and that run's files there may "
+                         "have mixed.")
 
     def __enter__(self) -> "Lease":
         return self
@@ -455,7 +509,16 @@ class Lease:
 
 
 class _NotHeld:
-    """What processes other than 0 get from `hold`: nothing to refresh or release."""
+    """What processes other than 0 get from `hold`: nothing to refresh or release (process 0's
+    answer to `still_held` reaches them through the loop's agreement)."""
+
+    lost = False
+
+    def still_held(self) -> bool:
+        return True
+
+    def lost_error(self) -> str:
+        return ""
 
     def release(self) -> None:
         pass

@@ -96,11 +96,12 @@ class _StopRequest:
         self._say(signum)
         self.requested = True
 
-    def agreed(self) -> bool:
+    def agreed(self, lease_lost: bool = False) -> tuple[bool, bool]:
+        """(whether any process asked to stop, whether any found the lease lost): one all-gather."""
         if jax.process_count() == 1:
-            return self.requested
-        flags = processes.allgather(np.array([self.requested], np.int32))
-        return bool(np.any(flags))
+            return self.requested, lease_lost
+        flags = processes.allgather(np.array([self.requested, lease_lost], np.int32))
+        return bool(np.any(flags[..., 0])), bool(np.any(flags[..., 1]))
 
     def restore(self):
         signal.set_wakeup_fd(self._previous_wakeup)
@@ -175,12 +176,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     # This host's files: a failure on one process is raised on all (cli.agreed), not left to
     # hang the others in the first collective.
     data_dir = cli.agreed(lambda: _local_inputs(config, workdir))
-    with lease_lib.hold(workdir):  # one run per workdir: a second one is refused here
-        return _train_and_evaluate_held(config, workdir, sizes, data_dir, evaluators, run_info or {})
+    with lease_lib.hold(workdir) as lease:  # one run per workdir: a second one is refused here
+        return _train_and_evaluate_held(config, workdir, sizes, data_dir, evaluators, run_info or {}, lease)
 
 
 def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, sizes: dict, data_dir: str,
-                             evaluators: Sequence[hooks.Evaluator], run_info: dict) -> dict:
+                             evaluators: Sequence[hooks.Evaluator], run_info: dict, lease) -> dict:
     """`train_and_evaluate` once the inputs are checked and this run holds `workdir`."""
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
 
@@ -228,7 +229,7 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
             context = hooks.RunContext(config, setup, mesh, layout, data_dir, workdir)
             hooked = tuple((e, e.build(context)) for e in evaluators if e.every(config) > 0)
             run = _Run(config, workdir, train_step, eval_step, make_eval_iterator, checkpointer, writer,
-                       hooked)
+                       lease, hooked)
             result, stopped_at = _loop(run, state, train_iter)
     finally:
         # Also on an error: files are closed and the save in flight completes. A save that failed
@@ -304,6 +305,7 @@ class _Run:
     make_eval_iterator: Callable
     checkpointer: checkpoint_lib.Checkpointer
     writer: MetricsWriter
+    lease: lease_lib.Lease | lease_lib._NotHeld  # (process 0's; the others' answers "held")
     # (the evaluator, its (params, step) -> metrics) for each evaluator the config turns on
     evaluators: tuple[tuple[hooks.Evaluator, Callable], ...] = ()
 
@@ -354,6 +356,15 @@ def _nonfinite_error(step: int, loss: float, grad_norm: float, checkpointer, *,
     return errors.RunError(
         f"non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}){streak}; "
         f"stopped before saving it, and {saved}. {advice}")
+
+
+def _lease_lost_error(run: _Run, step: int) -> errors.RunError:
+    reason = (run.lease.lost_error() if jax.process_index() == 0 else
+              f"process 0 found the lease of workdir {run.workdir} taken over by another run")
+    return errors.RunError(
+        f"{reason}; stopped after step {step} without saving it, so as not to write over that run's "
+        "checkpoints. That run goes on in this workdir: to go on with this one instead, stop that run and "
+        "start this command again.")
 
 
 def _loop(run: _Run, state, train_iter) -> tuple[dict, int | None]:
@@ -411,8 +422,15 @@ def _loop(run: _Run, state, train_iter) -> tuple[dict, int | None]:
             hooks_now = [(e, call) for e, call in run.evaluators if done % e.every(config) == 0]
             sync = log or evaluate_now or save or bool(hooks_now)
             # Agreeing on a stop across processes is a collective that waits for the step: only at
-            # sync points (every step when there is one process, where it costs nothing).
-            stopping = stop.agreed() if (sync or jax.process_count() == 1) else False
+            # sync points (every step when there is one process, where it costs nothing). Before
+            # anything is written the lease is read again: a run paused past the stale time may
+            # have been taken over, and must then write nothing over the other run's files.
+            stopping = lease_lost = False
+            if sync or jax.process_count() == 1:
+                lost_here = not run.lease.still_held() if (sync or stop.requested) else run.lease.lost
+                stopping, lease_lost = stop.agreed(lost_here)
+            if lease_lost:
+                raise _lease_lost_error(run, done)
             if not (sync or stopping):
                 continue
 

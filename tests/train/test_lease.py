@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -179,19 +180,36 @@ def test_refresh_release_and_a_lost_lease(tmp_path):
     clock = FakeClock(time.time())
     said = []
     held = lease.acquire(workdir, clock=clock, say=said.append, start_refreshing=False)
-    assert said == [] and sorted(_records(workdir)) == [1]
+    assert said == [] and sorted(_records(workdir)) == [1] and held.still_held()
     clock.now += 10
     held.refresh()
     assert sorted(_records(workdir)) == [2] and _newest(workdir)["refreshed"] == clock.now
     # Another run takes it over (this one looked dead), creating number 3: this run notices at its
-    # next refresh, says so once, and from then on writes nothing, not even at its release.
+    # next refresh and from then on writes nothing, not even at its release, which says so once
+    # (no one else reported it: the training loop stops with `lost_error` instead).
     other = _write_record(workdir, 3, host="thief", pid=77)
     held.refresh()
-    assert held.lost and len(said) == 1
-    assert said[0].startswith(f"longctx: WARNING: the lease of workdir {workdir} was taken over by host thief, pid 77")
+    assert held.lost and not held.still_held() and said == []
+    assert held.lost_reason.startswith(f"the lease of workdir {workdir} was taken over by host thief, pid 77")
     held.refresh()
     held.release()
-    assert len(said) == 1 and _newest(workdir)["run_id"] == other.run_id
+    assert len(said) == 1 and said[0].startswith(f"longctx: WARNING: the lease of workdir {workdir} was taken "
+                                                 "over by host thief, pid 77"), said
+    assert _newest(workdir)["run_id"] == other.run_id and sorted(_records(workdir)) == [2, 3]
+
+
+def test_a_lease_checked_before_a_save_sees_a_taker_the_refresh_has_not_met_yet(tmp_path):
+    """`still_held` reads the storage: a record above this run's is a takeover, found before the
+    refresh thread's next turn; a lost lease reported by the loop is not said again at release."""
+    workdir = str(tmp_path)
+    said = []
+    held = lease.acquire(workdir, say=said.append, start_refreshing=False)
+    assert held.still_held()
+    _write_record(workdir, 5, host="thief", pid=77)
+    assert not held.still_held() and held.lost
+    assert held.lost_error().startswith(f"the lease of workdir {workdir} was taken over by host thief, pid 77")
+    held.release()
+    assert said == [] and sorted(_records(workdir)) == [1, 5]
 
 
 def test_a_released_lease_is_free_and_the_next_run_says_nothing(tmp_path):
@@ -281,6 +299,102 @@ def test_a_killed_holder_is_taken_over_at_once(tmp_path):
     with lease.acquire(workdir, say=said.append):
         pass
     assert len(said) == 1 and said[0].endswith(f"its process {holder.pid} on {_newest(workdir)['host']} is gone.")
+
+
+STEPPED = """
+import json, sys
+from longctx.train import lease
+workdir, clock_file = sys.argv[1], sys.argv[2]
+
+def clock():  # the test's fake clock, shared by both processes
+    with open(clock_file) as f:
+        return float(f.read())
+
+said, held = [], None
+for command in sys.stdin:
+    command = command.strip()
+    if command == "acquire":
+        held = lease.acquire(workdir, clock=clock, sleep=lambda s: None, say=said.append, start_refreshing=False)
+    elif command == "refresh":
+        held.refresh()
+    elif command == "release":
+        held.release()
+    state = {"number": held.number, "lost": held.lost, "still_held": not held.lost and held.still_held(),
+             "reason": held.lost_reason, "said": said}
+    print(json.dumps(state), flush=True)
+    said.clear()
+"""
+
+
+class _Stepped:
+    """A real process holding (or taking) a lease, one step per command, on the test's fake clock:
+    a holder paused past the stale time is one that is not told to refresh while the clock moves."""
+
+    def __init__(self, workdir: str, clock_file: str):
+        self.proc = subprocess.Popen([sys.executable, "-c", STEPPED, workdir, clock_file], env=_env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def __call__(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the process exited at {command!r}"
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("taker_refreshed", [False, True])
+def test_a_paused_holder_loses_a_taken_over_lease_whichever_refreshes_first(tmp_path, taker_refreshed):
+    """Holder A (a real process) is paused past the stale time; B (another) takes over. When A wakes
+    it finds the lease lost, whether B has refreshed since (which removes every record below B's,
+    so that A's create of its next number succeeds: before the fix A took that for proof and both
+    refreshed forever) or not (A's next number exists). From then on A writes nothing and B holds."""
+    workdir, clock_file = str(tmp_path / "run"), tmp_path / "clock"
+    clock_file.write_text(str(time.time()))
+
+    def advance(seconds: float) -> None:
+        clock_file.write_text(str(float(clock_file.read_text()) + seconds))
+
+    a, b = _Stepped(workdir, str(clock_file)), _Stepped(workdir, str(clock_file))
+    try:
+        assert a("acquire")["number"] == 1
+        advance(lease.STALE_INTERVALS * lease.REFRESH_S + 1)  # A, paused, has not refreshed
+        taken = b("acquire")
+        assert taken["number"] == 2 and len(taken["said"]) == 1
+        assert f"from host {socket.gethostname()}, pid {a.proc.pid}" in taken["said"][0], taken
+        assert taken["said"][0].endswith("its process has not refreshed it for 31 s."), taken
+        if taker_refreshed:
+            advance(lease.REFRESH_S)
+            assert b("refresh")["number"] == 3 and sorted(_records(workdir)) == [3]
+        woken = a("refresh")  # A wakes: its refresh is due
+        assert woken["lost"] and not woken["still_held"], woken
+        assert woken["reason"].startswith(f"the lease of workdir {workdir} was taken over by host "
+                                          f"{socket.gethostname()}, pid {b.proc.pid}, since "), woken
+        assert woken["said"] == []  # (the loop stops the run with the reason: one line)
+        taker_number = 3 if taker_refreshed else 2
+        assert sorted(_records(workdir)) == [taker_number]  # nothing of A's left behind
+        for _ in range(3):  # B goes on holding it; A writes nothing, refresh or release
+            advance(lease.REFRESH_S)
+            held = b("refresh")
+            assert not held["lost"] and held["still_held"] and held["number"] == taker_number + 1, held
+            taker_number += 1
+            assert a("refresh")["lost"]
+            assert sorted(_records(workdir)) == [taker_number] and _newest(workdir)["pid"] == b.proc.pid
+        released = a("release")
+        assert len(released["said"]) == 1 and released["said"][0].startswith("longctx: WARNING: the lease")
+        assert sorted(_records(workdir)) == [taker_number] and not _newest(workdir)["released"]
+        b("release")
+        assert _newest(workdir)["released"] and _newest(workdir)["pid"] == b.proc.pid
+        a.close()
+        b.close()
+    finally:
+        for stepped in (a, b):
+            if stepped.proc.poll() is None:
+                stepped.proc.kill()
+                stepped.proc.wait()
 
 
 @pytest.mark.parametrize("previous", ["none", "stale", "released"])

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 
 import jax
@@ -22,6 +23,7 @@ from configs import base
 from longctx import errors
 from longctx.parallel import mesh as mesh_lib
 from longctx.train import checkpoint as checkpoint_lib
+from longctx.train import lease as lease_lib
 from longctx.train import loop as train_loop
 from longctx.train import optimizer as train_optimizer
 from longctx.train import state as train_state
@@ -431,3 +433,47 @@ def test_ctrl_c_in_the_script_is_acknowledged_and_stops_saved_and_a_log_has_no_b
         r"resumes it\); last logged train loss \d", out, re.M)]
     assert len(stopped) == 1 and "finished" not in out, out[-3000:]
     assert _steps(workdir) == stopped
+
+
+def _take_the_lease_over(workdir) -> None:
+    """What another run does that judged this one stale (paused past the stale time): it creates
+    the lease's next record, as its own."""
+    directory = os.path.join(workdir, lease_lib.LEASE_DIR)
+    number = max(int(name.split(".")[0]) for name in os.listdir(directory) if name.endswith(".json")) + 1
+    now = time.time()
+    taker = lease_lib.Record(run_id="0123456789abcdef", host="elsewhere", pid=4242, machine="elsewhere",
+                             pid_start=None, started=now, refreshed=now, refresh_s=10.0)
+    with open(os.path.join(directory, f"{number}.json"), "wb") as f:
+        f.write(taker.to_json())
+
+
+def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(tmp_path, monkeypatch, capsys):
+    """Another run takes the lease over during step 3 (this one looked paused); the refresh thread
+    has not run since: at step 4, a save step, the run reads the lease, stops with one line naming
+    the taker, and saves (and logs) nothing more, so its max_to_keep cannot delete the other's
+    checkpoints. Before the fix it went on saving 4, 6 and 8."""
+    workdir = str(tmp_path / "run")
+    real = train_steps.jit_steps
+
+    def jit_steps(config, setup):
+        train_step, eval_step = real(config, setup)
+        calls = itertools.count(1)
+
+        def step(state, batch):
+            if next(calls) == 3:
+                _take_the_lease_over(workdir)
+            return train_step(state, batch)
+
+        return step, eval_step
+
+    monkeypatch.setattr(train_loop, "jit_steps", jit_steps)
+    with pytest.raises(errors.RunError) as error:
+        train_loop.train_and_evaluate(_config(8, every_steps=2, log_every=4), workdir)
+    assert re.fullmatch(
+        rf"the lease of workdir {re.escape(workdir)} was taken over by host elsewhere, pid 4242, since [-0-9: ]+ "
+        r"UTC while this run had not refreshed it for \d+ s \(paused or starved past the stale time\); stopped "
+        r"after step 4 without saving it, so as not to write over that run's checkpoints\. That run goes on in "
+        r"this workdir: to go on with this one instead, stop that run and start this command again\.",
+        str(error.value)), str(error.value)
+    assert _steps(workdir) == [2] and _logged_steps(workdir) == [1]
+    assert "lease" not in capsys.readouterr().out  # (said once, by the error)
