@@ -67,6 +67,25 @@ def run(argv: list[str], env: dict) -> dict:
                 "stderr": err.read().decode(errors="replace")}
 
 
+def run_scripts(commands: list[list[str]], cwd: str | None = None, env: dict | None = None) -> list[dict]:
+    """For a test: [{"returncode", "stdout", "stderr"}] of each `python SCRIPT ARGS` in `commands`
+    ([SCRIPT, ARGS...], run from `cwd`, default the checkout), through this file in one child
+    process (one import of jax for them all). LONGCTX_VALIDATE_ONLY and LONGCTX_DEBUG are not
+    passed on: a command is validate-only when it says --validate_only."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in (os.environ if env is None else env).items()
+           if k not in ("LONGCTX_VALIDATE_ONLY", "LONGCTX_DEBUG")}
+    done = subprocess.run([sys.executable, os.path.abspath(__file__)],
+                          input=json.dumps([{"argv": [sys.executable, *c]} for c in commands]),
+                          capture_output=True, text=True, cwd=cwd or root, env={**env, "PYTHONPATH": root},
+                          timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"{__file__} failed: {done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
 def main() -> None:
     commands = json.load(sys.stdin)
     for name in PRELOAD:

@@ -66,9 +66,10 @@ def hf_config_path(path: str) -> str:
     return str(checkpoint_lib.run_directory(path) / checkpoint_lib.HF_CONFIG_FILE)
 
 
-def read_config(path: str) -> tuple[ml_collections.ConfigDict, str, int]:
-    """(the saved config, checkpoints directory, step) of the newest checkpoint under `path`."""
-    directory, step = checkpoint_lib._resolve_init_from(path)  # (the resolution init_from uses)
+def read_config(path: str, flag: str = "--checkpoint") -> tuple[ml_collections.ConfigDict, str, int]:
+    """(the saved config, checkpoints directory, step) of the newest checkpoint under `path`; a
+    path without one is one sentence naming `flag`, the script's flag that gave it."""
+    directory, step = checkpoint_lib._resolve_init_from(path, flag)  # (the resolution init_from uses)
     options = ocp.CheckpointManagerOptions(read_only=True)
     try:
         with ocp.CheckpointManager(directory, options=options,

@@ -194,7 +194,7 @@ class Checkpointer:
         where = f"checkpoint.init_from={self.config.checkpoint.init_from!r} (step {step})"
         with _read_only_manager(directory) as manager:
             saved = _read_or_explain(where, self._saved_config, manager, step)
-        error = compat.model_shape_error(self.config, where, saved)
+        error = compat.model_shape_error(self.config, where, saved, init_from=True)
         if error:
             raise error
         allowed = config_lib.init_from_allowed(self.config)
@@ -323,7 +323,8 @@ class Checkpointer:
         directory, step = _resolve_init_from(init_from)
         where = f"checkpoint.init_from={init_from!r} (step {step})"
         with _read_only_manager(directory) as manager:
-            error = compat.model_shape_error(self.config, where, _read_or_explain(where, self._saved_config, manager, step))
+            error = compat.model_shape_error(self.config, where, _read_or_explain(where, self._saved_config, manager, step),
+                                             init_from=True)
             if error:
                 raise error
             saved = _read_or_explain(where, lambda: compat.flat_arrays(manager.item_metadata(step)[_STATE]))
@@ -460,19 +461,23 @@ def _carry_hf_config(init_from: str, workdir) -> str:
     return f"; {HF_CONFIG_FILE} carried along for export"
 
 
-def _resolve_init_from(path: str) -> tuple[str, int]:
-    """(checkpoints directory, step) for a workdir, its checkpoints/ directory, or a step directory."""
+def _resolve_init_from(path: str, name: str = "checkpoint.init_from") -> tuple[str, int]:
+    """(checkpoints directory, step) for a workdir, its checkpoints/ directory, or a step directory;
+    `name`: the key or flag that gave `path`, which a failure names."""
     path = workdir_lib.resolve(path)
     if (path / _STATE).is_dir() and path.name.isdigit():
         return path.parent, int(path.name)
     directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not directory.is_dir():
-        raise config_lib.ConfigError(f"checkpoint.init_from={str(path)!r} does not exist.")
+        raise config_lib.ConfigError(f"{name}={str(path)!r} does not exist.")
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
     step = manager.latest_step()
     manager.close()
     if step is None:
-        raise config_lib.ConfigError(f"checkpoint.init_from={str(path)!r} holds no complete checkpoint.")
+        raise config_lib.ConfigError(
+            f"{name}={str(path)!r} holds no complete checkpoint yet (a run saves one every "
+            "checkpoint.every_steps steps and when it stops): name it once its run has saved one, "
+            "or name a directory that holds one.")
     return directory, step
 
 

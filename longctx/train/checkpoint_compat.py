@@ -32,6 +32,11 @@ DATA_STREAM = "data_stream"
 _MAX_LISTED = 12
 _MAX_LISTED_DATA = 3
 _NEW_WORKDIR = "Use a new workdir, or checkpoint.init_from to start from its parameters."
+# What fits a model of another shape: its parameters fit only that shape, so neither resuming
+# nor init_from can take them into this one.
+_RESUME_OTHER_SHAPE = "Set these as the checkpoint has them to resume it, or use a new workdir for this model."
+_INIT_FROM_OTHER_SHAPE = ("Set these as the checkpoint has them (a converted model's config_overrides.txt lists "
+                          "its flags), or start from a checkpoint of this model's shape.")
 
 
 def _get(config: dict, dotted: str):
@@ -76,13 +81,14 @@ def structure_differences(saved: dict, current: dict) -> list[str]:
     return out
 
 
-def model_shape_error(config, where: str, saved_config: dict) -> ConfigError | None:
-    """The error for a checkpoint whose model shape differs from `config`'s, or None."""
+def model_shape_error(config, where: str, saved_config: dict, init_from: bool = False) -> ConfigError | None:
+    """The error for a checkpoint whose model shape differs from `config`'s, or None; its advice
+    is for resuming the run, or with `init_from` for starting from the checkpoint's parameters."""
     diffs = config_differences(saved_config, config.to_dict(), SHAPE_KEYS)
     if not diffs:
         return None
     return ConfigError(f"the model in {where} differs from this config: " + "; ".join(diffs)
-                       + f". {_NEW_WORKDIR}")
+                       + f". {_INIT_FROM_OTHER_SHAPE if init_from else _RESUME_OTHER_SHAPE}")
 
 
 def check_fits(config, where: str, saved_config: dict, saved_arrays: dict, target) -> None:

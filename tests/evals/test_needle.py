@@ -29,6 +29,7 @@ from longctx.evals import needle
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from tests import ROOT as REPO
+from tests.validate_commands import run_scripts
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the synthetic task lives with its benchmark
 
@@ -214,3 +215,21 @@ def test_eval_needle_reads_a_converted_model_with_its_own_tokenizer(tmp_path):
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
         "longctx: --lengths=512 is longer than the 256-token sequences the model runs at; pass "
         "--seq-len=512 as well.")
+
+
+def test_eval_needle_on_a_run_without_a_checkpoint_names_the_workdir(tmp_path):
+    """A run that has not saved yet (or a workdir that does not exist): one sentence naming
+    --workdir and what to do; before, it blamed checkpoint.init_from, a key the user never set."""
+    started = tmp_path / "run"
+    (started / "checkpoints").mkdir(parents=True)
+    (started / "metrics.jsonl").write_text("")
+    script = os.path.join(REPO, "scripts", "eval_needle.py")
+    results = run_scripts([[script, f"--workdir={started}"], [script, f"--workdir={started}", "--validate_only"],
+                           [script, f"--workdir={tmp_path / 'nowhere'}"]])
+    no_checkpoint = (f"longctx: --workdir='{started}' holds no complete checkpoint yet (a run saves one every "
+                     "checkpoint.every_steps steps and when it stops): name it once its run has saved one, or "
+                     "name a directory that holds one.")
+    for result, line in zip(results, [no_checkpoint, no_checkpoint,
+                                      f"longctx: --workdir='{tmp_path / 'nowhere'}' does not exist."]):
+        assert result["returncode"] == 2, result
+        assert (result["stdout"] + result["stderr"]).strip().splitlines() == [line], result

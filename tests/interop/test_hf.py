@@ -26,6 +26,7 @@ from longctx.errors import ConfigError
 from longctx.evals import inference
 from longctx.interop import hf, params_io, staging
 from tests import ASSETS, FIXTURES
+from tests.validate_commands import run_scripts
 
 ASSETS = os.path.join(ASSETS, "hf")
 from tests import ROOT as REPO
@@ -409,17 +410,10 @@ def test_overwrite_replaces_an_export_never_the_users_own_files(tmp_path):
 
 
 def run_validated(*commands):
-    """[(returncode, stdout + stderr)] of `convert_hf.py ARGS` for each ARGS, run as tests/validate_commands.py
-    runs the documented commands (one import of jax, a fork per command); `--validate_only`
-    where a command ends with it, else the real run."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LONGCTX_VALIDATE_ONLY", "LONGCTX_DEBUG")}
+    """[(returncode, stdout + stderr)] of `convert_hf.py ARGS` for each ARGS (`--validate_only`
+    where a command says so, else the real run)."""
     script = os.path.join(REPO, "scripts", "convert_hf.py")
-    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "validate_commands.py")],
-                          input=json.dumps([{"argv": [sys.executable, script, *c]} for c in commands]),
-                          capture_output=True, text=True, cwd=REPO, env={**env, "PYTHONPATH": REPO},
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [(r["returncode"], r["stdout"] + r["stderr"]) for r in json.loads(done.stdout)]
+    return [(r["returncode"], r["stdout"] + r["stderr"]) for r in run_scripts([[script, *c] for c in commands])]
 
 
 def test_validate_only_checks_out_as_the_export_does(tmp_path):
