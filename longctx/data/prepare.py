@@ -45,6 +45,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -233,16 +234,14 @@ def _write_splits(sources, tok, out_dir, *, text_field, encoding, val_fraction, 
                   force_val, progress):
     """One pass over the inputs; returns (per-split stats, key of the smallest-hash document,
     the files skipped as not text, the keys of the blank documents dropped)."""
-    from tqdm import tqdm  # lazily: only a pass over the inputs shows progress
-
     writers = {s: _ShardWriter(out_dir, s, shard_bytes) for s in SPLITS}
     max_len = {s: 0 for s in SPLITS}
     min_key, min_h = None, 2.0
     tokens = 0
     skipped: list[NotText] = []
     blank: list[str] = []
-    bar = tqdm(sources, unit="file", desc="prepare", disable=not progress, dynamic_ncols=True)
-    for src in bar:
+    shown = _Progress(len(sources), progress)
+    for src in sources:
         for key, data in _text_documents(src, text_field, encoding, skipped, blank):
             h = split_hash(key)
             if h < min_h:
@@ -254,8 +253,8 @@ def _write_splits(sources, tok, out_dir, *, text_field, encoding, val_fraction, 
             writers[split].write(ids)
             max_len[split] = max(max_len[split], int(ids.size))
             tokens += int(ids.size)
-        bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
-    bar.close()
+        shown.file_done(tokens)
+    shown.close()
     stats = {}
     for s, w in writers.items():
         w.close()
@@ -266,6 +265,42 @@ def _write_splits(sources, tok, out_dir, *, text_field, encoding, val_fraction, 
             "max_document_tokens": max_len[s],
         }
     return stats, min_key, skipped, blank
+
+
+# How often a log (stderr not a terminal) gets a progress line.
+LOG_EVERY_S = 30.0
+
+
+class _Progress:
+    """Progress over the input files: tqdm's bar when stderr is a terminal; in a log (stderr
+    redirected) a plain line every LOG_EVERY_S seconds instead, where the bar's redraws would pile
+    up as carriage returns; nothing when `show` is False."""
+
+    def __init__(self, num_files: int, show: bool):
+        self.num_files, self.done = num_files, 0
+        self.bar = None
+        self.log = show and not sys.stderr.isatty()
+        if show and not self.log:
+            from tqdm import tqdm  # lazily: only a pass over the inputs on a terminal shows a bar
+
+            self.bar = tqdm(total=num_files, unit="file", desc="prepare", dynamic_ncols=True)
+        self.start = self.last = time.monotonic()
+
+    def file_done(self, tokens: int) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
+            self.bar.update(1)
+        elif self.log:
+            now = time.monotonic()
+            if now - self.last >= LOG_EVERY_S:
+                self.last = now
+                print(f"prepare: {self.done:,} of {self.num_files:,} files, {tokens:,} tokens, "
+                      f"{now - self.start:.0f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _text_documents(src: Source, text_field: str, encoding: str, skipped: list,

@@ -2,6 +2,7 @@
 
 import errno
 import hashlib
+import io
 import json
 import os
 import random
@@ -250,3 +251,31 @@ def test_a_write_that_fails_midway_names_the_output_not_its_temporary_copy(corpu
                         f"File too large); {out} is as it was: free space there or choose another "
                         "--output.\n")
     assert os.listdir(tmp_path) == []  # the temporary copy is gone
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_in_a_log(corpus, tmp_path, monkeypatch,
+                                                                  capsys):
+    """The bar's redraws (carriage returns) piled up in redirected logs."""
+    r = subprocess.run([sys.executable, SCRIPT, "--input", corpus / "txt", "--output",
+                        tmp_path / "piped"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr and "%|" not in r.stderr, r.stderr
+
+    clock = iter(range(0, 10_000, 10))  # 10 s a file: a line every 3 files at LOG_EVERY_S=30
+    monkeypatch.setattr(prepare_lib.time, "monotonic", lambda: float(next(clock)))
+    files = len(prepare_lib.list_sources([str(corpus / "txt")]))
+    prepare_lib.prepare([str(corpus / "txt")], str(tmp_path / "log"), progress=True,
+                        val_fraction=0)  # one pass over the files
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" files,")[0] for line in lines] == [
+        f"prepare: {n} of {files}" for n in range(3, files + 1, 3)]
+    assert lines[0].endswith(" tokens, 30 s") and lines[1].endswith(" tokens, 60 s")
+
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    prepare_lib.prepare([str(corpus / "txt")], str(tmp_path / "tty"), progress=True)
+    assert "prepare: 100%|" in sys.stderr.getvalue()
