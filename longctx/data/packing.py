@@ -25,6 +25,8 @@ packers identical in meaning (concat-then-split would otherwise continue positio
 
 from __future__ import annotations
 
+import dataclasses
+
 import grain
 import numpy as np
 from grain import experimental as gx
@@ -32,7 +34,35 @@ from grain import experimental as gx
 from longctx.data import dispatch
 from longctx.errors import ConfigError
 
-PACKERS = ("first_fit", "best_fit", "concat_then_split", dispatch.PACKER)
+# The keys a packer's rows can depend on beyond the documents, their order (data.shuffle_seed) and
+# the data shard: the config's values as the run resolved them ("mesh.sp": the mesh's sp axis), and
+# the bins it packs into (first/best fit; shard_balanced's window rows), which follow from
+# data.seq_len, the local batch and the data shard's pairs per epoch through num_packing_bins, a
+# calibration a later longctx may change.
+SEQ_LEN, SP, BLOCK_SIZE, BINS = "data.seq_len", "mesh.sp", "attention.block_size", "num_packing_bins"
+
+
+@dataclasses.dataclass(frozen=True)
+class Packer:
+    """What a packer is defined for and what its rows depend on.
+
+    `row_keys`: restored under another value of one of these, a saved iterator state re-packs its
+    window into other rows and skips or repeats tokens, so their values are saved with the state
+    (pipeline.BatchIterator.stream_record) and a difference restarts the stream
+    (train/checkpoint_compat.data_state_mismatch). attention.layout is no such key: the layout
+    permutes each row after packing (PermuteLayout), which a state does not see."""
+    row_keys: tuple[str, ...]
+    layout: str | None = None  # the one layout it is defined for; None: any
+
+
+PACKER_REGISTRY = {
+    "first_fit": Packer(row_keys=(SEQ_LEN, BINS)),
+    "best_fit": Packer(row_keys=(SEQ_LEN, BINS)),
+    "concat_then_split": Packer(row_keys=(SEQ_LEN,)),  # no bins: pieces pass through in order
+    # places pieces into sp shards of seq_len / sp tokens, by work counted in blocks of block_size
+    dispatch.PACKER: Packer(row_keys=(SEQ_LEN, SP, BLOCK_SIZE, BINS), layout=dispatch.LAYOUT),
+}
+PACKERS = tuple(PACKER_REGISTRY)
 FEATURE = "tt"  # the packed [len, 2] (input, target) feature
 KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
 
@@ -74,7 +104,20 @@ def num_packing_bins(packer: str, seq_len: int, batch_size: int,
 
 def packer_layout(packer: str) -> str | None:
     """The one layout a packer is defined for (shard_balanced: contiguous), None for any layout."""
-    return dispatch.LAYOUT if packer == dispatch.PACKER else None
+    return PACKER_REGISTRY[packer].layout if packer in PACKER_REGISTRY else None
+
+
+def bins_for(packer: str, seq_len: int, batch_size: int, num_bins: int | None = None,
+             pairs_per_epoch: int | None = None) -> int:
+    """The bins (shard_balanced: window rows) `pack` packs into: `num_bins`, else num_packing_bins."""
+    return num_bins or num_packing_bins(packer, seq_len, batch_size, pairs_per_epoch)
+
+
+def row_settings(packer: str, *, seq_len: int, num_shards: int, block_size, bins: int) -> dict:
+    """`{key: value}` for the keys `packer`'s rows depend on (Packer.row_keys), from the arguments
+    `pack` gets (`bins`: bins_for's)."""
+    values = {SEQ_LEN: seq_len, SP: num_shards, BLOCK_SIZE: block_size, BINS: bins}
+    return {key: values[key] for key in PACKER_REGISTRY[packer].row_keys}
 
 
 def pack(ds: grain.IterDataset, packer: str, seq_len: int, *, batch_size: int, pad_id: int,
@@ -86,13 +129,13 @@ def pack(ds: grain.IterDataset, packer: str, seq_len: int, *, batch_size: int, p
     length = {FEATURE: seq_len}
     if packer == dispatch.PACKER:
         # A window holds as many rows' tokens as first/best fit have bins, with the same caps.
-        rows = num_bins or num_packing_bins(packer, seq_len, batch_size, pairs_per_epoch)
+        rows = bins_for(packer, seq_len, batch_size, num_bins, pairs_per_epoch)
         return dispatch.ShardBalancedPackIterDataset(
             ds, feature=FEATURE, seq_len=seq_len, num_shards=num_shards, block_size=block_size,
             window_rows=rows, seed=seed, pad_id=pad_id)
     if packer in ("first_fit", "best_fit"):
         cls = gx.FirstFitPackIterDataset if packer == "first_fit" else gx.BestFitPackIterDataset
-        bins = num_bins or num_packing_bins(packer, seq_len, batch_size, pairs_per_epoch)
+        bins = bins_for(packer, seq_len, batch_size, num_bins, pairs_per_epoch)
         return cls(ds, length_struct=length, num_packing_bins=bins,
                    seed=seed, shuffle_bins=True, padding_struct={FEATURE: pad_id})
     if packer == "concat_then_split":

@@ -30,8 +30,10 @@ handler writes `process_<i>-of-<n>.json` per process, each with that process's i
 and restores in place. A restored iterator continues exactly where the saved one stopped, given
 the same data directory, config (seq_len, batch, packer, seeds, num_workers), process count and
 process -> data shard map. `BatchIterator.stream_record()` is what, beyond the config, a saved state
-depends on: every process's data shard and the train split's fingerprint (`dataset_fingerprint`);
-longctx.train.checkpoint saves it beside the state and restarts the stream when it differs.
+depends on: every process's data shard, the train split's fingerprint (`dataset_fingerprint`) and
+the values of the keys the packer's rows depend on (`packing.Packer.row_keys`: sp and the block
+size for shard_balanced, the bins...); longctx.train.checkpoint saves it beside the state and
+restarts the stream when it differs.
 `BatchIterator.get_state()/set_state()` give the same JSON-serializable dict for other uses.
 
 Validation uses the same packer with no shuffle, fixed seeds, few bins and no worker processes,
@@ -324,22 +326,24 @@ class BatchIterator:
     """Yields dicts of global `jax.Array`s `[global_batch, seq_len]` (see packing.KEYS)."""
 
     def __init__(self, ds: grain.IterDataset, mesh, shard: sharding_lib.DataShard,
-                 global_batch_size: int, seq_len: int, metadata: dict, fingerprint: dict | None = None):
+                 global_batch_size: int, seq_len: int, metadata: dict, fingerprint: dict | None = None,
+                 packing_settings: dict | None = None):
         self.grain_iterator = iter(ds)
         self.mesh, self.shard, self.metadata = mesh, shard, metadata
         self.global_batch_size, self.seq_len = global_batch_size, seq_len
-        self.fingerprint = fingerprint
+        self.fingerprint, self.packing_settings = fingerprint, packing_settings
 
     def stream_record(self) -> dict:
         """What this iterator's saved state means beyond the config, the same on every process:
         each process's data shard (`{"0": {"index", "count", "rows": [start, stop]}, ...}`;
-        processes of one sp group share one) and the dataset's fingerprint. A state restored
-        under another map would have the processes of one sp group feed different rows into
-        one sequence."""
+        processes of one sp group share one), the dataset's fingerprint and the values of the
+        keys the packer's rows depend on (`packing.row_settings`). A state restored under another
+        map would have the processes of one sp group feed different rows into one sequence; under
+        other packing settings it would re-pack its window into other rows."""
         shards = sharding_lib.data_shards(self.mesh, self.global_batch_size, self.seq_len)
         return {"shards": {str(p): {"index": s.index, "count": s.count,
                                     "rows": [s.row_start, s.row_stop]} for p, s in shards.items()},
-                "dataset": self.fingerprint}
+                "dataset": self.fingerprint, "packing": self.packing_settings}
 
     def __iter__(self):
         return self
@@ -398,19 +402,25 @@ def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data
         raise ValueError("make_batch_iterator needs a concrete layout; resolve attention.layout='auto' first.")
     sp = mesh.shape["sp"]
     shard = sharding_lib.data_shard(mesh, d.global_batch_size, d.seq_len)
-    train = _SPLIT_NAMES.get(split, split) == "train"
+    split = _SPLIT_NAMES.get(split, split)
+    train = split == "train"
     seed = (d.shuffle_seed + seed_offset) if train else 0
     # Validation packs into few bins, so the first batches hold the first documents of the
     # split (not bins filled from many repeats of a small split), and runs in-process: an eval
     # builds a fresh iterator each time, and starting worker processes would cost more than the
     # few batches it reads.
+    num_bins = None if train else max(8, shard.local_batch_size)
     rows = packed_rows(data_dir, split, seq_len=d.seq_len, packer=d.packer, seed=seed,
                        shard_index=shard.index, shard_count=shard.count, num_epochs=num_epochs,
-                       shuffle=train, batch_size=shard.local_batch_size,
-                       num_bins=None if train else max(8, shard.local_batch_size), meta=meta,
+                       shuffle=train, batch_size=shard.local_batch_size, num_bins=num_bins, meta=meta,
                        num_shards=sp, block_size=config.attention.block_size)
     perm = layout_permutation(layout, d.seq_len, sp)
     ds = batched(rows, shard.local_batch_size, perm, num_workers=d.num_workers if train else 0,
                  prefetch_buffer_size=d.prefetch_buffer_size)
+    # What packed_rows packed with (it has checked the split and seq_len that the bins divide by).
+    bins = packing.bins_for(d.packer, d.seq_len, shard.local_batch_size, num_bins,
+                            pairs_per_shard_epoch(meta, split, shard.count))
+    settings = packing.row_settings(d.packer, seq_len=d.seq_len, num_shards=sp,
+                                    block_size=config.attention.block_size, bins=bins)
     return BatchIterator(ds, mesh, shard, d.global_batch_size, d.seq_len, meta,
-                         dataset_fingerprint(data_dir, meta, _SPLIT_NAMES.get(split, split)))
+                         dataset_fingerprint(data_dir, meta, split), settings)

@@ -6,8 +6,9 @@ the small parts of a step (its config JSON and its arrays' shapes), before any a
   - train-state structure: the arrays themselves differ (e.g. another optimizer chain) -> an error
     listing them;
   - data stream: the process count, the keys that define the training stream, the process ->
-    data shard map or the dataset's fingerprint differ -> the saved iterator state means nothing,
-    and the data restarts (the caller decides how; `data_state_mismatch` says why).
+    data shard map, the dataset's fingerprint or the values of the keys the packer's rows depend
+    on differ -> the saved iterator state means nothing, and the data restarts (the caller
+    decides how; `data_state_mismatch` says why).
 Other differences are only reported.
 """
 
@@ -17,6 +18,7 @@ import jax
 import numpy as np
 
 from longctx import config as config_lib
+from longctx.data import packing
 from longctx.errors import ConfigError
 from longctx.model import rope
 
@@ -111,8 +113,9 @@ def data_state_mismatch(saved_config: dict, saved_metadata: dict, current_config
     Each process's Grain state describes its own share of one particular stream: it continues
     that stream only with the same process count, the same stream keys, the same process -> data
     shard map (else processes that now share one sp group would restore different states and
-    feed different rows into one sequence) and the same dataset (else the same path holds other
-    documents)."""
+    feed different rows into one sequence), the same dataset (else the same path holds other
+    documents) and the same values of the keys the packer's rows depend on (else it re-packs
+    its window into other rows: tokens are skipped and repeated)."""
     saved_processes = saved_metadata.get("process_count")
     if saved_processes != process_count:
         return f"was saved by {saved_processes} process(es) and this run has {process_count}"
@@ -128,7 +131,35 @@ def data_state_mismatch(saved_config: dict, saved_metadata: dict, current_config
     diffs = fingerprint_differences(saved.get("dataset") or {}, current_record["dataset"])
     if diffs:
         return "belongs to another dataset (" + _listed(diffs) + ")"
+    diffs = packing_differences(*_saved_packing(saved, saved_config, saved_metadata),
+                                current_record.get("packing") or {})
+    if diffs:
+        return "was packed into rows under other settings (" + _listed(diffs) + ")"
     return None
+
+
+def _saved_packing(saved_record: dict, saved_config: dict, saved_metadata: dict) -> tuple[dict, bool]:
+    """(the values of the packer's keys the state was saved under, whether they are all there).
+
+    A state saved before they were recorded (an older longctx) gets the ones its config and mesh
+    fix: seq_len, the saved mesh's sp and the block size. Not the bins: they come from a
+    calibration that may have changed since, and a guess could restart a stream that was fine;
+    so such a state, its other keys unchanged, restores as it did before."""
+    if saved_record.get("packing") is not None:
+        return saved_record["packing"], True
+    derived = {packing.SEQ_LEN: _get(saved_config, packing.SEQ_LEN),
+               packing.SP: (saved_metadata.get("mesh") or {}).get("sp"),
+               packing.BLOCK_SIZE: _get(saved_config, packing.BLOCK_SIZE)}
+    return {k: v for k, v in derived.items() if v is not None}, False
+
+
+def packing_differences(saved: dict, complete: bool, current: dict) -> list[str]:
+    """`"mesh.sp: 4 then vs 8 now"` for each packing key whose value differs (`complete`: a
+    key only one side has differs too; else only the keys `saved` holds are compared)."""
+    keys = [k for k in current if complete or k in saved]
+    keys += [k for k in saved if complete and k not in current]
+    return [f"{key}: {saved.get(key)!r} then vs {current.get(key)!r} now"
+            for key in keys if saved.get(key) != current.get(key)]
 
 
 def _describe_shard(shard: dict | None) -> str:
