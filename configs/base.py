@@ -1,14 +1,14 @@
 r"""longctx base config with presets.
 
 Run (the CPU demo, 8 virtual devices, mesh dp=1 x fsdp=2 x sp=4):
-  python scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
+  .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
 
 Override anything from the command line:
-  python scripts/train.py --config=configs/base.py:tiny --workdir=runs/x \
+  .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/x \
       --config.model.num_layers=4 --config.attention.sliding_window=256
 
 Ahead-of-time fit check of a Llama-3-8B-shaped model at 128K tokens on a v5p slice:
-  python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --topology=v5p:4x4x4
+  .venv/bin/python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --topology=v5p:4x4x4
 
 Presets:
   tiny             the CPU demo: 2 layers, d=128, 1K-token sequences, 8 virtual devices.
@@ -16,10 +16,10 @@ Presets:
   llama3_8b_128k   Llama-3-8B shape, 131,072 tokens per sequence, ring over sp=16 on v5p-128.
   llama3_8b_extend_128k   Llama-3-8B converted from Hugging Face, extended to 131,072 tokens with
                    llama3 RoPE scaling (docs/extend.md):
-    python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --out=runs/llama3_8b_hf
-    python scripts/prepare_data.py --input long_docs.jsonl --tokenizer hf:Meta-Llama-3-8B \
+    .venv/bin/python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --out=runs/llama3_8b_hf
+    .venv/bin/python scripts/prepare_data.py --input long_docs.jsonl --tokenizer hf:Meta-Llama-3-8B \
         --output data/llama3_long
-    python scripts/train.py --config=configs/base.py:llama3_8b_extend_128k --workdir=runs/llama3_8b_extend
+    .venv/bin/python scripts/train.py --config=configs/base.py:llama3_8b_extend_128k --workdir=runs/llama3_8b_extend
 """
 
 import ml_collections

@@ -73,8 +73,13 @@ done
 [[ -n "$ZONE" ]] || die "--zone is required (e.g. us-east5-a)."
 [[ -n "$WORKDIR" ]] || die "--workdir is required (a gs:// path every worker can write)."
 [[ "$WORKDIR" == gs://?* ]] || die "--workdir $WORKDIR must be a gs:// path: every worker writes checkpoints there."
-[[ "$WORKDIR" =~ ^gs://[a-z0-9][-a-z0-9._]*(/[-A-Za-z0-9._/=+@]*)?$ ]] ||
-  die "--workdir $WORKDIR has characters other than letters, digits and -._/=+@ in it."
+BUCKET="${WORKDIR#gs://}"
+BUCKET="${BUCKET%%/*}"
+# Cloud Storage's naming rule (no upper case); the rest of the path is quoted nowhere, so it is kept plain.
+[[ "$BUCKET" =~ ^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$ ]] ||
+  die "--workdir $WORKDIR: the bucket name $BUCKET must be lowercase letters, digits, '-', '_' and '.', starting and ending with a letter or digit (Cloud Storage's rule), e.g. gs://my-bucket/runs/x."
+[[ "${WORKDIR#gs://"$BUCKET"}" =~ ^(/[-A-Za-z0-9._/=+@]*)?$ ]] ||
+  die "--workdir $WORKDIR: the path after gs://$BUCKET may hold only letters, digits and -._/=+@."
 [[ "$NAME" =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ ]] || die "--name $NAME must be lowercase letters, digits and hyphens."
 [[ "$ACCELERATOR_TYPE" =~ ^v[0-9]+[a-z]*-[0-9]+$ ]] ||
   die "--accelerator-type $ACCELERATOR_TYPE is not a TPU accelerator type like v5p-128 or v6e-64."

@@ -1,4 +1,5 @@
-"""Every shell command in README.md and docs/*.md runs as written on a fresh clone.
+"""Every shell command in README.md, docs/*.md, launch/README.md and the config files' docstrings
+runs as written on a fresh clone.
 
 Each command is taken from the Markdown as a reader would copy it: every line of a ```bash block
 (continuation lines joined, comments dropped), and every command written in prose or in a plain
@@ -8,11 +9,14 @@ files are checked, nothing is trained, compiled or written), with `.venv/bin/pyt
 interpreter. It must exit 0 with one line, or, when it needs a file a fresh clone does not have
 (the reader's own data, or what an earlier command in the same recipe writes: NEEDS_A_FILE), exit
 2 with one line that names that file. Commands that are not longctx's own are skipped, each kind
-with its reason (SKIPPED). Nothing in the repository may change.
+with its reason (SKIPPED). A launcher's `--dry-run` (launch/: it prints what it would run and
+changes nothing) runs as printed and must exit 0 with nothing on stderr. Nothing in the repository
+may change.
 """
 
 from __future__ import annotations
 
+import ast
 import glob
 import json
 import os
@@ -26,13 +30,20 @@ import pytest
 from longctx import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCUMENTS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+DOCUMENTS = (["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+             + ["launch/README.md"])
+# Config files: their docstrings show the commands that use them (big_vision's convention).
+CONFIG_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.py"),
+                                                                  recursive=True))
 VENV_PYTHON = ".venv/bin/python"
 # Commands that start with these are not longctx's to validate.
 SKIPPED = {
     "make": "make demo / make test set up .venv and run the demo or this whole suite",
     "pip": "installs packages",
+    "gcloud": "Google Cloud's CLI: acts on the reader's account, project and TPUs",
 }
+# Launchers whose --dry-run prints what they would run and changes nothing: run as printed.
+DRY_RUN_LAUNCHERS = ("launch/tpu_vm.sh", "launch/gke_jobset.py")
 # Wrappers in front of a command: the command inside is what is checked.
 WRAPPERS = {("/usr/bin/time", "-v"): "measures the command it runs"}
 # Files a fresh clone does not have, and why a command may name one; such a command must stop
@@ -58,6 +69,9 @@ DEVICES_OF = {"configs/base.py:llama3_8b_extend_128k": (64, "a v5p:4x4x4 pod (64
 # Text that looks like a command but stands for several (a table header, "...").
 NOT_A_COMMAND = {
     "--config.attention.impl=xla ...": "a table header: the rows below complete it",
+    "launch/tpu_vm.sh ... --": "step 3's command with more train.py flags after --",
+    "...same flags without --dry-run...": "the command above it without --dry-run (it applies the JobSet)",
+    "--config=... --workdir=gs://...": "what launch/tpu_vm.sh runs on each TPU worker, its flags elided",
 }
 _RUNNERS = (VENV_PYTHON + " ", "python ", "python3 ", "/usr/bin/time ")
 
@@ -145,14 +159,26 @@ def _split_and(words: list[str]) -> list[list[str]]:
     return parts + [current]
 
 
+def docstring_commands(source: str) -> list[str]:
+    """The commands in a Python file's module docstring: its lines that run a script (continuation
+    lines joined), however far they are indented."""
+    docstring = ast.get_docstring(ast.parse(source)) or ""
+    lines = [line.strip() for line in _join_continuations(docstring.splitlines())]
+    out = []
+    for command in (line for line in lines if _is_command(line)):
+        out += [" ".join(shlex.quote(w) for w in part) for part in _split_and(shlex.split(command, comments=True))]
+    return out
+
+
 def _all_commands() -> list[tuple[str, str]]:
     seen, out = set(), []
-    for doc in DOCUMENTS:
+    for doc in DOCUMENTS + CONFIG_FILES:
         with open(os.path.join(ROOT, doc)) as f:
-            for command in extract_commands(f.read()):
-                if command not in seen:
-                    seen.add(command)
-                    out.append((doc, command))
+            text = f.read()
+        for command in (docstring_commands(text) if doc.endswith(".py") else extract_commands(text)):
+            if command not in seen:
+                seen.add(command)
+                out.append((doc, command))
     return out
 
 
@@ -194,8 +220,13 @@ def _words(command: str) -> list[str] | None:
     return words
 
 
+def _dry_run(words: list[str]) -> bool:
+    """A launcher's --dry-run: it validates by printing, and takes no --validate_only."""
+    return "--dry-run" in words and any(w in DRY_RUN_LAUNCHERS for w in words[:2])
+
+
 def _argv(words: list[str]) -> list[str]:
-    return [sys.executable if w == VENV_PYTHON else w for w in words] + ["--validate_only"]
+    return [sys.executable if w == VENV_PYTHON else w for w in words] + ([] if _dry_run(words) else ["--validate_only"])
 
 
 def _env(command: str) -> dict:
@@ -221,7 +252,7 @@ def results():
                        cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    done = {c: (x["returncode"], x["stdout"] + x["stderr"]) for c, x in zip(runnable, json.loads(r.stdout))}
+    done = {c: (x["returncode"], x["stdout"] + x["stderr"], x["stderr"]) for c, x in zip(runnable, json.loads(r.stdout))}
     return done, _repo_state() == before
 
 
@@ -235,10 +266,18 @@ def test_documented_command_runs_as_written(doc, command, results):
     if words is None:
         pytest.skip(SKIPPED.get(command.split()[0]) or "; ".join(
             reason for text, reason in NOT_A_COMMAND.items() if text in command))
+    if _dry_run(words):
+        if words[0] == VENV_PYTHON:
+            returncode, _, stderr = results[0][command]
+        else:  # a shell script, run as printed
+            done = subprocess.run(words, cwd=ROOT, capture_output=True, text=True, timeout=120)
+            returncode, stderr = done.returncode, done.stderr
+        assert returncode == 0 and not stderr.strip(), f"{doc}: {command!r} exited {returncode}: {stderr[-2000:]}"
+        return
     assert words[0] == VENV_PYTHON, (
         f"{doc}: {command!r} does not start with {VENV_PYTHON}: a fresh clone's `python` has no "
         "longctx (ModuleNotFoundError); write .venv/bin/python")
-    returncode, out = results[0][command]
+    returncode, out, _ = results[0][command]
     assert "Traceback" not in out, out[-3000:]
     needed = _needed_files(words)
     lines = [line for line in out.splitlines() if line.strip()]

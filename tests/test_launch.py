@@ -396,6 +396,11 @@ def test_tpu_vm_reuse_and_spot_flags():
     (["--name", "n", "--workdir", "gs://b/r"], "--zone is required"),
     (["--name", "n", "--zone", "z"], "--workdir is required"),
     (["--name", "n", "--zone", "z", "--workdir", "/tmp/run"], "must be a gs:// path"),
+    (["--name", "n", "--zone", "z", "--workdir", "gs://MY_BUCKET/runs/x"],  # launch/README.md's, before
+     "--workdir gs://MY_BUCKET/runs/x: the bucket name MY_BUCKET must be lowercase letters, digits, "
+     "'-', '_' and '.', starting and ending with a letter or digit (Cloud Storage's rule)"),
+    (["--name", "n", "--zone", "z", "--workdir", "gs://my-bucket/runs/a b"],
+     "--workdir gs://my-bucket/runs/a b: the path after gs://my-bucket may hold only letters, digits"),
     (["--name", "n", "--zone", "z", "--workdir", "gs://b/r", "--accelerator-type", "v5p"], "accelerator type"),
     (["--name", "n", "--zone", "z", "--workdir", "gs://b/r", "--bogus"], "unknown option --bogus"),
     (["--name"], "--name needs a value"),

@@ -1,11 +1,12 @@
 """Mask-type ablation: the same tiny model and data, one attention mask per variant.
 
-  python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks
-  python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks --dry-run
+  .venv/bin/python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks
+  .venv/bin/python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks --dry-run
 
 `get_grid()` maps a variant name to config overrides applied on top of `BASE`; everything not
-overridden is equal across variants. Sequence 2,048 tokens over sp=4, so windows and chunks below
-are short, medium and long relative to a shard (512 tokens).
+overridden is equal across variants. The tiny preset's sequences of 1,024 tokens over sp=4 give
+each device a shard of 256 tokens, so the window of 128 reaches half a shard back and the window
+and chunks of 512 span two shards.
 """
 
 BASE = "configs/base.py:tiny"

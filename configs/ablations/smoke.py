@@ -1,6 +1,6 @@
 """A three-variant grid small enough for the test suite (tests/evals/test_ablate.py).
 
-  python scripts/ablate.py --grid=configs/ablations/smoke.py --workdir=runs/ablate_smoke
+  .venv/bin/python scripts/ablate.py --grid=configs/ablations/smoke.py --workdir=runs/ablate_smoke
 """
 
 BASE = "configs/base.py:tiny"
