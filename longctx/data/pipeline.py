@@ -327,23 +327,27 @@ class BatchIterator:
 
     def __init__(self, ds: grain.IterDataset, mesh, shard: sharding_lib.DataShard,
                  global_batch_size: int, seq_len: int, metadata: dict, fingerprint: dict | None = None,
-                 packing_settings: dict | None = None):
+                 packing_settings: dict | None = None, seed_offset: int = 0):
         self.grain_iterator = iter(ds)
         self.mesh, self.shard, self.metadata = mesh, shard, metadata
         self.global_batch_size, self.seq_len = global_batch_size, seq_len
         self.fingerprint, self.packing_settings = fingerprint, packing_settings
+        self.seed_offset = seed_offset
 
     def stream_record(self) -> dict:
         """What this iterator's saved state means beyond the config, the same on every process:
         each process's data shard (`{"0": {"index", "count", "rows": [start, stop]}, ...}`;
-        processes of one sp group share one), the dataset's fingerprint and the values of the
-        keys the packer's rows depend on (`packing.row_settings`). A state restored under another
-        map would have the processes of one sp group feed different rows into one sequence; under
-        other packing settings it would re-pack its window into other rows."""
+        processes of one sp group share one), the dataset's fingerprint, the values of the keys
+        the packer's rows depend on (`packing.row_settings`) and the seed offset the stream was
+        made with (a restarted stream's step). A state restored under another map would have the
+        processes of one sp group feed different rows into one sequence; under other packing
+        settings it would re-pack its window into other rows; under another seed it would stand at
+        the same place in another order of the documents."""
         shards = sharding_lib.data_shards(self.mesh, self.global_batch_size, self.seq_len)
         return {"shards": {str(p): {"index": s.index, "count": s.count,
                                     "rows": [s.row_start, s.row_stop]} for p, s in shards.items()},
-                "dataset": self.fingerprint, "packing": self.packing_settings}
+                "dataset": self.fingerprint, "packing": self.packing_settings,
+                "seed_offset": self.seed_offset}
 
     def __iter__(self):
         return self
@@ -423,4 +427,5 @@ def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data
     settings = packing.row_settings(d.packer, seq_len=d.seq_len, num_shards=sp,
                                     block_size=config.attention.block_size, bins=bins)
     return BatchIterator(ds, mesh, shard, d.global_batch_size, d.seq_len, meta,
-                         dataset_fingerprint(data_dir, meta, split), settings)
+                         dataset_fingerprint(data_dir, meta, split), settings,
+                         seed_offset if train else 0)

@@ -230,7 +230,9 @@ class Checkpointer:
                               info["arrays"], target)
             # A data error (a corrupt shard, a bad data config) is about the data, not this
             # checkpoint: it propagates, and the checkpoint stays where it is.
-            data_iterator, result, error = make_data_iterator(), None, None
+            # (a stream restarted at some step goes on being that stream: its shuffle's seed offset)
+            data_iterator = make_data_iterator(seed_offset=compat.saved_seed_offset(info["metadata"]))
+            result, error = None, None
             data_mismatch = self._data_state_mismatch(info, data_iterator)
             try:
                 result = self._restore_step(step, info, target, data_iterator, make_data_iterator,

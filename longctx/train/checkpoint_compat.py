@@ -114,8 +114,9 @@ def data_state_mismatch(saved_config: dict, saved_metadata: dict, current_config
     that stream only with the same process count, the same stream keys, the same process -> data
     shard map (else processes that now share one sp group would restore different states and
     feed different rows into one sequence), the same dataset (else the same path holds other
-    documents) and the same values of the keys the packer's rows depend on (else it re-packs
-    its window into other rows: tokens are skipped and repeated)."""
+    documents), the same values of the keys the packer's rows depend on (else it re-packs its
+    window into other rows: tokens are skipped and repeated) and the same seed offset (else the
+    same position is one in another order of the documents)."""
     saved_processes = saved_metadata.get("process_count")
     if saved_processes != process_count:
         return f"was saved by {saved_processes} process(es) and this run has {process_count}"
@@ -135,7 +136,18 @@ def data_state_mismatch(saved_config: dict, saved_metadata: dict, current_config
                                 current_record.get("packing") or {})
     if diffs:
         return "was packed into rows under other settings (" + _listed(diffs) + ")"
+    then, now = saved_seed_offset(saved_metadata), current_record.get("seed_offset", 0)
+    if then != now:
+        return (f"belongs to the stream shuffled with seed offset {then} (data.shuffle_seed + the "
+                f"step it restarted at) and this iterator's offset is {now}")
     return None
+
+
+def saved_seed_offset(saved_metadata: dict) -> int:
+    """The seed offset of the stream a saved iterator state belongs to: the step at which that
+    run's data last restarted (0 if it never did, or if saved before offsets were recorded). A
+    resume builds its iterator with it, so the state continues its own stream."""
+    return int((saved_metadata.get(DATA_STREAM) or {}).get("seed_offset", 0))
 
 
 def _saved_packing(saved_record: dict, saved_config: dict, saved_metadata: dict) -> tuple[dict, bool]:

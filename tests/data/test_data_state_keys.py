@@ -181,38 +181,93 @@ def test_a_state_saved_before_the_record_restores_as_before_unless_its_config_an
     assert _resume(_config("best_fit", **{packing.SP: 4}), unique_dir, state, old, saved_config)[0] is None
 
 
-def test_a_checkpoint_resumed_under_another_sp_restarts_its_stream_with_one_line(unique_dir, tmp_path):
-    """Through the checkpointer: saved by shard_balanced at sp=2, resumed at sp=4, the note is the
-    one every data mismatch gets; at sp=2 the state is restored."""
+def _checkpoint_config(**keys):
+    config = _config("shard_balanced", **keys)
+    config.model.update(num_layers=1, vocab_size=4096)  # the unique ids fit
+    return config
+
+
+def _mesh(config):
+    return mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:config.mesh.sp])
+
+
+def _save(config, workdir, data_dir, seed_offset=0):
+    """A checkpoint of step 1 after one batch of an iterator made with `seed_offset` (as a run
+    that restarted its stream at that step makes it); returns the batches that iterator goes on
+    to yield."""
     from longctx.train import checkpoint as checkpoint_lib
     from longctx.train import state as train_state
 
-    def resume(config):
-        mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:config.mesh.sp])
-        setup = train_state.make_setup(config, mesh, "contiguous")
-        checkpointer = checkpoint_lib.Checkpointer(str(tmp_path / "w"), config)
-        with jax.set_mesh(mesh):
-            _, iterator, note = checkpointer.restore_or_init(
-                setup, lambda seed_offset=0: pipeline.make_batch_iterator(
-                    config, mesh, layout="contiguous", data_dir=unique_dir, seed_offset=seed_offset))
-        checkpointer.close()
-        iterator.close()
-        return note
-
-    config = _config("shard_balanced")
-    config.model.update(num_layers=1, vocab_size=4096)
-    mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:SP])
+    mesh = _mesh(config)
     with jax.set_mesh(mesh):
         setup = train_state.make_setup(config, mesh, "contiguous")
-        iterator = pipeline.make_batch_iterator(config, mesh, layout="contiguous", data_dir=unique_dir)
-        next(iterator)
-        checkpointer = checkpoint_lib.Checkpointer(str(tmp_path / "w"), config)
+        iterator = pipeline.make_batch_iterator(config, mesh, layout="contiguous", data_dir=data_dir,
+                                                seed_offset=seed_offset)
+        iterator.next_local()
+        checkpointer = checkpoint_lib.Checkpointer(workdir, config)
         assert checkpointer.maybe_save(1, setup.init(jax.random.PRNGKey(0)), iterator, force=True)
         checkpointer.close()
+        following = [iterator.next_local() for _ in range(4)]
         iterator.close()
+    return following
 
-    assert resume(config).endswith("(step 1), data iterator included")
-    config.mesh.sp = 4
-    assert resume(config).endswith(
+
+def _checkpoint_resume(config, workdir, data_dir):
+    """(the note restore_or_init gives, the first 4 batches of the iterator it returns)."""
+    from longctx.train import checkpoint as checkpoint_lib
+    from longctx.train import state as train_state
+
+    mesh = _mesh(config)
+    setup = train_state.make_setup(config, mesh, "contiguous")
+    checkpointer = checkpoint_lib.Checkpointer(workdir, config)
+    with jax.set_mesh(mesh):
+        _, iterator, note = checkpointer.restore_or_init(
+            setup, lambda seed_offset=0: pipeline.make_batch_iterator(
+                config, mesh, layout="contiguous", data_dir=data_dir, seed_offset=seed_offset))
+    checkpointer.close()
+    batches = [iterator.next_local() for _ in range(4)]
+    iterator.close()
+    return note, batches
+
+
+def _same(a, b):
+    return all(np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in packing.KEYS)
+
+
+def test_a_checkpoint_resumed_under_another_sp_restarts_its_stream_with_one_line(unique_dir, tmp_path):
+    """Through the checkpointer: saved by shard_balanced at sp=2, resumed at sp=4, the note is the
+    one every data mismatch gets; at sp=2 the state is restored."""
+    workdir = str(tmp_path / "w")
+    following = _save(_checkpoint_config(), workdir, unique_dir)
+    note, batches = _checkpoint_resume(_checkpoint_config(), workdir, unique_dir)
+    assert note.endswith("(step 1), data iterator included"), note
+    assert _same(batches, following)
+    note, _ = _checkpoint_resume(_checkpoint_config(**{packing.SP: 4}), workdir, unique_dir)
+    assert note.endswith(
         "(step 1); the data iterator state was packed into rows under other settings (mesh.sp: 2 "
-        "then vs 4 now), so data restarts from a fresh shuffle seeded with step 1")
+        "then vs 4 now), so data restarts from a fresh shuffle seeded with step 1"), note
+
+
+def test_a_stream_restarted_at_a_step_resumes_as_that_stream(unique_dir, tmp_path):
+    """A run whose data restarted at step 7 (a shuffle seeded with 7) saves its iterator's state;
+    a later resume must continue that stream: restored into the stream of seed offset 0 the same
+    state is another stream's position."""
+    workdir = str(tmp_path / "w")
+    following = _save(_checkpoint_config(), workdir, unique_dir, seed_offset=7)
+    note, batches = _checkpoint_resume(_checkpoint_config(), workdir, unique_dir)
+    assert note.endswith("(step 1), data iterator included"), note
+    assert _same(batches, following)
+
+
+def test_an_iterator_of_another_seed_offset_is_a_mismatch(unique_dir):
+    """(The checkpointer builds the resumed iterator with the saved offset; were it not, the state
+    would stand at its position in another order of the documents.)"""
+    _, state, metadata, saved_config = _saved_run("best_fit", unique_dir)
+    metadata[compat.DATA_STREAM]["seed_offset"] = 7
+    assert compat.saved_seed_offset(metadata) == 7
+    assert _resume(_config("best_fit"), unique_dir, state, metadata, saved_config)[0] == (
+        "belongs to the stream shuffled with seed offset 7 (data.shuffle_seed + the step it "
+        "restarted at) and this iterator's offset is 0")
+    del metadata[compat.DATA_STREAM]["seed_offset"]  # saved before offsets were recorded
+    assert compat.saved_seed_offset(metadata) == 0
+    assert _resume(_config("best_fit"), unique_dir, state, metadata, saved_config)[0] is None
