@@ -93,17 +93,21 @@ def is_finished(variant: Variant, run_dir: str) -> bool:
 
 
 def run_grid(grid_path: str, workdir: str, *, dry_run: bool = False, echo=print) -> list[Variant]:
+    """Runs each variant in turn (each its own training process, whose output follows a line
+    "ablate: variant k of N (name): starting"), or with `dry_run` prints each command."""
     base, variants = load_grid(grid_path)
-    for variant in variants:
+    for k, variant in enumerate(variants, 1):
         command = variant.command(base, workdir)
         if dry_run:
             echo(shlex.join(command))
             continue
         run_dir = os.path.join(workdir, variant.name)
+        which = f"ablate: variant {k} of {len(variants)} ({variant.name})"
         if is_finished(variant, run_dir):
-            echo(f"ablate: {variant.name}: finished, skipping")
+            echo(f"{which}: finished, skipping")
             continue
-        echo(f"ablate: {variant.name}: {'resuming' if os.path.isdir(run_dir) else 'starting'}")
+        echo(f"{which}: {'resuming' if os.path.isdir(run_dir) else 'starting'}")
+        sys.stdout.flush()  # (before the run's own lines, also when stdout is a pipe)
         result = subprocess.run(command, cwd=REPO)
         if result.returncode != 0:
             raise RunError(f"variant {variant.name!r} failed with exit code {result.returncode} "

@@ -55,3 +55,41 @@ def test_unknown_key_in_a_grid_is_one_sentence(tmp_path):
     result = run_ablate(f"--grid={grid}", f"--workdir={tmp_path / 'runs'}")
     assert result.returncode == 2  # bad input (longctx.cli)
     assert "unknown config key" in result.stderr
+
+
+def test_each_variant_says_which_of_how_many_it_is(tmp_path, monkeypatch):
+    """A grid's runs take minutes each: the line before each says "variant k of N" (with the
+    runs themselves replaced here by a stand-in that succeeds; the first variant finished)."""
+    started = []
+    monkeypatch.setattr(ablation.subprocess, "run",
+                        lambda command, cwd: started.append(command) or subprocess.CompletedProcess(command, 0))
+    _, variants = ablation.load_grid(GRID)
+    (tmp_path / "causal").mkdir()
+    (tmp_path / "causal" / "metrics.jsonl").write_text(
+        json.dumps({"step": variants[0].config.train.num_steps, "train/loss": 1.0}) + "\n")
+    (tmp_path / "no_document_mask").mkdir()  # an unfinished run
+    lines = []
+    ablation.run_grid(GRID, str(tmp_path), echo=lines.append)
+    assert lines == ["ablate: variant 1 of 3 (causal): finished, skipping",
+                     "ablate: variant 2 of 3 (sliding_window_64): starting",
+                     "ablate: variant 3 of 3 (no_document_mask): resuming"]
+    assert [c[3] for c in started] == [f"--workdir={tmp_path / v}" for v in ("sliding_window_64", "no_document_mask")]
+
+
+def test_the_masks_grid_docstring_states_the_presets_shard():
+    """configs/ablations/masks.py explains its windows against the shard of its BASE preset (it
+    said 2,048 tokens and 512-token shards; the tiny preset is 1,024 and 256)."""
+    from configs.ablations import masks
+
+    base, variants = ablation.load_grid("configs/ablations/masks.py")
+    config = variants[0].config
+    seq_len, sp = config.data.seq_len, config.mesh.sp
+    text = " ".join(masks.__doc__.split())
+    assert base == masks.BASE == "configs/base.py:tiny"
+    assert f"sequences of {seq_len:,} tokens over sp={sp}" in text, text
+    assert f"a shard of {seq_len // sp} tokens" in text, text
+    windows = {v.name: v.overrides.get("attention.sliding_window") or v.overrides.get("attention.chunk_size")
+               for v in variants}
+    assert f"window of {windows['sliding_window_128']} reaches half a shard" in text and (
+        windows["sliding_window_128"] * 2 == seq_len // sp)
+    assert windows["sliding_window_512"] == windows["chunked_causal_512"] == 2 * (seq_len // sp)
