@@ -58,6 +58,7 @@ NEEDS_A_FILE = {
     "data/llama3_long": "written by step 2 of 'Extend a released model'",
     "runs/llama3_8b_extend": "written by step 3 of 'Extend a released model'",
     "ids.npz": "the reader's token ids and transformers' logits",
+    "my_config.py": "the reader's own config file, as docs/configs.md shows it (tests/test_user_config.py runs it)",
     "DIR": "where the reader pip-installed the peer rings (--peers DIR)",
     "/tmp/peers": "where the reader pip-installed the peer rings (--peers DIR)",
 }
