@@ -12,6 +12,7 @@ Ahead-of-time fit check of a Llama-3-8B-shaped model at 128K tokens on a v5p sli
 
 Presets:
   tiny             the CPU demo: 2 layers, d=128, 1K-token sequences, 8 virtual devices.
+  tiny_hybrid      tiny as a hybrid: 5 sliding-window layers to 1 global (Gemma 3's pattern), 6 layers.
   long_cpu         a few steps of a tiny model on one 65,536-token sequence over 8 CPU devices.
   llama3_8b_128k   Llama-3-8B shape, 131,072 tokens per sequence, ring over sp=16 on v5p-128.
   llama3_8b_extend_128k   Llama-3-8B converted from Hugging Face, extended to 131,072 tokens with
@@ -119,6 +120,12 @@ def _base() -> ml_collections.ConfigDict:
             # mesh's -1 axes, when the run starts on TPU: docs/planner.md)
             cp="ring",
             cp_ulysses=_optional_int(),  # usp's Ulysses degree: divides mesh sp and model.num_heads
+            # Hybrid attention (longctx/model/layer_types.py): the layer types of one period, in
+            # order ("local,local,local,local,local,global"), repeated over model.num_layers; each
+            # type, defined in layer_types, sets any of its mask, strategy and RoPE keys, and the
+            # rest come from attention.* / model.*. "" = one type, attention.* itself, every layer.
+            pattern="",
+            layer_types=ml_collections.ConfigDict(),
         )
     )
 
@@ -199,6 +206,20 @@ def _tiny(c):
     return c
 
 
+def _tiny_hybrid(c):
+    """The CPU demo as a hybrid model (attention.pattern, docs/attention.md): Gemma 3's shape of
+    pattern, five sliding-window layers (window 128, RoPE theta 10,000) to one global layer (theta
+    1,000,000), over 6 layers."""
+    c = _tiny(c)
+    c.model.update(num_layers=6)
+    c.attention.pattern = "local,local,local,local,local,global"
+    c.attention.layer_types = ml_collections.ConfigDict({
+        "local": dict(sliding_window=128, rope_theta=10_000.0),
+        "global": dict(rope_theta=1_000_000.0),
+    })
+    return c
+
+
 def _long_cpu(c):
     c = _tiny(c)
     c.mesh.update(dp=1, fsdp=1, sp=8)
@@ -258,7 +279,7 @@ def _llama3_8b_extend_128k(c):
     return c
 
 
-PRESETS = {"": lambda c: c, "base": lambda c: c, "tiny": _tiny, "long_cpu": _long_cpu,
+PRESETS = {"": lambda c: c, "base": lambda c: c, "tiny": _tiny, "tiny_hybrid": _tiny_hybrid, "long_cpu": _long_cpu,
            "llama3_8b_128k": _llama3_8b_128k, "llama3_70b_128k": _llama3_70b_128k,
            "llama3_8b_extend_128k": _llama3_8b_extend_128k}
 

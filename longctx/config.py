@@ -16,6 +16,7 @@ from longctx import ops
 from longctx.data import packing
 from longctx.errors import ConfigError  # noqa: F401  (re-exported: callers use config.ConfigError)
 from longctx.model import attention, decoder, rope
+from longctx.model import layer_types as layer_types_lib
 from longctx.ops import blocks, context_parallel
 from longctx.parallel import layout
 from longctx.parallel import mesh as mesh_lib
@@ -66,26 +67,28 @@ def _choices() -> dict[str, tuple]:
             "model.remat_policy": tuple(decoder.REMAT_POLICIES), "train.on_nonfinite": NONFINITE_ACTIONS}
 
 
-def _check_context_parallel(a, heads: int, sp: int) -> None:
-    """attention.cp against the heads and the sp size (configs older than the key ran the ring)."""
+def _check_context_parallel(a, heads: int, sp: int, prefix: str = "attention.") -> None:
+    """attention.cp against the heads and the sp size (configs older than the key ran the ring);
+    `prefix` names the keys (a layer type's, longctx/model/layer_types.py)."""
     strategy, degree = a.get("cp", "ring"), a.get("cp_ulysses")
-    _require(strategy != "auto", _chosen_by_the_planner("attention.cp"))
-    _one_of_values("attention.cp", strategy, context_parallel.STRATEGIES)
+    cp, cp_ulysses = f"{prefix}cp", f"{prefix}cp_ulysses"
+    _require(strategy != "auto", _chosen_by_the_planner(cp))
+    _one_of_values(cp, strategy, context_parallel.STRATEGIES)
     if strategy != "usp":
-        _require(degree is None, f"attention.cp_ulysses={degree} is the Ulysses degree of "
-                 f"attention.cp=usp, not of attention.cp={strategy}: unset it or set attention.cp=usp.")
+        _require(degree is None, f"{cp_ulysses}={degree} is the Ulysses degree of "
+                 f"{cp}=usp, not of {cp}={strategy}: unset it or set {cp}=usp.")
     fits = [u for u in range(2, sp + 1) if sp % u == 0 and heads % u == 0]
     degrees = "{" + ", ".join(map(str, fits)) + "}"
     if strategy == "ulysses":
-        other = f"attention.cp=usp with attention.cp_ulysses in {degrees}, or " if fits else ""
-        _require(heads % sp == 0, f"attention.cp=ulysses splits the query heads over the sp devices, "
+        other = f"{cp}=usp with {cp_ulysses} in {degrees}, or " if fits else ""
+        _require(heads % sp == 0, f"{cp}=ulysses splits the query heads over the sp devices, "
                  f"but model.num_heads={heads} is not divisible by sp={sp}: use {other}"
-                 "attention.cp=ring or all_gather, which take any head count.")
+                 f"{cp}=ring or all_gather, which take any head count.")
     if strategy == "usp":
-        fix = (f"set attention.cp_ulysses to one of {degrees}" if fits else
-               "none above 1 does: use attention.cp=ring or all_gather")
+        fix = (f"set {cp_ulysses} to one of {degrees}" if fits else
+               f"none above 1 does: use {cp}=ring or all_gather")
         _require(degree is not None and degree >= 1 and sp % degree == 0 and heads % degree == 0,
-                 f"attention.cp=usp needs attention.cp_ulysses (now {degree}) dividing both sp={sp} "
+                 f"{cp}=usp needs {cp_ulysses} (now {degree}) dividing both sp={sp} "
                  f"and model.num_heads={heads}: {fix}.")
 
 
@@ -95,11 +98,11 @@ def _chosen_by_the_planner(key: str) -> str:
             "longctx.plan.auto.resolve(config, jax.devices()).")
 
 
-def _check_block_size(block) -> None:
+def _check_block_size(block, prefix: str = "attention.") -> None:
     """attention.block_size holds an int or "auto" (configs/base.py types it `object` for that)."""
-    _require(block != "auto", _chosen_by_the_planner("attention.block_size"))
+    _require(block != "auto", _chosen_by_the_planner(f"{prefix}block_size"))
     _require(isinstance(block, numbers.Integral) and not isinstance(block, bool) and block > 0,
-             f"attention.block_size={block!r} must be a positive integer (or auto, for the planner "
+             f"{prefix}block_size={block!r} must be a positive integer (or auto, for the planner "
              "to choose when the run starts).")
 
 
@@ -172,15 +175,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
 
     _check_rope_scaling(m.get("rope_scaling"))  # (absent from configs saved before it existed)
 
-    # Attention mask.
-    if a.sliding_window is not None:
-        _require(a.sliding_window > 0, f"attention.sliding_window={a.sliding_window} must be positive.")
-    if a.chunk_size is not None:
-        _require(a.chunk_size > 0, f"attention.chunk_size={a.chunk_size} must be positive.")
-        _require(a.causal, "attention.chunk_size is chunked *causal* attention and needs attention.causal=True: "
-                 "set --config.attention.causal=True.")
-    if a.logits_soft_cap is not None:
-        _require(a.logits_soft_cap > 0, f"attention.logits_soft_cap={a.logits_soft_cap} must be positive.")
+    _check_mask(a)
     _check_context_parallel(a, m.num_heads, sp)
 
     placed_for = packing.packer_layout(d.packer)  # shard_balanced places documents in contiguous shards
@@ -198,6 +193,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
              f"attention.block_size={a.block_size} does not divide the per-device shard of "
              f"data.seq_len/sp = {d.seq_len}/{sp} = {shard_len} tokens.")
     _check_splash_block(a.block_size, shard_len, a.impl, a.layout)
+    _check_layer_types(config, sp, shard_len)
     mlp_chunk = m.get("mlp_chunk_size")
     if mlp_chunk is not None:
         _require(mlp_chunk > 0, f"model.mlp_chunk_size={mlp_chunk} must be positive (or None).")
@@ -255,7 +251,36 @@ def _multiple_above(n: int, factor: int) -> int:
     return -(-n // factor) * factor
 
 
-def _check_splash_block(block: int, shard_len: int, impl: str, layout: str) -> None:
+def _check_mask(a, prefix: str = "attention.") -> None:
+    """The mask keys of attention.* or of a layer type (`prefix`, with `a` its resolved config)."""
+    if a.sliding_window is not None:
+        _require(a.sliding_window > 0, f"{prefix}sliding_window={a.sliding_window} must be positive.")
+    if a.chunk_size is not None:
+        _require(a.chunk_size > 0, f"{prefix}chunk_size={a.chunk_size} must be positive.")
+        _require(a.causal, f"{prefix}chunk_size is chunked *causal* attention and needs attention.causal=True: "
+                 "set --config.attention.causal=True.")
+    if a.logits_soft_cap is not None:
+        _require(a.logits_soft_cap > 0, f"{prefix}logits_soft_cap={a.logits_soft_cap} must be positive.")
+
+
+def _check_layer_types(config, sp: int, shard_len: int) -> None:
+    """Each layer type of attention.pattern, as resolved (its keys over attention.*), by the rules
+    attention.* itself meets; a message names the type's key (attention.layer_types.<name>.<key>).
+    An unknown type or key is one sentence from layer_types itself."""
+    for layer_type in layer_types_lib.period(config):
+        if layer_type.name == layer_types_lib.UNIFORM:
+            continue
+        prefix, a = layer_types_lib.type_prefix(layer_type.name), layer_type.attention
+        _check_mask(a, prefix)
+        _check_context_parallel(a, config.model.num_heads, sp, prefix)
+        _check_block_size(a.block_size, prefix)
+        _require(shard_len % a.block_size == 0,
+                 f"{prefix}block_size={a.block_size} does not divide the per-device shard of "
+                 f"data.seq_len/sp = {config.data.seq_len}/{sp} = {shard_len} tokens.")
+        _check_splash_block(a.block_size, shard_len, a.impl, a.layout, prefix)
+
+
+def _check_splash_block(block: int, shard_len: int, impl: str, layout: str, prefix: str = "attention.") -> None:
     """The kernel's own rule on blocks (longctx/ops/blocks.py), with the block to use where one fits."""
     problem = blocks.block_problem(block, shard_len, impl)
     if problem is None:
@@ -264,10 +289,10 @@ def _check_splash_block(block: int, shard_len: int, impl: str, layout: str) -> N
     # One inside each zigzag half where there is one, else one the ring accepts (dividing the shard).
     fit = (blocks.fit_block(largest, shard_len, impl, layout)
            or blocks.fit_block(largest, shard_len, impl, "contiguous"))
-    fix = (f"set --config.attention.block_size={fit}" if fit else
+    fix = (f"set --config.{prefix}block_size={fit}" if fit else
            f"the {shard_len}-token shards hold no such block: use --config.attention.impl=xla or a "
            "longer data.seq_len")
-    raise ConfigError(f"attention.block_size={block} {problem}; {fix}.")
+    raise ConfigError(f"{prefix}block_size={block} {problem}; {fix}.")
 
 
 def _check_rope_scaling(s) -> None:
@@ -304,4 +329,8 @@ def num_params_estimate(config) -> int:
     mlp = 3 * m.d_model * m.mlp_dim
     per_layer = attn + mlp + 2 * m.d_model
     embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
-    return m.num_layers * per_layer + embed + m.d_model + (m.num_heads * m.num_layers if config.attention.attention_sinks else 0)
+    types = layer_types_lib.period(config)
+    layers_with_sinks = sum(count for layer_type, count in
+                            zip(types, layer_types_lib.layer_counts(m.num_layers, len(types)))
+                            if layer_type.attention.attention_sinks)
+    return m.num_layers * per_layer + embed + m.d_model + m.num_heads * layers_with_sinks

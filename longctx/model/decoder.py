@@ -8,6 +8,9 @@ Einsum legend:
 Every parameter carries logical axis names (`out_sharding` metadata); `longctx.parallel.mesh` maps them to
 mesh axes, so nothing here names a mesh axis. Layers are stacked along a leading "layers" axis and
 run under `lax.scan` with a configurable remat policy, so compile time does not grow with depth.
+A hybrid model (`attention.pattern`, longctx/model/layer_types.py) has one stacked block per
+position of its period, and the scan runs one period per step: each layer attends with its own
+type's mask, strategy and RoPE, and the depth still costs no compile time.
 The model is called under `jax.set_mesh(mesh)`: attention is a `shard_map` over that mesh that
 calls `longctx.ops.ring_attention` on each device's shard of the sequence.
 """
@@ -23,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from longctx.model import attention as attention_lib
+from longctx.model import layer_types as layer_types_lib
 from longctx.model import rope as rope_lib
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
@@ -95,12 +99,15 @@ def rms_norm(x, scale, eps):
     return (x32 * scale).astype(x.dtype)
 
 
-def apply_rope(x, positions, rotary: rope_lib.Rotary):
-    """Rotary embedding from each token's own position: packed documents restart at 0.
+def apply_rope(x, positions, rotary: rope_lib.Rotary | None):
+    """Rotary embedding from each token's own position: packed documents restart at 0. None: no
+    rotary embedding (a NoPE layer type), x as it is.
 
     The frequencies (and YaRN's cos/sin scale) come from `longctx.model.rope`. The two halves of the
     head dimension are rotated as pairs (x_j, x_{j+h/2}), Hugging Face Llama's `rotate_half`
     convention, so HF checkpoints load without permuting their q/k projections."""
+    if rotary is None:
+        return x
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rotary.inv_freq)  # [b, t, h/2]
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     if rotary.attention_scaling != 1.0:
@@ -116,8 +123,9 @@ _QKV_PARAMS = ("attn_norm", "wq", "wk", "wv")
 _FINISH_PARAMS = ("wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
-def project_qkv(x, weights, positions, *, logical_axes, config):
-    """RMSNorm, then the q/k/v projections and RoPE: [b, t, d] -> q [b, t, n, h], k, v [b, t, kvh, h].
+def project_qkv(x, weights, positions, *, logical_axes, config, rotary):
+    """RMSNorm, then the q/k/v projections and RoPE (`rotary`, the layer type's; None: none):
+    [b, t, d] -> q [b, t, n, h], k, v [b, t, kvh, h].
     A pure function of its array arguments (`weights`: one layer's _QKV_PARAMS), so that the
     layer's VJP can run it again in the backward (attention.residuals, longctx/model/attention.py)."""
     m = config.model
@@ -127,7 +135,6 @@ def project_qkv(x, weights, positions, *, logical_axes, config):
     q = jnp.einsum("btd,dnh->btnh", y, w["wq"])
     k = jnp.einsum("btd,dkh->btkh", y, w["wk"])
     v = jnp.einsum("btd,dkh->btkh", y, w["wv"])
-    rotary = rope_lib.from_model_config(m)
     q = _constrain(apply_rope(q, positions, rotary), attention_lib.ATTN_ACTIVATION)
     k = _constrain(apply_rope(k, positions, rotary), attention_lib.ATTN_ACTIVATION)
     return q, k, v
@@ -180,10 +187,12 @@ def _mlp_in_chunks(y, w, chunk_size: int | None):
 
 
 class DecoderBlock(nnx.Module):
-    """Pre-norm block: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+    """Pre-norm block: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)), attending as its
+    layer type says (default: the one type of a model without a pattern)."""
 
-    def __init__(self, config, *, rngs: nnx.Rngs):
+    def __init__(self, config, layer_type: layer_types_lib.LayerType | None = None, *, rngs: nnx.Rngs):
         m = config.model
+        self.layer_type = layer_type or layer_types_lib.resolve(config, layer_types_lib.UNIFORM)
         d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
         param = functools.partial(_param, rngs, dtype=jnp.dtype(m.param_dtype))
         self.attn_norm = param((d,), ("norm",), init="ones", weight_decay=False)
@@ -192,7 +201,7 @@ class DecoderBlock(nnx.Module):
         self.wv = param((d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
         self.wo = param((n, h, d), ("heads", "head_dim", "embed"), (n * h) ** -0.5)
         self.sinks = (param((n,), ("heads",), init="zeros", weight_decay=False)
-                      if config.attention.attention_sinks else None)
+                      if self.layer_type.attention.attention_sinks else None)
         self.mlp_norm = param((d,), ("norm",), init="ones", weight_decay=False)
         self.w_gate = param((d, f), ("embed", "mlp"), d ** -0.5)
         self.w_up = param((d, f), ("embed", "mlp"), d ** -0.5)
@@ -214,12 +223,13 @@ class DecoderBlock(nnx.Module):
         sinks = None if self.sinks is None else self.sinks[...]
         weights = {name: getattr(self, name)[...] for name in _QKV_PARAMS + _FINISH_PARAMS}
         axes = {name: _layer_axes(getattr(self, name)) for name in weights}
-        project = functools.partial(project_qkv, logical_axes=axes, config=config)
+        project = functools.partial(project_qkv, logical_axes=axes, config=config,
+                                    rotary=self.layer_type.rotary)
         finish = functools.partial(output_and_mlp, logical_axes=axes, config=config)
         return attention_lib.decoder_layer(
             project, finish, x,
             {name: weights[name] for name in _QKV_PARAMS}, {name: weights[name] for name in _FINISH_PARAMS},
-            positions, segment_ids, sinks, config.attention, layout, remat=remat)
+            positions, segment_ids, sinks, self.layer_type.attention, layout, remat=remat)
 
 
 class Decoder(nnx.Module):
@@ -238,12 +248,15 @@ class Decoder(nnx.Module):
         self.embed = param((m.vocab_size, m.d_model), ("vocab", "embed"),
                            m.d_model ** -0.5 if m.tie_embeddings else 1.0)
 
-        @nnx.split_rngs(splits=m.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs):
-            return DecoderBlock(config, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
+        # One stack of blocks per position of the period: `blocks` for a model without a pattern
+        # (the parameter tree every earlier checkpoint has), `period_blocks[p]` for a hybrid's.
+        types = layer_types_lib.period(config)
+        counts = layer_types_lib.layer_counts(m.num_layers, len(types))
+        stacks = [_stacked_blocks(config, layer_type, count, rngs) for layer_type, count in zip(types, counts)]
+        if layer_types_lib.is_hybrid(config):
+            self.period_blocks = nnx.List(stacks)
+        else:
+            self.blocks = stacks[0]
         self.final_norm = param((m.d_model,), ("norm",), init="ones", weight_decay=False)
         self.unembed = (None if m.tie_embeddings
                         else param((m.d_model, m.vocab_size), ("embed", "vocab"), m.d_model ** -0.5))
@@ -277,18 +290,41 @@ class Decoder(nnx.Module):
             # without segment ids already counts its chunks from the row's start.)
             segment_ids, positions = None, self.row_positions(tokens.shape)
 
-        graphdef, stacked = nnx.split(self.blocks)
+        stacks = list(self.period_blocks) if layer_types_lib.is_hybrid(config) else [self.blocks]
+        graphdefs, stacked = zip(*(nnx.split(stack) for stack in stacks))
 
-        def layer(x, block_state):
-            block = nnx.merge(graphdef, block_state)
-            return block(x, positions, segment_ids, config=config, layout=self.layout), None
+        def layer(x, position, block_state):
+            block = nnx.merge(graphdefs[position], block_state)
+            return block(x, positions, segment_ids, config=config, layout=self.layout)
 
+        def one_period(x, period_state):
+            for position, block_state in enumerate(period_state):
+                x = layer(x, position, block_state)
+            return x, None
+
+        whole, remainder = layer_types_lib.depth_split(m.num_layers, len(stacks))
         if m.scan_layers:
-            x, _ = jax.lax.scan(layer, x, stacked)
+            # The scan takes the first `whole` layers of every position (a position of the
+            # remainder has one more, run after the scan).
+            x, _ = jax.lax.scan(one_period, x, tuple(
+                state if remainder == 0 else jax.tree.map(lambda p: p[:whole], state) for state in stacked))
         else:
-            for i in range(m.num_layers):
-                x, _ = layer(x, jax.tree.map(lambda p: p[i], stacked))
+            for i in range(whole):
+                x, _ = one_period(x, tuple(jax.tree.map(lambda p: p[i], state) for state in stacked))
+        for position in range(remainder):
+            x = layer(x, position, jax.tree.map(lambda p: p[whole], stacked[position]))
         return rms_norm(x, self.final_norm[...], m.norm_eps)
+
+
+def _stacked_blocks(config, layer_type, count: int, rngs: nnx.Rngs):
+    """`count` DecoderBlocks of one layer type, their parameters stacked on a leading "layers" axis."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(rngs):
+        return DecoderBlock(config, layer_type, rngs=rngs)
+
+    return make_blocks(rngs)
 
 
 def token_nll(hidden, unembedding, targets, *, chunk_size: int, soft_cap: float | None, dtype: Any):

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from longctx.model import layer_types
+
 # Dense bf16 peak per chip, TFLOP/s (vendor figures).
 PEAK_TFLOPS_BY_CHIP = {
     "TPU v4": 275.0,
@@ -101,11 +103,17 @@ def dense_flops_per_step(config) -> float:
 
 
 def attention_flops_per_step(config) -> float:
-    """Training FLOPs of one step's attention (QK^T and PV) over the pairs the static mask keeps."""
-    m, a, d = config.model, config.attention, config.data
-    pairs = kept_pairs(d.seq_len, causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
+    """Training FLOPs of one step's attention (QK^T and PV) over the pairs the static mask keeps,
+    each layer by its own type's mask (hybrid attention: longctx/model/layer_types.py)."""
+    m, d = config.model, config.data
+    types = layer_types.period(config)
+    pairs = 0
+    for layer_type, count in zip(types, layer_types.layer_counts(m.num_layers, len(types))):
+        a = layer_type.attention
+        pairs += count * kept_pairs(d.seq_len, causal=a.causal, sliding_window=a.sliding_window,
+                                    chunk_size=a.chunk_size)
     # 2 matmuls x 2 FLOPs per multiply-add, per head, per kept pair.
-    return 3.0 * 4 * d.global_batch_size * m.num_layers * m.num_heads * m.head_dim * pairs
+    return 3.0 * 4 * d.global_batch_size * m.num_heads * m.head_dim * pairs
 
 
 def flops_per_step(config) -> float:

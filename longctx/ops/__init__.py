@@ -19,17 +19,20 @@ Public API:
       the order the attention expects; call it with the same mask keywords as the model.
       block_size scores the layouts with the ring's block; then give the model the concrete
       layout (ring_attention's own "auto" scores with default blocks, as block_size=None does).
+  resolve_layout_for_layers(layout, seq_len, num_shards, layers, segment_ids=None) -> str
+      The same for layers of several masks (hybrid attention): `layers` holds (layer count,
+      mask keywords, block size) per layer type, each layout scored over all of them.
   ring_schedule_efficiency(seq_len, num_shards, block_size=None, layout="contiguous",
                            causal=False, sliding_window=None, chunk_size=None) -> float
       useful blocks / (sp * sum over run steps of max over devices of computed blocks), for a
       concrete layout (benchmarks, configs). `ring_schedule(...)` returns the full Schedule:
       computed_blocks [device, step], run_steps, efficiency, steps, critical_path.
 """
-from longctx.ops.auto_layout import resolve_layout
+from longctx.ops.auto_layout import resolve_layout, resolve_layout_for_layers
 from longctx.ops.context_parallel import STRATEGIES, context_parallel_attention
 from longctx.ops.reference import reference_attention
 from longctx.ops.ring import IMPLS, ring_attention
 from longctx.ops.tables import ring_schedule, ring_schedule_efficiency
 
-__all__ = ["IMPLS", "STRATEGIES", "context_parallel_attention", "ring_attention", "reference_attention", "resolve_layout", "ring_schedule",
+__all__ = ["IMPLS", "STRATEGIES", "context_parallel_attention", "ring_attention", "reference_attention", "resolve_layout", "resolve_layout_for_layers", "ring_schedule",
            "ring_schedule_efficiency"]

@@ -40,6 +40,17 @@ def resolve_layout(layout: str, seq_len: int, num_shards: int, *, causal=False,
     stripes the row balances better (on 8 rows of the embedded corpus at 131,072 tokens, sp=8,
     block 512, causal: critical path 29,552 blocks contiguous, 21,807 zigzag, 15,784 striped).
     """
+    mask = dict(causal=causal, sliding_window=sliding_window, chunk_size=chunk_size)
+    return resolve_layout_for_layers(layout, seq_len, num_shards, [(1, mask, block_size)], segment_ids)
+
+
+def resolve_layout_for_layers(layout: str, seq_len: int, num_shards: int, layers,
+                              segment_ids=None) -> str:
+    """`resolve_layout` for a model whose layers differ in mask (hybrid attention: the layout is one
+    for the whole step). `layers`: (layer count, mask keywords, block size or None) per layer
+    type; each layout's score is `resolve_layout`'s, summed over the types weighted by their layer
+    counts, so a Gemma-3-like 5:1 model weighs its window layers five times its global one. With
+    one type it is `resolve_layout` itself."""
     if layout != "auto":
         layout_lib.permutation(layout, seq_len, num_shards)
         return layout
@@ -49,22 +60,29 @@ def resolve_layout(layout: str, seq_len: int, num_shards: int, *, causal=False,
             layout_lib.permutation(name, seq_len, num_shards)
         except ValueError:
             continue  # e.g. zigzag needs seq_len divisible by 2*sp
-        block = block_size or default_block_size(seq_len // num_shards, name)
-        # In (query, key) pairs: the layouts' default blocks can differ (zigzag's is smaller).
-        if segment_ids is None:
-            sched = tables.ring_schedule(seq_len, num_shards, block, name, causal, sliding_window,
-                                         chunk_size)
-            key = ((sched.critical_path + sched.steps) * block * block,
-                   -round(sched.efficiency, 9), sched.steps, rank)
-        else:
-            spec = make_mask_spec(causal, sliding_window, chunk_size)
-            docs = tables.document_schedule(spec, name, seq_len, num_shards, block, segment_ids,
-                                            count_kept=False)
-            steps = len(docs.visited_steps)
-            key = ((docs.critical_path + steps) * block * block,
-                   int(docs.computed_blocks.sum()) * block * block, steps, rank)
+        scores = [[count * part for part in _score(name, seq_len, num_shards, block, mask, segment_ids)]
+                  for count, mask, block in layers]
+        key = (*map(sum, zip(*scores)), rank)
         if best_key is None or key < best_key:
             best, best_key = name, key
     if best is None:
         raise ValueError(f"seq_len={seq_len} is not divisible by num_shards={num_shards}")
     return best
+
+
+def _score(name: str, seq_len: int, num_shards: int, block: int | None, mask: dict, segment_ids):
+    """(path cost in (query, key) pairs, tie-break, ring steps) of one layout for one mask: smaller
+    is better (`resolve_layout`'s docstring says what each is)."""
+    block = block or default_block_size(seq_len // num_shards, name)
+    # In (query, key) pairs: the layouts' default blocks can differ (zigzag's is smaller).
+    if segment_ids is None:
+        sched = tables.ring_schedule(seq_len, num_shards, block, name, mask["causal"],
+                                     mask["sliding_window"], mask["chunk_size"])
+        return ((sched.critical_path + sched.steps) * block * block, -round(sched.efficiency, 9),
+                sched.steps)
+    spec = make_mask_spec(mask["causal"], mask["sliding_window"], mask["chunk_size"])
+    docs = tables.document_schedule(spec, name, seq_len, num_shards, block, segment_ids,
+                                    count_kept=False)
+    steps = len(docs.visited_steps)
+    return ((docs.critical_path + steps) * block * block, int(docs.computed_blocks.sum()) * block * block,
+            steps)

@@ -6,6 +6,7 @@ ahead-of-time compile takes in place of arrays), and the run's concrete sequence
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from longctx import ops
 from longctx.data import packing
 from longctx.model import attention as attention_lib
+from longctx.model import layer_types
 from longctx.model.decoder import Decoder
 from longctx.parallel import mesh as mesh_lib
 from longctx.train.optimizer import make_optimizer
@@ -42,9 +44,17 @@ def resolve_layout(config, sp: int, documents=None) -> str:
         return fixed
     if not config.attention.use_segment_ids:
         documents = None
-    return ops.resolve_layout(config.attention.layout, config.data.seq_len, sp,
-                              block_size=config.attention.block_size, segment_ids=documents,
-                              **attention_lib.mask_kwargs(config.attention))
+    # One layout for every layer: a hybrid model's is scored over its layer types, each weighted
+    # by its layer count (a model without a pattern is one type).
+    types = layer_types.period(config)
+    counts = collections.Counter()
+    for layer_type, count in zip(types, layer_types.layer_counts(config.model.num_layers, len(types))):
+        counts[layer_type.name] += count
+    by_name = {layer_type.name: layer_type.attention for layer_type in types}
+    layers = [(count, attention_lib.mask_kwargs(by_name[name]), by_name[name].block_size)
+              for name, count in counts.items()]
+    return ops.resolve_layout_for_layers(config.attention.layout, config.data.seq_len, sp, layers,
+                                         segment_ids=documents)
 
 
 def _logical_shardings(mesh, tree, rules=None):

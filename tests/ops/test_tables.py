@@ -178,6 +178,30 @@ def test_auto_prefers_fewer_wasted_steps_for_windows():
     assert auto_layout.resolve_layout("striped", 12, 4) == "striped"
 
 
+def test_auto_for_layers_of_several_masks_weighs_each_by_its_layer_count():
+    """A hybrid model's one layout: the layout whose rings, summed over the layer types weighted by
+    their layer counts, finish first (the cost written out here from ring_schedule)."""
+    seq_len, sp, block = 32768, 8, 512
+    masks_ = {"global": dict(causal=True, sliding_window=None, chunk_size=None),
+              "window": dict(causal=True, sliding_window=1024, chunk_size=None)}
+
+    def cost(layout, mask):
+        sched = tables.ring_schedule(seq_len, sp, block, layout, **mask)
+        return (sched.critical_path + sched.steps) * block * block
+
+    for name, mask in masks_.items():  # one type: resolve_layout itself
+        assert (auto_layout.resolve_layout_for_layers("auto", seq_len, sp, [(3, mask, block)])
+                == auto_layout.resolve_layout("auto", seq_len, sp, block_size=block, **mask))
+    chosen = {}
+    for local_layers in (1, 5, 30):
+        layers = [(local_layers, masks_["window"], block), (1, masks_["global"], block)]
+        chosen[local_layers] = auto_layout.resolve_layout_for_layers("auto", seq_len, sp, layers)
+        expected = min(layout_lib.LAYOUTS, key=lambda layout: local_layers * cost(layout, masks_["window"])
+                       + cost(layout, masks_["global"]))
+        assert chosen[local_layers] == expected, local_layers
+    assert chosen[1] != chosen[30]  # the count matters
+
+
 def test_bad_mask_arguments():
     with pytest.raises(ValueError, match=r"sliding_window=-3 must be non-negative"):
         masks.make_mask_spec(sliding_window=-3)

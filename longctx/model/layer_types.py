@@ -1,0 +1,123 @@
+"""Layer types: a model is a period of named layer types repeated over its depth (hybrid attention).
+
+`attention.pattern` names the types of one period in order, e.g. "local,local,local,local,local,global"
+(Gemma 3), and `attention.layer_types.<name>` holds what each type sets:
+
+  mask      sliding_window, chunk_size, attention_sinks, logits_soft_cap
+  strategy  cp, cp_ulysses, block_size
+  RoPE      rope (False: no rotary embedding, "NoPE"), rope_theta, rope_scaling
+
+A key a type leaves out takes its `attention.*` value (RoPE: `model.rope_theta` and
+`model.rope_scaling`), so a type is only what sets it apart; a key set to None (`sliding_window=None`
+on a global type of a model whose attention.sliding_window is set) unsets it. Layer i has the type
+pattern[i % period]; where model.num_layers is not a multiple of the period, the last layers are
+the first types of one more period (Gemma 3 27B: 62 = 10 x 6 + 2). An empty pattern is one type,
+`attention.*` itself, for every layer: every config written before layer types means what it meant.
+
+The types are data, read here once: the decoder builds one stacked block per position of the
+period (longctx/model/decoder.py), each layer calls attention with its type's config, and nothing
+outside this module branches on a type's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from longctx.errors import ConfigError
+from longctx.model import rope as rope_lib
+
+# The attention keys a type may set (the rest of attention.* is one for every layer: the layout,
+# the kernel, document masking and the residual policy are properties of the whole step).
+ATTENTION_KEYS = ("sliding_window", "chunk_size", "attention_sinks", "logits_soft_cap", "cp",
+                  "cp_ulysses", "block_size")
+ROPE_KEYS = ("rope", "rope_theta", "rope_scaling")
+TYPE_KEYS = ATTENTION_KEYS + ROPE_KEYS
+# The name of the one type of a model without a pattern.
+UNIFORM = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerType:
+    """One layer type, resolved: `attention` is config.attention with the type's keys applied (what
+    the attention layer and the ring read), `rotary` its RoPE (None: no rotary embedding)."""
+
+    name: str
+    attention: ml_collections.ConfigDict
+    rotary: rope_lib.Rotary | None
+
+
+def pattern(attention_config) -> tuple[str, ...]:
+    """The type names of one period, in order; (UNIFORM,) without a pattern."""
+    text = attention_config.get("pattern") or ""
+    names = tuple(name.strip() for name in text.split(","))
+    return names if text.strip() else (UNIFORM,)
+
+
+def is_hybrid(config) -> bool:
+    return pattern(config.attention) != (UNIFORM,)
+
+
+def depth_split(num_layers: int, period: int) -> tuple[int, int]:
+    """(whole periods, remainder layers): the decoder scans the first, then runs the remainder's
+    layers, which are the first `remainder` types of the pattern."""
+    return num_layers // period, num_layers % period
+
+
+def layer_counts(num_layers: int, period: int) -> tuple[int, ...]:
+    """How many layers each position of the period has."""
+    whole, remainder = depth_split(num_layers, period)
+    return tuple(whole + (position < remainder) for position in range(period))
+
+
+def type_of_layer(config, layer: int) -> str:
+    names = pattern(config.attention)
+    return names[layer % len(names)]
+
+
+def _type_settings(config, name: str) -> dict:
+    """The keys type `name` sets (empty for UNIFORM); one sentence for an unknown name or key."""
+    if name == UNIFORM:
+        return {}
+    types = config.attention.get("layer_types") or {}
+    if name not in types:
+        defined = ", ".join(sorted(types)) or "none"
+        raise ConfigError(f"attention.pattern names layer type {name!r}, which attention.layer_types does "
+                          f"not define (defined: {defined}): add attention.layer_types.{name} or fix the "
+                          "pattern.")
+    settings = dict(types[name])
+    unknown = sorted(set(settings) - set(TYPE_KEYS))
+    if unknown:
+        raise ConfigError(f"attention.layer_types.{name}.{unknown[0]} is not a key a layer type sets; "
+                          f"the keys are {', '.join(TYPE_KEYS)}.")
+    return settings
+
+
+def resolve(config, name: str) -> LayerType:
+    """Type `name` of `config` with every key it leaves out taken from attention.* / model.*."""
+    settings = _type_settings(config, name)
+    attention = ml_collections.ConfigDict(config.attention.to_dict())
+    for key in ("pattern", "layer_types"):
+        if key in attention:
+            del attention[key]
+    for key in ATTENTION_KEYS:
+        if key in settings:
+            attention[key] = settings[key]
+    m = config.model
+    rotary = None
+    if settings.get("rope", True):
+        scaling = settings.get("rope_scaling", m.get("rope_scaling"))
+        rotary = rope_lib.rotary(m.head_dim, settings.get("rope_theta", m.rope_theta), scaling)
+    return LayerType(name, attention, rotary)
+
+
+def period(config) -> tuple[LayerType, ...]:
+    """The resolved types of one period, in pattern order (one LayerType per position)."""
+    resolved = {}
+    return tuple(resolved.setdefault(name, resolve(config, name)) for name in pattern(config.attention))
+
+
+def type_prefix(name: str) -> str:
+    """The config path errors name for a key of type `name` (attention.* for the uniform type)."""
+    return "attention." if name == UNIFORM else f"attention.layer_types.{name}."

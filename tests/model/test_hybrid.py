@@ -1,0 +1,174 @@
+"""A hybrid model (attention.pattern) against an unrolled plain-jnp reference, logits and gradients.
+
+Legend: b batch, s position (natural order), d model, n heads, k kv heads, h head dim, f mlp.
+The pattern has a remainder (5 layers, period 3: local, global, nope, local, global), two RoPE
+thetas, a NoPE type, sinks on one type only, chunked attention on another, and a different
+context-parallel strategy per type (ring, all-gather, Ulysses). The reference runs layer i with
+type pattern[i % 3] and the parameters of position i % 3, index i // 3, on whole natural-order
+sequences with the dense attention oracle: the model's NLL and every parameter's gradient match.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from longctx import config as config_lib
+from longctx.errors import ConfigError
+from longctx.model import layer_types
+from longctx.model.decoder import Decoder, model_nll
+from longctx.ops import reference_attention
+from longctx.parallel import layout as layout_lib
+from longctx.parallel import mesh as mesh_lib
+from tests import synthetic
+from tests.model.test_model import plain_rms_norm, small_config
+
+LAYOUT = "zigzag"
+TYPES = {
+    "local": dict(sliding_window=50, attention_sinks=True, rope_theta=10_000.0, cp="ring"),
+    "global": dict(cp="all_gather"),
+    "nope": dict(rope=False, chunk_size=96, cp="ulysses"),
+}
+
+
+def hybrid_config(pattern="local,global,nope", num_layers=5, impl="xla"):
+    c = small_config(impl=impl, layout=LAYOUT)
+    c.unlock()
+    c.model.num_layers = num_layers
+    c.attention.pattern = pattern
+    c.attention.layer_types = ml_collections.ConfigDict(TYPES)
+    c.attention.block_size = 64
+    c.data.seq_len = 256
+    c.mesh.update(dp=1, fsdp=2, sp=4)
+    return c
+
+
+def plain_rope(x, positions, theta):
+    h = x.shape[-1]
+    freq = theta ** (-jnp.arange(0, h, 2) / h)
+    ang = positions[..., None, None] * freq  # [b, s, 1, h/2]
+    x1, x2 = x[..., : h // 2], x[..., h // 2:]
+    return jnp.concatenate([x1 * jnp.cos(ang) - x2 * jnp.sin(ang), x2 * jnp.cos(ang) + x1 * jnp.sin(ang)], -1)
+
+
+def plain_hybrid_nll(params, rows, config):
+    """Layer by layer, each with its type's settings written out here (not read from layer_types)."""
+    m = config.model
+    names = config.attention.pattern.split(",")
+    x = params["embed"][rows["tokens"]]
+    segments, positions = jnp.asarray(rows["segment_ids"]), jnp.asarray(rows["positions"])
+    for i in range(m.num_layers):
+        kind = TYPES[names[i % len(names)]]
+        p = jax.tree.map(lambda t: t[i // len(names)], params["period_blocks"][i % len(names)])
+        y = plain_rms_norm(x, p["attn_norm"], m.norm_eps)
+        q = jnp.einsum("bsd,dnh->bsnh", y, p["wq"])
+        k = jnp.einsum("bsd,dkh->bskh", y, p["wk"])
+        if kind.get("rope", True):
+            theta = kind.get("rope_theta", m.rope_theta)
+            q, k = plain_rope(q, positions, theta), plain_rope(k, positions, theta)
+        v = jnp.einsum("bsd,dkh->bskh", y, p["wv"])
+        window = kind.get("sliding_window")
+        o = reference_attention(q, k, v, segments, segments, p.get("sinks"), positions=positions,
+                                causal=True, sliding_window=None if window is None else (window, 0),
+                                chunk_size=kind.get("chunk_size"))
+        x = x + jnp.einsum("bsnh,nhd->bsd", o, p["wo"])
+        y = plain_rms_norm(x, p["mlp_norm"], m.norm_eps)
+        x = x + jnp.einsum("bsf,fd->bsd", jax.nn.silu(y @ p["w_gate"]) * (y @ p["w_up"]), p["w_down"])
+    x = plain_rms_norm(x, params["final_norm"], m.norm_eps)
+    logp = jax.nn.log_softmax(x @ params["unembed"], -1)
+    return -jnp.take_along_axis(logp, rows["targets"][..., None], -1)[..., 0]
+
+
+@pytest.mark.parametrize("scan_layers", [True, pytest.param(False, marks=pytest.mark.skipif(
+    not os.environ.get("LONGCTX_EXHAUSTIVE"), reason="the unrolled model runs with LONGCTX_EXHAUSTIVE=1"))])
+def test_hybrid_model_matches_the_unrolled_reference_forward_and_gradients(scan_layers):
+    config = hybrid_config()
+    config.model.scan_layers = scan_layers
+    assert layer_types.layer_counts(5, 3) == (2, 2, 1)
+    mesh = mesh_lib.make_mesh(config.mesh)
+    rows = synthetic.packed_rows(2, config.data.seq_len, config.model.vocab_size, seed=3)
+    batch = synthetic.to_layout(rows, LAYOUT, 4)
+    mask = jnp.asarray(rows["loss_mask"], jnp.float32)
+    order = layout_lib.permutation(LAYOUT, config.data.seq_len, 4)
+    with jax.set_mesh(mesh):
+        model = Decoder(config, layout=LAYOUT, rngs=nnx.Rngs(params=0))
+        model.period_blocks[0].sinks[...] = jnp.linspace(-1.0, 2.0, 8).reshape(2, 4)  # (zero-initialised)
+        graphdef, params = nnx.split(model, nnx.Param)
+        sharded = {k: jax.device_put(v, mesh_lib.batch_sharding(mesh)) for k, v in batch.items()}
+
+        def model_loss(params):
+            nll = model_nll(nnx.merge(graphdef, params), sharded)
+            return (nll * sharded["loss_mask"]).sum(), nll
+
+        (_, nll), grads = jax.jit(jax.value_and_grad(model_loss, has_aux=True))(params)
+    pure = nnx.to_pure_dict(params)
+    assert "sinks" in pure["period_blocks"][0] and "sinks" not in pure["period_blocks"][1]
+
+    def plain_loss(pure):
+        nll = plain_hybrid_nll(pure, {k: jnp.asarray(v) for k, v in rows.items()}, config)
+        return (nll * mask).sum(), nll
+
+    (_, expected), expected_grads = jax.value_and_grad(plain_loss, has_aux=True)(pure)
+    got = np.asarray(nll)[:, layout_lib.inverse_permutation(order)]
+    keep = rows["loss_mask"] == 1
+    np.testing.assert_allclose(got[keep], np.asarray(expected)[keep], rtol=2e-4, atol=2e-4)
+    flat_got = dict(jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0])
+    flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected_grads)[0])
+    assert flat_got.keys() == flat_expected.keys()
+    for path, g in flat_expected.items():
+        np.testing.assert_allclose(np.asarray(flat_got[path]), np.asarray(g), rtol=2e-3, atol=2e-4,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_uniform_model_keeps_its_parameter_tree_and_values():
+    """No pattern: the one stack `blocks` every earlier checkpoint has, drawn as before."""
+    config = small_config(impl="xla", layout=LAYOUT)
+    config.mesh.update(dp=1, fsdp=2, sp=4)
+    with jax.set_mesh(mesh_lib.make_mesh(config.mesh)):
+        model = Decoder(config, layout=LAYOUT, rngs=nnx.Rngs(params=0))
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert sorted(pure) == ["blocks", "embed", "final_norm", "unembed"]
+    assert pure["blocks"]["wq"].shape[0] == config.model.num_layers
+
+
+def test_types_resolve_from_attention_and_model_keys():
+    config = hybrid_config()
+    local, global_, nope, local_again = (layer_types.resolve(config, name)
+                                         for name in ("local", "global", "nope", "local"))
+    assert local.attention.sliding_window == 50 and local.attention.attention_sinks
+    assert global_.attention.sliding_window is None and global_.attention.cp == "all_gather"
+    assert global_.attention.block_size == config.attention.block_size  # inherited
+    assert nope.rotary is None and local.rotary is not None
+    np.testing.assert_array_equal(local.rotary.inv_freq, local_again.rotary.inv_freq)
+    assert not np.array_equal(local.rotary.inv_freq, global_.rotary.inv_freq)  # two thetas
+    assert "pattern" not in local.attention and "layer_types" not in local.attention
+    assert [layer_types.type_of_layer(config, i) for i in range(5)] == ["local", "global", "nope", "local", "global"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(pattern="local,wide"), "attention.pattern names layer type 'wide', which attention.layer_types "
+                                 "does not define (defined: global, local, nope)"),
+    (dict(types={"local": dict(window=3)}), "attention.layer_types.local.window is not a key a layer type sets"),
+    (dict(types={"local": dict(sliding_window=0)}), "attention.layer_types.local.sliding_window=0 must be positive."),
+    (dict(types={"nope": dict(chunk_size=-4)}), "attention.layer_types.nope.chunk_size=-4 must be positive."),
+    (dict(types={"global": dict(cp="ulysses_ring")}), "attention.layer_types.global.cp='ulysses_ring' is not one of"),
+    (dict(types={"global": dict(block_size=96)}), "attention.layer_types.global.block_size=96 does not divide"),
+    (dict(types={"local": dict(logits_soft_cap=-1.0)}), "attention.layer_types.local.logits_soft_cap=-1.0 must be positive."),
+])
+def test_validate_names_the_type_and_key_of_a_bad_setting(change, message):
+    config = hybrid_config()
+    if "pattern" in change:
+        config.attention.pattern = change["pattern"]
+    for name, settings in change.get("types", {}).items():
+        config.attention.layer_types[name] = ml_collections.ConfigDict(settings)
+    with pytest.raises(ConfigError) as e:
+        config_lib.validate(config, num_devices=8)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_validate_accepts_the_hybrid_config():
+    config_lib.validate(hybrid_config(), num_devices=8)
