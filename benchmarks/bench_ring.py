@@ -122,14 +122,6 @@ def segments(case, seq_len, sp, rng):
     return np.stack(rows).astype(np.int32)
 
 
-def in_document_positions(seg):
-    """Each token's position in its document [b, S] (RoPE's positions; ring_attention's)."""
-    b, s = seg.shape
-    index = np.arange(s)[None, :].repeat(b, 0)
-    starts = np.concatenate([np.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    return (index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)).astype(np.int32)
-
-
 def make_inputs(case, seq_len, sp, seed):
     rng = np.random.default_rng(seed)
     b, n, kvh = case.batch, HEADS, case.kv_heads
@@ -138,7 +130,7 @@ def make_inputs(case, seq_len, sp, seed):
     v = rng.standard_normal((b, seq_len, kvh, HEAD_DIM), np.float32)
     dout = rng.standard_normal((b, seq_len, n, HEAD_DIM), np.float32)
     seg = segments(case, seq_len, sp, rng)
-    pos = None if seg is None else in_document_positions(seg)
+    pos = None if seg is None else masks.segment_positions(seg)  # RoPE's, ring_attention's
     return dict(q=q, k=k, v=v, dout=dout, seg=seg, pos=pos)
 
 

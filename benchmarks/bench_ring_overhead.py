@@ -46,10 +46,11 @@ import numpy as np  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 import bench_ring as br  # noqa: E402
+from longctx.ops import masks  # noqa: E402
 
 def with_segments(x, seg):
     """The inputs with segment ids `seg` (natural order) and the positions they give."""
-    return dict(x, seg=seg, pos=br.in_document_positions(seg))
+    return dict(x, seg=seg, pos=masks.segment_positions(seg))
 
 
 def one_document(x):

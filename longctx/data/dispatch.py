@@ -58,8 +58,9 @@ PACKER = "shard_balanced"
 LAYOUT = "contiguous"  # the one layout whose shards are contiguous ranges of the row
 
 
-def causal_blocks(length: int, block: int) -> int:
-    """Blocks a causal kernel computes for one piece of `length` tokens, aligned: m (m + 1) / 2."""
+def causal_blocks(length, block: int):
+    """Blocks a causal kernel computes for one piece of `length` tokens, aligned: m (m + 1) / 2
+    (elementwise for an integer array of lengths: packer_report's bounds)."""
     m = -(-length // block)
     return m * (m + 1) // 2
 

@@ -158,12 +158,9 @@ def contiguous_bound(lengths: np.ndarray, seq_len: int, sp: int, block: int) -> 
     and the bound is W / sp over the right-hand side."""
     shard_len = seq_len // sp
     whole, rest = np.divmod(lengths, shard_len)
-    def triangle(n):  # causal blocks of pieces of n tokens, starting on a block
-        m = -(-n // block)
-        return m * (m + 1) // 2
-
-    work = triangle(lengths)
-    off = work - whole * triangle(np.int64(shard_len)) - triangle(rest)
+    work = dispatch.causal_blocks(lengths, block)
+    off = (work - whole * dispatch.causal_blocks(np.int64(shard_len), block)
+           - dispatch.causal_blocks(rest, block))
     total, off_total = float(work.sum()), float(off.sum())
     return total / (total + off_total * sp / (sp - 1) - off_total) if total else 1.0
 

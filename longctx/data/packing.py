@@ -33,6 +33,7 @@ from grain import experimental as gx
 
 from longctx.data import dispatch
 from longctx.errors import ConfigError
+from longctx.ops import masks
 
 # The keys a packer's rows can depend on beyond the documents, their order (data.shuffle_seed) and
 # the data shard: the config's values as the run resolved them ("mesh.sp": the mesh's sp axis), and
@@ -180,16 +181,6 @@ class _JsonRestorableIterator(grain.DatasetIterator):
         self._parent.set_state(state)
 
 
-def segment_positions(segment_ids: np.ndarray) -> np.ndarray:
-    """0, 1, ... restarting wherever the segment id changes (last axis); 0 on padding."""
-    n = segment_ids.shape[-1]
-    idx = np.broadcast_to(np.arange(n, dtype=np.int32), segment_ids.shape)
-    starts = np.ones(segment_ids.shape, dtype=bool)
-    starts[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
-    start_idx = np.maximum.accumulate(np.where(starts, idx, 0), axis=-1)
-    return np.where(segment_ids > 0, idx - start_idx, 0).astype(np.int32)
-
-
 class RowFeatures(grain.transforms.Map):
     """A packed grain row -> the five model features (see the module docstring)."""
 
@@ -203,7 +194,7 @@ class RowFeatures(grain.transforms.Map):
         return {
             "tokens": np.where(real, tt[:, 0], self.pad_id).astype(np.int32),
             "segment_ids": seg,
-            "positions": segment_positions(seg),
+            "positions": masks.segment_positions(seg),
             "targets": np.where(real, tt[:, 1], self.pad_id).astype(np.int32),
             "loss_mask": real.astype(np.int32),
         }

@@ -25,10 +25,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from longctx import config as config_lib
-from longctx.data import packing
 from longctx.errors import ConfigError
 from longctx.interop import params_io
 from longctx.ops import blocks
+from longctx.ops import masks
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from longctx.train import state as train_state
@@ -82,7 +82,7 @@ class Runner:
         if a.chunk_size is None or not a.use_segment_ids:
             return
         seg, pos = rows["segment_ids"], rows["positions"]
-        offset = packing.segment_positions(seg)  # columns since the document's first in the row
+        offset = masks.segment_positions(seg)  # columns since the document's first in the row
         bad = (seg > 0) & (pos % a.chunk_size > offset)
         if bad.any():
             r, c = (int(x[0]) for x in np.nonzero(bad))
@@ -147,7 +147,7 @@ def check_rows(rows: dict, vocab_size: int, source: str = "rows") -> dict:
     if "segment_ids" not in out:
         out["segment_ids"] = np.ones_like(out["tokens"])
     if "positions" not in out:
-        out["positions"] = packing.segment_positions(out["segment_ids"])
+        out["positions"] = masks.segment_positions(out["segment_ids"])
     return out
 
 

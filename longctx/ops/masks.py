@@ -67,18 +67,28 @@ def within_chunk_window(spec: MaskSpec) -> MaskSpec:
     return MaskSpec(causal=True, window=(min(left, spec.chunk - 1), min(right, 0)), chunk=None)
 
 
+def segment_positions(segment_ids) -> np.ndarray:
+    """Each token's position in its document (int32): 0, 1, ... restarting wherever the segment
+    id changes along the last axis; 0 on padding (id <= 0). The positions data.packing packs into
+    every row (RoPE's, and the ring's chunk ids'), here because ops and data both need them."""
+    ids = np.asarray(segment_ids)
+    idx = np.broadcast_to(np.arange(ids.shape[-1], dtype=np.int32), ids.shape)
+    starts = np.ones(ids.shape, dtype=bool)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    start_idx = np.maximum.accumulate(np.where(starts, idx, 0), axis=-1)
+    return np.where(ids > 0, idx - start_idx, 0).astype(np.int32)
+
+
 def document_chunk_ids(segment_ids, chunk: int, positions=None) -> np.ndarray:
     """The host's twin of the ring's per-document chunk ids (ring._kernel_segment_ids) for
     natural-order rows [rows, S]: 1 + the column where each token's chunk starts, column minus
     (in-document position mod chunk); padding (id <= 0) kept. `positions` default to the
-    in-document ones (0, 1, ... restarting wherever the id changes, as data.packing packs rows).
-    With these ids and `within_chunk_window`, the tables see what the ring computes."""
+    in-document ones (`segment_positions`, as data.packing packs rows). With these ids and
+    `within_chunk_window`, the tables see what the ring computes."""
     ids = np.asarray(segment_ids, np.int64)
     col = np.broadcast_to(np.arange(ids.shape[-1]), ids.shape)
     if positions is None:
-        starts = np.ones(ids.shape, bool)
-        starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
-        positions = col - np.maximum.accumulate(np.where(starts, col, 0), axis=-1)
+        positions = segment_positions(ids)
     chunk_start = col - np.asarray(positions, np.int64) % chunk + 1
     return np.where(ids > 0, chunk_start, ids).astype(np.int32)
 
