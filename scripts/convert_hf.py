@@ -23,9 +23,10 @@ checkpoints, which transformers 4 and 5 both read) and model.safetensors, or sha
 --max-shard-mb with model.safetensors.index.json. Fields longctx does not know (token ids, ...)
 come from --hf-config (default: the hf_config.json beside the checkpoint's checkpoints/, which
 to-longctx writes and a training run started from it with checkpoint.init_from carries along).
-Both commands refuse a non-empty --out unless --overwrite is given, and write into a sibling
-directory that replaces --out only once complete: no older export's file is left beside the new
-ones, and a failed export leaves the old one intact.
+Both commands refuse a non-empty --out unless --overwrite is given, and then replace only an
+export (a directory holding longctx_export.json, which each writes), never a directory of other
+files; they write into a sibling directory that replaces --out only once complete: no older
+export's file is left beside the new ones, and a failed export leaves the old one intact.
 
 check-logits takes int token ids [batch, n] (or [n]) from a .npy, or an .npz with `tokens` and
 optionally `positions`, `segment_ids` (packed rows; positions default to restarting per document),
@@ -80,14 +81,19 @@ def parse_mesh(text: str) -> dict:
 
 def check_arguments(args) -> str:
     """--validate_only: each command's inputs read as far as their config (the HF config.json, the
-    checkpoint's saved config, the token file's existence), its flags parsed; no weights read."""
+    checkpoint's saved config, the token file's existence), its flags parsed, --out checked as the
+    command checks it; no weights read."""
     parse_mesh(args.mesh)
     if args.command == "to-longctx":
         hf.config_overrides(hf.read_config(args.hf), os.path.join(args.hf, hf.CONFIG_FILE))
         load_config(args.config)
         if not (args.out or args.print_config):
             raise ConfigError("to-longctx needs --out (or --print-config).")
+        if not args.print_config:
+            staging.check_destination(args.out, args.overwrite, source=("--hf", args.hf))
         return f"{args.hf} can be converted"
+    if args.command == "to-hf":
+        staging.check_destination(args.out, args.overwrite, source=("--checkpoint", args.checkpoint))
     params_io.read_config(args.checkpoint)
     if args.command == "check-logits" and not os.path.isfile(args.tokens):
         raise MissingFileError(f"--tokens={args.tokens} does not exist.")

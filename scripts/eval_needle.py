@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     logging.set_verbosity(logging.ERROR)  # Orbax's notes about read-only checkpoint directories
     workdir_lib.check_named(args.workdir)  # "" would read the current directory
 
-    config, directory, step = params_io.read_config(args.workdir)
+    config, directory, step = params_io.read_config(args.workdir, "--workdir")
     overrides = _mesh_overrides(args, config)
     if args.seq_len:
         overrides["data.seq_len"] = args.seq_len
