@@ -7,6 +7,7 @@ exit non-zero; a traceback is shown only with `--verbose` or `LONGCTX_DEBUG=1`. 
 `os_reason` put a wrapped library error into such a message.
 """
 
+import errno
 import os
 import re
 
@@ -30,6 +31,12 @@ class MissingFileError(ConfigError, FileNotFoundError):
 # What to do when a write into the workdir failed (a full disk, mostly): said the same way by the
 # checkpointer and the metrics writer, each after its own "could not write ..." and what resumes.
 WRITE_FAILED_ADVICE = "Free space there (or point the run at another workdir) and start it again"
+# The same when the write was refused (no permission, an immutable directory, a read-only mount),
+# where "Free space there" would send the user the wrong way; `write_failed_advice` chooses.
+WRITABLE_HOW = "ls -ld and lsattr -d show its owner, mode and immutable flag"
+WRITE_DENIED_ADVICE = (f"Make it writable ({WRITABLE_HOW}) or point the run at another workdir, and "
+                       "start it again")
+_DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def first_line(error: BaseException) -> str:
@@ -44,11 +51,23 @@ def first_line(error: BaseException) -> str:
     return f"{type(root).__name__}: {lines[0][:400] if lines else ''}"
 
 
+def os_errno(error: BaseException) -> int | None:
+    """The operating system's error number of a failed write, from an OSError or
+    TensorStore's `[os_error_code='28']`, or None."""
+    for e in (error, error.__cause__, error.__context__):
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+    code = re.search(r"os_error_code='?(\d+)", str(error))
+    return int(code.group(1)) if code else None
+
+
 def os_reason(error: BaseException) -> str:
     """The operating system's reason when a failed write has one ("No space left on device"), from
     an OSError or from TensorStore's `[os_error_code='28']`; else the root cause's first line."""
-    for e in (error, error.__cause__, error.__context__):
-        if isinstance(e, OSError) and e.errno:
-            return f"{os.strerror(e.errno)} (errno {e.errno})"
-    code = re.search(r"os_error_code='?(\d+)", str(error))
-    return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})" if code else first_line(error)
+    code = os_errno(error)
+    return f"{os.strerror(code)} (errno {code})" if code else first_line(error)
+
+
+def write_failed_advice(error: BaseException) -> str:
+    """WRITE_DENIED_ADVICE for a write refused (EACCES, EPERM, EROFS), else WRITE_FAILED_ADVICE."""
+    return WRITE_DENIED_ADVICE if os_errno(error) in _DENIED else WRITE_FAILED_ADVICE

@@ -57,6 +57,7 @@ from longctx.train import workdir as workdir_lib
 from longctx.train.state import abstract_with_shardings
 
 _STATE, _DATA, _CONFIG, _METADATA = "state", "data", "config", "metadata"
+CHECKPOINTS_DIR = "checkpoints"  # in the workdir: one directory per saved step
 # A Hugging Face source model's config.json, kept beside checkpoints/ (scripts/convert_hf.py
 # to-longctx writes it; a run started from it with init_from copies it into its workdir).
 HF_CONFIG_FILE = "hf_config.json"
@@ -139,7 +140,7 @@ class Checkpointer:
     def __init__(self, workdir: str, config: ml_collections.ConfigDict):
         self.config = config
         self.workdir = workdir_lib.resolve(workdir)
-        self.directory = self.workdir / "checkpoints"
+        self.directory = self.workdir / CHECKPOINTS_DIR
         c = config.checkpoint
         options = ocp.CheckpointManagerOptions(
             max_to_keep=c.max_to_keep,
@@ -378,12 +379,33 @@ class Checkpointer:
             }
             self.manager.wait_until_finished()  # (as Orbax's save would) a failure there names its own step
             self._saving = step
+            self._check_writable()
             return self.manager.save(step, args=ocp.args.Composite(**{
                 _STATE: ocp.args.StandardSave(state),
                 _DATA: grain.checkpoint.CheckpointSave(data_iterator.grain_iterator),
                 _CONFIG: ocp.args.JsonSave(self.config.to_dict()),
                 _METADATA: ocp.args.JsonSave(metadata),
             }), force=True)
+
+    def _check_writable(self) -> None:
+        """Raises the OSError of a probe file in the checkpoints directory, on every process when one
+        fails. Orbax makes the step's directory in a background thread, and a directory that refuses
+        writes (EPERM, EACCES, EROFS) left the save waiting for it until a barrier's timeout, 300 s
+        later ("TimeoutError ... step_directory_creation"); the probe reports it at once."""
+        mine = 0
+        try:
+            probe = self.directory / workdir_lib.probe_name()
+            probe.write_text("ok")
+            probe.unlink()
+        except Exception as e:  # noqa: BLE001  (OSError locally; assorted errors from buckets)
+            mine, error = errors.os_errno(e) or -1, e
+        codes = processes.allgather(np.array([mine], np.int32)).reshape(-1) if jax.process_count() > 1 else [mine]
+        if mine:
+            raise error
+        failed = [(i, int(code)) for i, code in enumerate(codes) if code]
+        if failed:
+            process, code = failed[0]
+            raise OSError(code if code > 0 else None, f"process {process} cannot write there")
 
     def wait(self) -> None:
         """Blocks until the save in flight is complete (RunError if it failed)."""
@@ -422,7 +444,7 @@ class Checkpointer:
             what = "a checkpoint" if step is None else f"checkpoint step {step}"
             self._failed = errors.RunError(
                 f"could not save {what} to {self.directory} ({errors.os_reason(e)}); {resume}. "
-                f"{errors.WRITE_FAILED_ADVICE}.")
+                f"{errors.write_failed_advice(e)}.")
             raise self._failed from e
 
 

@@ -111,11 +111,21 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def check_workdir(workdir: str) -> None:
+def check_workdir(workdir: str, *, create: bool = True) -> None:
+    """The workdir, and the directories in it that the run writes at once (the lease at start-up,
+    the checkpoints at the first save), can be written: a checkpoints/ that refused writes (an
+    immutable or foreign-owned directory in a writable workdir) was found only by the first save,
+    which Orbax then left waiting 300 s. Only the workdir is made here (none with `create=False`,
+    for --validate_only): one not made yet is judged by the directory it would be made in."""
     workdir_lib.check_named(workdir)
-    why = workdir_lib.check_writable(workdir)
-    if why is not None:
-        raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {why}.")
+    for name in ("", checkpoint_lib.CHECKPOINTS_DIR, lease_lib.LEASE_DIR):
+        path = f"{str(workdir).rstrip('/')}/{name}" if name else workdir
+        why = workdir_lib.check_writable(path, create=create and not name)
+        if why is None:
+            continue
+        fix = ("" if workdir_lib.file_in_the_way(path) else
+               f"; make it writable ({errors.WRITABLE_HOW}) or pass another --workdir")
+        raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {why}{fix}.")
 
 
 def check_vocab(config, data_dir: str, metadata: dict) -> None:
@@ -140,13 +150,12 @@ def _local_inputs(config, workdir: str) -> str:
 
 
 def check_inputs(config, workdir: str, sizes: dict) -> str:
-    """`--validate_only`'s checks past `config_lib.validate`, none of which writes anything: the
-    workdir can be created, the dataset (data.path, or the embedded corpus when it is prepared
-    already) is whole and fits model.vocab_size. Returns what was checked, in words."""
-    workdir_lib.check_named(workdir)
-    in_the_way = workdir_lib.file_in_the_way(workdir)  # (None for gs://)
-    if in_the_way is not None:
-        raise config_lib.ConfigError(f"workdir {workdir!r} is not writable: {in_the_way}.")
+    """`--validate_only`'s checks past `config_lib.validate`, none of which leaves anything written:
+    the workdir and its checkpoints and lease directories can be written (`check_workdir`, the run's
+    own check, with probe files that come and go and no directory made), the dataset (data.path, or
+    the embedded corpus when it is prepared already) is whole and fits model.vocab_size. Returns what
+    was checked, in words."""
+    check_workdir(workdir, create=False)
     if config.data.path:
         try:
             data_dir = data_lib.resolve_dataset(config)

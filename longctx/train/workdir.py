@@ -13,7 +13,7 @@ import sys
 
 from etils import epath
 
-from longctx.errors import ConfigError
+from longctx import errors
 
 
 def is_remote(path: str) -> bool:
@@ -29,25 +29,38 @@ def check_named(path: str | None, flag: str = "--workdir") -> None:
     """Refuses an empty (or blank) directory name: `--workdir=` would otherwise be the current
     directory, and a run would fill it (or a tool read it) without anyone having asked for that."""
     if not str(path or "").strip():
-        raise ConfigError(f"{flag} is empty: name a directory, e.g. {flag}=runs/demo.")
+        raise errors.ConfigError(f"{flag} is empty: name a directory, e.g. {flag}=runs/demo.")
 
 
-def check_writable(path: str) -> str | None:
+def check_writable(path: str, *, create: bool = True) -> str | None:
     """Creates `path` if needed and writes a probe file; returns why it failed, or None.
 
     The probe's name is unique per process and call (`.write_probe-p<jax process index>-<random>`):
     on a pod every host may run Python as PID 1 and probe the same shared directory at once.
+    `create=False` (--validate_only) creates nothing: a local directory that does not exist yet is
+    judged by the nearest one above it that does, where it would be made (the probe comes and goes).
+    The reason names the path that refused and the errno ("/w/checkpoints: Operation not permitted
+    (errno 1)"): a failing directory inside the workdir is not the workdir.
     """
+    where = path
     try:
         directory = resolve(path)
         if directory.exists() and not directory.is_dir():
             return f"{directory} is a file, not a directory"
-        directory.mkdir(parents=True, exist_ok=True)
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
+        elif not is_remote(path):  # (a bucket needs no directory made before a write)
+            while not directory.exists() and directory.parent != directory:
+                directory = directory.parent
+        where = directory
         probe = directory / probe_name()
         probe.write_text("ok")
         probe.unlink()
     except Exception as e:  # noqa: BLE001  (OSError locally; assorted errors from GCS clients)
-        return file_in_the_way(path) or getattr(e, "strerror", None) or str(e).splitlines()[0]
+        named = getattr(e, "filename", None) or where  # (mkdir's: the level that could not be made)
+        if os.path.basename(str(named)).startswith(".write_probe"):
+            named = os.path.dirname(str(named))
+        return file_in_the_way(path) or f"{named}: {errors.os_reason(e)}"
     return None
 
 

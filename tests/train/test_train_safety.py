@@ -6,6 +6,7 @@ Runs are real (`train_and_evaluate` on the embedded corpus, 8 CPU devices) and s
 is injected by wrapping the jitted train step so that one step returns NaN parameters and loss.
 """
 
+import errno
 import itertools
 import json
 import os
@@ -477,3 +478,98 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(tmp_path, m
         str(error.value)), str(error.value)
     assert _steps(workdir) == [2] and _logged_steps(workdir) == [1]
     assert "lease" not in capsys.readouterr().out  # (said once, by the error)
+
+
+@pytest.fixture
+def refuse_writes():
+    """`refuse(path)` makes a directory refuse writes, undone at teardown. Permission bits do not
+    stop root (which runs these tests here and in CI), so as root the directory is made immutable
+    (`chattr +i`: EPERM for everyone, as an immutable or foreign-owned directory fails a user);
+    otherwise mode 555 (EACCES). Skipped where neither refuses a write (no CAP_LINUX_IMMUTABLE, a
+    file system without the flag)."""
+    refused = []
+
+    def refuse(path) -> None:
+        path = str(path)
+        if os.geteuid() == 0:
+            if subprocess.run(["chattr", "+i", path], capture_output=True).returncode != 0:
+                pytest.skip("chattr +i is not allowed here")
+        else:
+            os.chmod(path, 0o555)
+        refused.append(path)
+        try:
+            open(os.path.join(path, "probe"), "w").close()
+        except OSError:
+            return
+        os.unlink(os.path.join(path, "probe"))
+        pytest.skip(f"{path} still accepts writes")
+
+    yield refuse
+    for path in refused:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", path], check=True)
+        else:
+            os.chmod(path, 0o755)
+
+
+def _no_compile(monkeypatch):
+    class Compiled(Exception):
+        pass
+
+    def jit_steps(*_):
+        raise Compiled
+
+    monkeypatch.setattr(train_loop, "jit_steps", jit_steps)
+
+
+@pytest.mark.parametrize("validate_only", [False, True])
+@pytest.mark.parametrize("directory", ["checkpoints", lease_lib.LEASE_DIR, ""])
+def test_a_directory_of_the_workdir_that_refuses_writes_is_one_line_at_start_up(
+        tmp_path, monkeypatch, refuse_writes, directory, validate_only):
+    """A writable workdir whose checkpoints/ (or .lease/) refuses writes, or a workdir that does:
+    one sentence naming the directory and the errno, before anything compiles or is written, and
+    the same under --validate_only (which said "fine" for all three). checkpoints/ was found only by
+    the first save, 300 s after it began (Orbax's barrier timeout); .lease/ failed as "cannot take
+    the run's lease"."""
+    workdir = tmp_path / "run"
+    refused = workdir / directory
+    refused.mkdir(parents=True)
+    refuse_writes(refused)
+    _no_compile(monkeypatch)
+    if validate_only:
+        monkeypatch.setenv("LONGCTX_VALIDATE_ONLY", "1")
+    with pytest.raises(errors.ConfigError) as error:
+        train_loop.train_and_evaluate(_config(2, every_steps=2, log_every=1), str(workdir))
+    code = errno.EPERM if os.geteuid() == 0 else errno.EACCES
+    assert str(error.value) == (
+        f"workdir {str(workdir)!r} is not writable: {str(refused).rstrip('/')}: {os.strerror(code)} (errno {code}); "
+        f"make it writable ({errors.WRITABLE_HOW}) or pass another --workdir."), str(error.value)
+    assert sorted(os.listdir(workdir)) == sorted([directory] if directory else [])
+    assert os.listdir(refused) == []
+
+
+def test_a_checkpoints_directory_that_refuses_writes_fails_the_save_at_once(tmp_path, monkeypatch, refuse_writes):
+    """checkpoints/ starts refusing writes during the run (after the start-up check): the save of
+    step 2 fails at once with the errno, the path and advice that fits (not "Free space there"),
+    where it waited 300 s for Orbax's step_directory_creation barrier."""
+    workdir = tmp_path / "run"
+    real = train_steps.jit_steps
+
+    def jit_steps(config, setup):
+        train_step, eval_step = real(config, setup)
+        calls = itertools.count(1)
+
+        def step(state, batch):
+            if next(calls) == 1:
+                refuse_writes(workdir / "checkpoints")
+            return train_step(state, batch)
+
+        return step, eval_step
+
+    monkeypatch.setattr(train_loop, "jit_steps", jit_steps)
+    with pytest.raises(errors.RunError) as error:
+        train_loop.train_and_evaluate(_config(4, every_steps=2, log_every=1), str(workdir))
+    code = errno.EPERM if os.geteuid() == 0 else errno.EACCES
+    assert str(error.value) == (
+        f"could not save checkpoint step 2 to {workdir}/checkpoints ({os.strerror(code)} (errno {code})); no "
+        f"complete checkpoint, so the next start begins afresh. {errors.WRITE_DENIED_ADVICE}."), str(error.value)
