@@ -177,7 +177,9 @@ def _unsupported_for_export(config) -> str | None:
     checks = [(not a.causal, "attention.causal=False"), (a.chunk_size is not None, "attention.chunk_size"),
               (a.logits_soft_cap is not None, "attention.logits_soft_cap"),
               (a.attention_sinks, "attention.attention_sinks"),
-              (m.final_logits_soft_cap is not None, "model.final_logits_soft_cap")]
+              (m.final_logits_soft_cap is not None, "model.final_logits_soft_cap"),
+              # (not yet written as Hugging Face's layer_types with per-type RoPE)
+              (bool(a.get("pattern")), "attention.pattern (layer types)")]
     return next((what for bad, what in checks if bad), None)
 
 

@@ -19,7 +19,8 @@ from flax import nnx
 
 from longctx import config as config_lib
 from longctx.errors import ConfigError
-from longctx.model import layer_types
+from longctx.interop import hf
+from longctx.model import flops, layer_types
 from longctx.model.decoder import Decoder, model_nll
 from longctx.ops import reference_attention
 from longctx.parallel import layout as layout_lib
@@ -172,3 +173,20 @@ def test_validate_names_the_type_and_key_of_a_bad_setting(change, message):
 
 def test_validate_accepts_the_hybrid_config():
     config_lib.validate(hybrid_config(), num_devices=8)
+
+
+def test_a_hybrid_is_refused_for_hugging_face_export_in_one_sentence():
+    with pytest.raises(ConfigError, match=r"^attention.pattern \(layer types\) has no Hugging Face"):
+        hf.export_config(hybrid_config(), np.float32)
+
+
+def test_the_parameter_estimate_and_attention_flops_count_each_type():
+    config = hybrid_config()
+    model = nnx.eval_shape(lambda: Decoder(config, layout=LAYOUT, rngs=nnx.Rngs(params=0)))
+    counted = sum(np.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert config_lib.num_params_estimate(config) == counted
+    m, d = config.model, config.data
+    pairs = sum(flops.kept_pairs(d.seq_len, causal=True, sliding_window=TYPES[name].get("sliding_window"),
+                                 chunk_size=TYPES[name].get("chunk_size"))
+                for name in ("local", "global", "nope", "local", "global"))
+    assert flops.attention_flops_per_step(config) == 12.0 * d.global_batch_size * m.num_heads * m.head_dim * pairs
