@@ -390,6 +390,16 @@ def acquire(workdir: str, *, files=None, refresh_s: float = REFRESH_S, clock: Ca
                              "run is starting there.")
 
 
+def check_free(workdir: str, *, files=None, clock: Callable[[], float] = time.time) -> None:
+    """--validate_only's look at the lease, reading only: the ConfigError `acquire` would raise when
+    the holder is a live run on this machine. (One elsewhere is judged only by watching it, which
+    `acquire` does; here it passes.)"""
+    files = _files(workdir) if files is None else files
+    newest = _newest(files, workdir)
+    if newest is not None and judge(newest[1], clock(), _machine()).kind == "held":
+        raise errors.ConfigError(refusal(workdir, newest[1], clock()))
+
+
 class Lease:
     """A held lease: refreshed by a daemon thread (`start`), given back by `release` (or `with`).
 

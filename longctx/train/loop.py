@@ -152,10 +152,12 @@ def _local_inputs(config, workdir: str) -> str:
 def check_inputs(config, workdir: str, sizes: dict) -> str:
     """`--validate_only`'s checks past `config_lib.validate`, none of which leaves anything written:
     the workdir and its checkpoints and lease directories can be written (`check_workdir`, the run's
-    own check, with probe files that come and go and no directory made), the dataset (data.path, or
+    own check, with probe files that come and go and no directory made) and no live run on this
+    machine holds its lease, the dataset (data.path, or
     the embedded corpus when it is prepared already) is whole and fits model.vocab_size. Returns what
     was checked, in words."""
     check_workdir(workdir, create=False)
+    lease_lib.check_free(workdir)  # (not held by a live run here)
     if config.data.path:
         try:
             data_dir = data_lib.resolve_dataset(config)

@@ -500,3 +500,22 @@ def test_an_empty_workdir_flag_is_refused_not_taken_as_the_current_directory(tmp
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip() == "longctx: --workdir is empty: name a directory, e.g. --workdir=runs/demo."
     assert os.listdir(tmp_path) == []
+
+
+def test_validate_only_refuses_a_workdir_a_live_run_holds(tmp_path):
+    """--validate_only said "fine" where the run would be refused: it reads the lease (and writes
+    none) and refuses with the run's sentence; a lease whose holder is gone passes."""
+    workdir = str(tmp_path / "run")
+    holder = _start_holder(workdir)
+    try:
+        r = subprocess.run([sys.executable, TRAIN, f"--workdir={workdir}", *SMALL_RUN, "--validate_only"],
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert re.fullmatch(rf"longctx: workdir {re.escape(workdir)} is in use by another run \(host \S+, pid "
+                        rf"{holder.pid}, since .* or pass another --workdir\.\n", r.stderr), r.stderr
+    records = _records(workdir)
+    lease.check_free(workdir)  # the holder is gone: a run would take it over
+    assert _records(workdir) == records  # nothing written
