@@ -123,9 +123,18 @@ _QKV_PARAMS = ("attn_norm", "wq", "wk", "wv")
 _FINISH_PARAMS = ("wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
-def project_qkv(x, weights, positions, *, logical_axes, config, rotary):
-    """RMSNorm, then the q/k/v projections and RoPE (`rotary`, the layer type's; None: none):
-    [b, t, d] -> q [b, t, n, h], k, v [b, t, kvh, h].
+def temperature_scale(positions, temperature: tuple[int, float]):
+    """Llama 4's query scale for its NoPE layers, [b, t, 1, 1] float32: 1 + scale * log(1 +
+    floor((position + 1) / floor_)), growing with the position so that attention stays sharp over
+    long contexts without RoPE's distance signal."""
+    floor_, scale = temperature
+    steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_)
+    return (1.0 + scale * jnp.log1p(steps))[:, :, None, None]
+
+
+def project_qkv(x, weights, positions, *, logical_axes, config, rotary, temperature=None):
+    """RMSNorm, then the q/k/v projections and RoPE (`rotary`, the layer type's; None: none), and
+    the type's query temperature where it has one: [b, t, d] -> q [b, t, n, h], k, v [b, t, kvh, h].
     A pure function of its array arguments (`weights`: one layer's _QKV_PARAMS), so that the
     layer's VJP can run it again in the backward (attention.residuals, longctx/model/attention.py)."""
     m = config.model
@@ -135,7 +144,10 @@ def project_qkv(x, weights, positions, *, logical_axes, config, rotary):
     q = jnp.einsum("btd,dnh->btnh", y, w["wq"])
     k = jnp.einsum("btd,dkh->btkh", y, w["wk"])
     v = jnp.einsum("btd,dkh->btkh", y, w["wv"])
-    q = _constrain(apply_rope(q, positions, rotary), attention_lib.ATTN_ACTIVATION)
+    q = apply_rope(q, positions, rotary)
+    if temperature is not None:
+        q = (q.astype(jnp.float32) * temperature_scale(positions, temperature)).astype(q.dtype)
+    q = _constrain(q, attention_lib.ATTN_ACTIVATION)
     k = _constrain(apply_rope(k, positions, rotary), attention_lib.ATTN_ACTIVATION)
     return q, k, v
 
@@ -224,7 +236,7 @@ class DecoderBlock(nnx.Module):
         weights = {name: getattr(self, name)[...] for name in _QKV_PARAMS + _FINISH_PARAMS}
         axes = {name: _layer_axes(getattr(self, name)) for name in weights}
         project = functools.partial(project_qkv, logical_axes=axes, config=config,
-                                    rotary=self.layer_type.rotary)
+                                    rotary=self.layer_type.rotary, temperature=self.layer_type.temperature)
         finish = functools.partial(output_and_mlp, logical_axes=axes, config=config)
         return attention_lib.decoder_layer(
             project, finish, x,

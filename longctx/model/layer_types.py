@@ -6,6 +6,9 @@
   mask      sliding_window, chunk_size, attention_sinks, logits_soft_cap
   strategy  cp, cp_ulysses, block_size
   RoPE      rope (False: no rotary embedding, "NoPE"), rope_theta, rope_scaling
+  scale     temperature_floor, temperature_scale: Llama 4's position-dependent query scale for
+            its NoPE layers ("temperature tuning"), q * (1 + temperature_scale *
+            log(1 + floor((position + 1) / temperature_floor))), position in the document
 
 A key a type leaves out takes its `attention.*` value (RoPE: `model.rope_theta` and
 `model.rope_scaling`), so a type is only what sets it apart; a key set to None (`sliding_window=None`
@@ -33,7 +36,8 @@ from longctx.model import rope as rope_lib
 ATTENTION_KEYS = ("sliding_window", "chunk_size", "attention_sinks", "logits_soft_cap", "cp",
                   "cp_ulysses", "block_size")
 ROPE_KEYS = ("rope", "rope_theta", "rope_scaling")
-TYPE_KEYS = ATTENTION_KEYS + ROPE_KEYS
+TEMPERATURE_KEYS = ("temperature_floor", "temperature_scale")
+TYPE_KEYS = ATTENTION_KEYS + ROPE_KEYS + TEMPERATURE_KEYS
 # The name of the one type of a model without a pattern.
 UNIFORM = "default"
 
@@ -41,11 +45,13 @@ UNIFORM = "default"
 @dataclasses.dataclass(frozen=True)
 class LayerType:
     """One layer type, resolved: `attention` is config.attention with the type's keys applied (what
-    the attention layer and the ring read), `rotary` its RoPE (None: no rotary embedding)."""
+    the attention layer and the ring read), `rotary` its RoPE (None: no rotary embedding),
+    `temperature` its (floor, scale) of the query scale (None: none)."""
 
     name: str
     attention: ml_collections.ConfigDict
     rotary: rope_lib.Rotary | None
+    temperature: tuple[int, float] | None = None
 
 
 def pattern(attention_config) -> tuple[str, ...]:
@@ -109,7 +115,10 @@ def resolve(config, name: str) -> LayerType:
     if settings.get("rope", True):
         scaling = settings.get("rope_scaling", m.get("rope_scaling"))
         rotary = rope_lib.rotary(m.head_dim, settings.get("rope_theta", m.rope_theta), scaling)
-    return LayerType(name, attention, rotary)
+    temperature = None
+    if settings.get("temperature_floor") is not None:
+        temperature = (int(settings["temperature_floor"]), float(settings.get("temperature_scale", 0.1)))
+    return LayerType(name, attention, rotary, temperature)
 
 
 def period(config) -> tuple[LayerType, ...]:

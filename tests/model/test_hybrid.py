@@ -2,7 +2,7 @@
 
 Legend: b batch, s position (natural order), d model, n heads, k kv heads, h head dim, f mlp.
 The pattern has a remainder (5 layers, period 3: local, global, nope, local, global), two RoPE
-thetas, a NoPE type, sinks on one type only, chunked attention on another, and a different
+thetas, a NoPE type with Llama 4's query temperature, sinks on one type only, chunked attention on another, and a different
 context-parallel strategy per type (ring, all-gather, Ulysses). The reference runs layer i with
 type pattern[i % 3] and the parameters of position i % 3, index i // 3, on whole natural-order
 sequences with the dense attention oracle: the model's NLL and every parameter's gradient match.
@@ -32,7 +32,7 @@ LAYOUT = "zigzag"
 TYPES = {
     "local": dict(sliding_window=50, attention_sinks=True, rope_theta=10_000.0, cp="ring"),
     "global": dict(cp="all_gather"),
-    "nope": dict(rope=False, chunk_size=96, cp="ulysses"),
+    "nope": dict(rope=False, chunk_size=96, cp="ulysses", temperature_floor=32, temperature_scale=0.5),
 }
 
 
@@ -71,6 +71,9 @@ def plain_hybrid_nll(params, rows, config):
         if kind.get("rope", True):
             theta = kind.get("rope_theta", m.rope_theta)
             q, k = plain_rope(q, positions, theta), plain_rope(k, positions, theta)
+        if "temperature_floor" in kind:  # Llama 4's query scale, from the in-document position
+            q = q * (1 + kind["temperature_scale"]
+                     * jnp.log(1 + jnp.floor((positions + 1) / kind["temperature_floor"])))[..., None, None]
         v = jnp.einsum("bsd,dkh->bskh", y, p["wv"])
         window = kind.get("sliding_window")
         o = reference_attention(q, k, v, segments, segments, p.get("sinks"), positions=positions,
@@ -144,6 +147,7 @@ def test_types_resolve_from_attention_and_model_keys():
     assert global_.attention.sliding_window is None and global_.attention.cp == "all_gather"
     assert global_.attention.block_size == config.attention.block_size  # inherited
     assert nope.rotary is None and local.rotary is not None
+    assert nope.temperature == (32, 0.5) and local.temperature is None
     np.testing.assert_array_equal(local.rotary.inv_freq, local_again.rotary.inv_freq)
     assert not np.array_equal(local.rotary.inv_freq, global_.rotary.inv_freq)  # two thetas
     assert "pattern" not in local.attention and "layer_types" not in local.attention
