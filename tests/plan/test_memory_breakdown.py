@@ -141,3 +141,17 @@ def test_remedies_use_the_breakdown_and_rank_by_bytes_saved(tiny_step):
         - big.saved_bytes_per_layer
     lines = aot.suggest_remedies(c, over)
     assert [line.split(":")[0] for line in lines] == [x.override for x in remedies]
+
+
+def test_a_hybrid_model_s_layer_residuals_are_those_of_a_uniform_layer():
+    """A hybrid's layers keep residuals of one set of shapes whatever their type (the breakdown
+    traces the first type of the period): the tiny_hybrid preset's per-layer bytes are tiny's."""
+    per_layer = {}
+    for preset in ("tiny", "tiny_hybrid"):
+        c = base.get_config(preset)
+        c.unlock()
+        c.attention.layout = "zigzag"
+        mesh, layout, setup = _setup(c)
+        per_layer[preset] = sum(x["bytes"] for x in memory.layer_residuals(c, mesh, layout, setup)
+                                if x["per_layer"])
+    assert per_layer["tiny_hybrid"] == per_layer["tiny"] > 0
