@@ -26,16 +26,21 @@ from longctx.plan import hardware, planner
 AUTO = planner.AUTO
 
 
-# What to set instead of each auto key, where the planner has no figures for the chip.
-_INSTEAD = {"attention.cp": "--config.attention.cp=ring (or all_gather, ulysses, usp)",
-            "attention.layout": "--config.attention.layout=auto (the ring's own choice)",
-            "attention.block_size": "--config.attention.block_size=512"}
+def _instead(key: str, config, num_devices: int) -> str:
+    """What to set instead of an auto key, where the planner has no figures for the chip: a value
+    config.validate then accepts (the block fits the config's shards)."""
+    if key == "attention.cp":
+        return "--config.attention.cp=ring (or all_gather, ulysses, usp)"
+    if key == "attention.layout":
+        return "--config.attention.layout=auto (the ring's own choice)"
+    block = planner.BLOCK_SIZES[0] if config is None else planner.fallback_block(config, num_devices)
+    return f"--config.attention.block_size={block}"
 
 
-def topology_of(devices, asked=("attention.cp",)) -> hardware.Topology:
+def topology_of(devices, asked=("attention.cp",), config=None) -> hardware.Topology:
     """The slice `devices` form: their chip and the extent of their coordinates (TPU), or a
-    switch of n devices (GPU). ConfigError, naming the `asked` auto keys, where the planner
-    knows no such chip."""
+    switch of n devices (GPU). ConfigError, naming the `asked` auto keys (and what to set
+    instead, for `config`), where the planner knows no such chip."""
     kind = devices[0].device_kind
     chip = hardware.chip_for_device_kind(kind)
     if chip is None:
@@ -45,7 +50,7 @@ def topology_of(devices, asked=("attention.cp",)) -> hardware.Topology:
                           f"need{'s' if len(keys) == 1 else ''} the step-time model's figures for "
                           f"the chip, and longctx has none for {devices[0].platform} devices "
                           f"({kind!r}; it knows {known}): set "
-                          f"{' and '.join(_INSTEAD[k] for k in keys)}.")
+                          f"{' and '.join(_instead(k, config, len(devices)) for k in keys)}.")
     coords = [getattr(d, "coords", None) for d in devices]
     if chip.torus_dims and all(c is not None for c in coords):
         chips = {tuple(c) for c in coords}
@@ -76,7 +81,7 @@ def resolve(config, devices) -> Resolution:
     keys = planner.auto_keys(config)
     if not keys:
         return Resolution(config, None, [])
-    topology = topology_of(devices, keys)
+    topology = topology_of(devices, keys, config)
     rows = planner.plan(config, topology, open_keys=keys)
     fitting = [r for r in rows if r.fits]
     if not fitting:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import time
+from typing import Callable
 
 import numpy as np
 
@@ -23,8 +25,10 @@ from longctx import config as config_lib
 from longctx.errors import ConfigError
 from longctx.model import attention as attention_lib
 from longctx.model import decoder
+from longctx.ops import blocks as blocks_lib
 from longctx.ops import masks, strategy_schedule, tables
 from longctx.parallel import layout as layout_lib
+from longctx.parallel import mesh as mesh_lib
 from longctx.plan import attention_work, hardware, memory_model, step_time
 
 # The blocks a plan tries (the ring's tables and the splash kernel's blocks, on TPU).
@@ -145,23 +149,60 @@ def auto_keys(config) -> tuple[str, ...]:
 
 
 def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
-         segment_ids: np.ndarray | None = None) -> list[Row]:
+         segment_ids: np.ndarray | None = None,
+         progress: Callable[[int, int], None] | None = None) -> list[Row]:
     """Every valid candidate, best first (fitting ones by predicted step time, then the rest;
     `distinct` keeps the best of each way to split attention, for a table).
 
     open_keys: the SEARCHABLE keys to choose; the others stay as the config has them.
     segment_ids: natural-order rows of the run's packed documents [rows, seq_len] to price the
-    attention by (None: the static mask, rows of one document)."""
+    attention by (None: the static mask, rows of one document).
+    progress: called with (done, total) (mesh, strategy, layout, block) combinations after each
+    (with documents at 2,097,152 tokens a plan takes minutes: the caller can say how far it is)."""
     a, m = config.attention, config.model
     spec = masks.make_mask_spec(**attention_lib.mask_kwargs(a))
     chips = topology.num_chips
     opened = lambda key, values, current: tuple(values) if key in open_keys else (current,)  # noqa: E731
     residual_choices = opened("attention.residuals", _residual_policies(topology), a.residuals)
     remat_choices = opened("model.remat_policy", decoder.REMAT_POLICIES, m.remat_policy)
-    block_choices = opened("attention.block_size", BLOCK_SIZES, a.block_size)
     pairs = None if segment_ids is None else step_time.document_pairs(config, segment_ids)
+    combinations = _combinations(config, chips, open_keys)
     rows = []
     ring_schedules = {}  # with documents: _schedule's ring schedule per (layout, sp, block)
+    for done, (mesh, strategy, layout, block) in enumerate(combinations, 1):
+        c = candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy, block)
+        if _valid(c, chips):
+            schedule = _schedule(strategy, spec, layout, c.data.seq_len, mesh["sp"], block,
+                                 segment_ids, ring_schedules)
+            for residuals, remat in itertools.product(residual_choices, remat_choices):
+                cc = candidate_config(config, mesh, strategy, layout, residuals, remat, block)
+                rows.append(Row(cc, mesh, strategy, layout, residuals, remat, block,
+                                step_time.estimate(cc, topology, schedule, mesh,
+                                                   rows_in_schedule=_schedule_rows(segment_ids),
+                                                   pairs_per_row=pairs),
+                                memory_model.per_device_bytes(cc, mesh),
+                                topology.chip.hbm_bytes))
+        if progress is not None:
+            progress(done, len(combinations))
+    order = {id(r): i for i, r in enumerate(rows)}
+    return sorted(rows, key=lambda r: (not r.fits, round(r.step.seconds, 9), r.memory.total_bytes,
+                                       order[id(r)]))
+
+
+def _valid(candidate, chips: int) -> bool:
+    """config.validate accepts it: the planner proposes nothing a run would refuse."""
+    try:
+        config_lib.validate(candidate, num_devices=chips)
+    except ConfigError:
+        return False
+    return True
+
+
+def _combinations(config, chips: int, open_keys) -> list[tuple]:
+    """(mesh, strategy, layout, block) of every candidate before validation, in the order the
+    ranking breaks ties by."""
+    a = config.attention
+    out = []
     for mesh in meshes(config, chips, open_mesh="mesh" in open_keys):
         candidates = strategies(config, mesh["sp"])
         if "attention.cp" not in open_keys:
@@ -169,26 +210,88 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
         for strategy in candidates:
             layouts = (_layouts(strategy) if "attention.layout" in open_keys or a.layout == AUTO
                        else (a.layout,))
-            for layout, block in itertools.product(layouts, block_choices):
-                c = candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy,
-                                     block)
-                try:
-                    config_lib.validate(c, num_devices=chips)
-                except ConfigError:
-                    continue
-                schedule = _schedule(strategy, spec, layout, c.data.seq_len, mesh["sp"], block,
-                                     segment_ids, ring_schedules)
-                for residuals, remat in itertools.product(residual_choices, remat_choices):
-                    cc = candidate_config(config, mesh, strategy, layout, residuals, remat, block)
-                    rows.append(Row(cc, mesh, strategy, layout, residuals, remat, block,
-                                    step_time.estimate(cc, topology, schedule, mesh,
-                                                       rows_in_schedule=_schedule_rows(segment_ids),
-                                                       pairs_per_row=pairs),
-                                    memory_model.per_device_bytes(cc, mesh),
-                                    topology.chip.hbm_bytes))
-    order = {id(r): i for i, r in enumerate(rows)}
-    return sorted(rows, key=lambda r: (not r.fits, round(r.step.seconds, 9), r.memory.total_bytes,
-                                       order[id(r)]))
+            for layout in layouts:
+                blocks = (block_choices(config, mesh["sp"], layout)
+                          if "attention.block_size" in open_keys else (a.block_size,))
+                out += [(mesh, strategy, layout, block) for block in blocks]
+    return out
+
+
+def smallest_memory(config, topology: hardware.Topology, open_keys=SEARCHABLE) -> int | None:
+    """The fewest bytes per chip any valid candidate needs by the memory model (None: no
+    candidate is valid); stops at the first that fits. The memory model alone (which the layout
+    and the block do not change: one valid of each mesh and strategy is priced), no step time:
+    fast enough to ask of many slices and lengths (plan/fit_remedy.py)."""
+    a, m = config.attention, config.model
+    residual_choices = (_residual_policies(topology) if "attention.residuals" in open_keys
+                        else (a.residuals,))
+    remat_choices = decoder.REMAT_POLICIES if "model.remat_policy" in open_keys else (m.remat_policy,)
+    best, priced = None, set()
+    for mesh, strategy, layout, block in _combinations(config, topology.num_chips, open_keys):
+        key = (tuple(mesh.values()), strategy)
+        if key in priced:
+            continue
+        c = candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy, block)
+        if not _valid(c, topology.num_chips):
+            continue
+        priced.add(key)
+        c.unlock()
+        for residuals, remat in itertools.product(residual_choices, remat_choices):
+            c.attention.residuals, c.model.remat_policy = residuals, remat
+            need = memory_model.per_device_bytes(c, mesh).total_bytes
+            best = need if best is None else min(best, need)
+            if best <= HBM_HEADROOM * topology.chip.hbm_bytes:
+                return best
+    return best
+
+
+def block_choices(config, sp: int, layout: str) -> tuple[int, ...]:
+    """The blocks a plan tries on shards of seq_len / sp tokens: BLOCK_SIZES, or where the shards
+    are too short for every one of them (the tiny preset's 256 tokens), the largest block below
+    that the ring accepts there (ops/blocks.py, as config.validate and the kernel rule), so that
+    a short sequence gets a block rather than no candidate."""
+    a, seq_len = config.attention, config.data.seq_len
+    if seq_len % sp:
+        return BLOCK_SIZES  # no shard: config.validate refuses the mesh with its own sentence
+    shard = seq_len // sp
+    if any(blocks_lib.block_problem(b, shard, a.impl) is None for b in BLOCK_SIZES):
+        return BLOCK_SIZES
+    fit = blocks_lib.fit_block(min(BLOCK_SIZES), shard, a.impl, layout)
+    return BLOCK_SIZES if fit is None else (fit,)
+
+
+def fallback_block(config, num_devices: int) -> int:
+    """The block to set where the planner cannot choose one (a chip it has no figures for): the
+    smallest of block_choices that the config's shards accept (the one a plan leans to), on the
+    config's sp (all the devices where sp is not fixed)."""
+    try:
+        sp = mesh_lib.resolve_mesh_shape(config.mesh, num_devices)["sp"]
+    except ValueError:  # several axes left at -1 (cp=auto): the ring over every device is the worst case
+        sp = int(config.mesh.sp) if int(config.mesh.sp) > 0 else num_devices
+    shard = config.data.seq_len // sp
+    choices = block_choices(config, sp, config.attention.layout)
+    return next((b for b in choices if blocks_lib.block_problem(b, shard, config.attention.impl) is None),
+                choices[0])
+
+
+# How often a long plan says how far it is (plan's `progress`, on stderr).
+PROGRESS_EVERY_S = 10.0
+
+
+def progress_lines(out, every: float = PROGRESS_EVERY_S, clock=time.monotonic) -> Callable[[int, int], None]:
+    """A `progress` for plan() that writes a line to `out` when `every` seconds have passed since
+    the last (or the start): a plan that ends sooner says nothing."""
+    start = last = clock()
+
+    def report(done: int, total: int) -> None:
+        nonlocal last
+        now = clock()
+        if now - last >= every:
+            last = now
+            print(f"plan: {done} of {total} (mesh, strategy, layout, block) priced, {now - start:.0f} s",
+                  file=out, flush=True)
+
+    return report
 
 
 def distinct(rows: list[Row]) -> list[Row]:
