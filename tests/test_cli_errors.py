@@ -490,8 +490,10 @@ def test_estimate_says_what_it_compiles_before_the_compile_starts():
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stderr.readline()
-        assert first == "estimate: compiling the train step for v5p:2x2x2 (and one layer of it, for the breakdown) ...\n"
+        assert first == "estimate: compiling the train step for v5p:2x2x2 (takes seconds) ...\n"
         assert proc.poll() is None  # said while the compile runs, not after
+        assert re.fullmatch(r"estimate: compiled in \d+ s; compiling one layer of it for the breakdown \.\.\.\n",
+                            proc.stderr.readline())
     finally:
         proc.kill()
         proc.communicate()

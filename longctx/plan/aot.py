@@ -14,6 +14,7 @@ import hashlib
 import os
 import re
 import time
+from typing import Callable
 
 # libtpu takes a machine-wide lock file when it loads; a second process that only wants abstract
 # topologies for ahead-of-time compiles (tests, estimate.py, another engineer's job) would fail
@@ -167,8 +168,17 @@ def _oom_bytes(message: str, argument_bytes: int = 0):
     return None
 
 
+def compile_duration(config: ml_collections.ConfigDict) -> str:
+    """How long a compile of the whole step takes, to say before it starts: the 8B and 70B presets'
+    took 34-266 s on a 2-core machine (docs/fit_*.md), the tiny preset's a few seconds."""
+    params = config_lib.num_params_estimate(config)
+    return "takes seconds" if params < 10 ** 8 else "takes 1-5 minutes" if params >= 10 ** 9 else \
+        "takes up to a few minutes"
+
+
 def compile_train_step(config: ml_collections.ConfigDict, topology: str | None = None, *,
-                       devices=None, keep_hlo: bool = False, breakdown: bool = False) -> CompiledStep:
+                       devices=None, keep_hlo: bool = False, breakdown: bool = False,
+                       say: Callable[[str], None] | None = None) -> CompiledStep:
     """Compiles one train step of `config` for `topology` and reports per-device memory.
 
     `devices` instead of a topology compiles for given (e.g. local CPU) devices. When the TPU
@@ -176,7 +186,9 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
     exceed the chip), the result carries the temporaries it reported and `oom_at_compile=True`;
     arguments and outputs are then the per-device shard sizes of the state and batch.
     `breakdown=True` also says what the bytes hold (`MemoryBreakdown`; one more, one-layer compile).
+    `say`: called with a line before each compile and after the step's (a user waits minutes).
     """
+    say = say or (lambda line: None)
     if devices is None:
         devices = topology_devices(topology)
     devices = list(devices)
@@ -186,6 +198,7 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
     if devices[0].platform == "tpu" and config.attention.get("residuals") == OFFLOAD_QKV:
         raise config_lib.ConfigError(OFFLOAD_ON_TPU)
     mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
+    say(f"compiling the train step for {topology} ({compile_duration(config)}) ...")
     layout = train_state.resolve_layout(config, sizes[mesh_lib.SP])
     # make_setup builds a concrete PRNG key; under set_mesh of abstract TPU devices that would
     # try to run on them. Its shardings name the mesh explicitly, so it needs no mesh context.
@@ -226,6 +239,8 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
                 alias_bytes=stats.alias_size_in_bytes, compile_seconds=seconds,
                 hlo=hlo if keep_hlo else None, cost_flops=cost.get("flops"),
                 cost_bytes_accessed=cost.get("bytes accessed"))
+    say(f"compiled in {result.compile_seconds:.0f} s"
+        + ("; compiling one layer of it for the breakdown ..." if breakdown else "."))
     if breakdown:
         result.breakdown = memory.memory_breakdown(config, mesh, layout, setup, state, batch, hlo,
                                             measure_remat_remedy=result.fits is False)
