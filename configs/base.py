@@ -132,6 +132,9 @@ def _base() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict(
         dict(
             path="",  # directory written by scripts/prepare_data.py; "" = embedded stdlib corpus
+            # A mixture instead of path: {name: {path, weight, min_length, max_length,
+            # upsample_factor, upsample_above}} (docs/data.md, "Mixtures"; preset long_mix_cpu).
+            sources=ml_collections.ConfigDict(),
             cache_dir="",  # where the embedded corpus is prepared; "" = ~/.cache/longctx
             seq_len=2048,
             global_batch_size=8,

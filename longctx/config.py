@@ -13,7 +13,7 @@ import jax
 import ml_collections
 
 from longctx import ops
-from longctx.data import packing
+from longctx.data import mixture, packing
 from longctx.errors import ConfigError  # noqa: F401  (re-exported: callers use config.ConfigError)
 from longctx.model import attention, decoder, rope
 from longctx.model import layer_types as layer_types_lib
@@ -127,6 +127,43 @@ def _positive(config, *keys: str) -> None:
         _require(value is not None and value > 0, f"{key}={value!r} must be positive.")
 
 
+def _check_sources(config) -> None:
+    """data.sources (a mixture, data/mixture.py): each source a path, a positive weight, length
+    bounds and an upsampling factor that make sense; data.path left empty beside it."""
+    given = config.data.get("sources") or {}
+    if not given:
+        return
+    _require(not config.data.path, f"data.path={config.data.path!r} and data.sources are both set: "
+             "a mixture names every directory in data.sources, so set --config.data.path=''.")
+    for name in sorted(given):
+        key = f"data.sources.{name}"
+        source = given[name]
+        _require(isinstance(source, (dict, ml_collections.ConfigDict)),
+                 f"{key}={source!r} must be a dict of {', '.join(mixture.SOURCE_DEFAULTS)}.")
+        unknown = sorted(set(source) - set(mixture.SOURCE_DEFAULTS))
+        _require(not unknown, f"{key} has unknown key(s) {', '.join(unknown)}: a source takes "
+                 f"{', '.join(mixture.SOURCE_DEFAULTS)}.")
+        s = {**mixture.SOURCE_DEFAULTS, **dict(source)}
+        _require(isinstance(s["path"], str) and s["path"],
+                 f"{key}.path={s['path']!r} must name a prepared directory (or "
+                 f"{mixture.EMBEDDED_FILES} / {mixture.EMBEDDED_PACKAGES}).")
+        for k in ("weight", "upsample_factor"):
+            _require(isinstance(s[k], numbers.Real) and not isinstance(s[k], bool) and math.isfinite(s[k]),
+                     f"{key}.{k}={s[k]!r} must be a number.")
+        for k in ("min_length", "max_length", "upsample_above"):
+            _require(isinstance(s[k], numbers.Integral) and not isinstance(s[k], bool) and s[k] >= 0,
+                     f"{key}.{k}={s[k]!r} must be a whole number of tokens >= 0 (0: no bound).")
+        _require(s["weight"] > 0, f"{key}.weight={s['weight']!r} must be positive (leave the source "
+                 "out to read none of it).")
+        _require(not s["max_length"] or s["max_length"] >= s["min_length"],
+                 f"{key}.max_length={s['max_length']} is below its min_length={s['min_length']}.")
+        _require(s["upsample_factor"] >= 1, f"{key}.upsample_factor={s['upsample_factor']!r} must "
+                 "be >= 1 (a long document read that many times per epoch; shorten with max_length).")
+        _require(s["upsample_factor"] == 1 or s["upsample_above"] > 0,
+                 f"{key}.upsample_factor={s['upsample_factor']!r} needs upsample_above, the length in "
+                 "tokens from which a document counts as long.")
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> dict[str, int]:
     """Checks `config` against itself and the devices; returns the resolved mesh sizes.
 
@@ -205,6 +242,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise ConfigError(f"train.loss_chunk_size={t.loss_chunk_size} does not divide the per-device "
                           f"shard of {shard_len} tokens: set --config.train.loss_chunk_size="
                           f"{_divisor_below(shard_len, t.loss_chunk_size)}.")
+
+    _check_sources(config)
 
     # Batch against data parallelism.
     _require(d.global_batch_size % (dp * fsdp) == 0,

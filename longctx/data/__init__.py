@@ -5,8 +5,9 @@ The train loop's interface:
   load_metadata(data_dir) -> dict
   check_splits(config, metadata, data_dir, mesh): the splits the run reads are not too small
   layout_sample(config, data_dir) -> segment ids of the rows attention.layout='auto' is chosen on
-  make_batch_iterator(config, mesh, *, split, layout, data_dir, seed_offset=0) -> BatchIterator
-See pipeline.py for the batch format and the Orbax checkpoint recipe for the iterator.
+  make_batch_iterator(config, mesh, *, split, layout, data_dir, seed_offset=0, source=None)
+  validation_sources(config), achieved_shares(config, sp), describe_shares(shares): mixtures
+These read data.path (pipeline.py) or the mixture of data.sources (mixture.py). See pipeline.py for the batch format and the Orbax checkpoint recipe for the iterator.
 
 Names are imported lazily so that `longctx.data.prepare` (the data-preparation CLI) starts
 without importing grain and jax.
@@ -16,8 +17,10 @@ import importlib
 
 _EXPORTS = {
     "KEYS": "packing", "PACKERS": "packing", "packer_layout": "packing",
-    "BatchIterator": "pipeline", "check_splits": "pipeline", "load_metadata": "pipeline",
-    "make_batch_iterator": "pipeline", "layout_sample": "pipeline", "packed_rows": "pipeline", "resolve_dataset": "pipeline",
+    "BatchIterator": "pipeline", "check_splits": "mixture", "load_metadata": "pipeline",
+    "make_batch_iterator": "mixture", "layout_sample": "mixture", "packed_rows": "pipeline",
+    "resolve_dataset": "mixture", "validation_sources": "mixture", "achieved_shares": "mixture",
+    "describe_shares": "mixture",
     "DataShard": "sharding", "data_shard": "sharding",
     "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
 }

@@ -220,15 +220,35 @@ class TokenSource(grain.sources.RandomAccessDataSource):
         return f"TokenSource({len(self)} documents in {len(self._paths)} files)"
 
 
+class SelectedDocuments(grain.sources.RandomAccessDataSource):
+    """Some of a TokenSource's documents, by index (an index listed twice is read twice)."""
+
+    def __init__(self, source: TokenSource, indices: np.ndarray):
+        self._source, self._indices = source, np.asarray(indices, np.int64)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self._source[int(self._indices[index])]
+
+    def __repr__(self) -> str:
+        return f"SelectedDocuments({len(self)} of {self._source!r})"
+
+
 def packed_rows(data_dir: str, split: str, *, seq_len: int, packer: str, seed: int,
                 shard_index: int = 0, shard_count: int = 1, num_epochs: int | None = None,
                 shuffle: bool = True, batch_size: int = 1, read_threads: int = 8,
                 num_bins: int | None = None, meta: dict | None = None, num_shards: int = 1,
-                block_size: int = 512) -> grain.IterDataset:
+                block_size: int = 512, documents: np.ndarray | None = None,
+                pairs_per_epoch: int | None = None) -> grain.IterDataset:
     """Packed rows (dicts of `[seq_len]` int32, natural order) for one data shard.
 
     `num_bins` overrides the first/best-fit bin count (default: `packing.num_packing_bins`).
-    `num_shards` (sp) and `block_size` (the ring's) matter to shard_balanced only.
+    `num_shards` (sp) and `block_size` (the ring's) matter to shard_balanced only. `documents`:
+    the split's documents one epoch reads, by index, a document listed k times read k times
+    (mixture.py's length filters and upsampling; default: each once), with `pairs_per_epoch`
+    their (input, target) pairs per data shard.
     """
     meta = meta or load_metadata(data_dir)
     split = _SPLIT_NAMES.get(split, split)
@@ -237,6 +257,8 @@ def packed_rows(data_dir: str, split: str, *, seq_len: int, packer: str, seed: i
     if seq_len <= 0:
         raise ConfigError(f"data.seq_len={seq_len} must be positive.")
     source = TokenSource(data_dir, split, meta)
+    if documents is not None:
+        source = SelectedDocuments(source, documents)
     if not 0 <= shard_index < shard_count:
         raise ConfigError(f"data shard {shard_index} is out of range for {shard_count} shards.")
     if len(source) < shard_count:
@@ -253,7 +275,8 @@ def packed_rows(data_dir: str, split: str, *, seq_len: int, packer: str, seed: i
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
     return pack_documents(it, seq_len=seq_len, packer=packer, seed=seed, pad_id=int(meta["pad_id"]),
                           batch_size=batch_size, num_bins=num_bins,
-                          pairs_per_epoch=pairs_per_shard_epoch(meta, split, shard_count),
+                          pairs_per_epoch=(pairs_per_shard_epoch(meta, split, shard_count)
+                                           if documents is None else pairs_per_epoch),
                           num_shards=num_shards, block_size=block_size)
 
 
@@ -327,12 +350,14 @@ class BatchIterator:
 
     def __init__(self, ds: grain.IterDataset, mesh, shard: sharding_lib.DataShard,
                  global_batch_size: int, seq_len: int, metadata: dict, fingerprint: dict | None = None,
-                 packing_settings: dict | None = None, seed_offset: int = 0):
+                 packing_settings: dict | None = None, seed_offset: int = 0,
+                 sources: dict | None = None):
         self.grain_iterator = iter(ds)
         self.mesh, self.shard, self.metadata = mesh, shard, metadata
         self.global_batch_size, self.seq_len = global_batch_size, seq_len
         self.fingerprint, self.packing_settings = fingerprint, packing_settings
         self.seed_offset = seed_offset
+        self.sources = sources  # a mixture's {name: what its state means} (mixture.source_rows)
 
     def stream_record(self) -> dict:
         """What this iterator's saved state means beyond the config, the same on every process:
@@ -342,12 +367,16 @@ class BatchIterator:
         made with (a restarted stream's step). A state restored under another map would have the
         processes of one sp group feed different rows into one sequence; under other packing
         settings it would re-pack its window into other rows; under another seed it would stand at
-        the same place in another order of the documents."""
+        the same place in another order of the documents. A mixture records these per source
+        (`sources`: weight, dataset, packing, selection, seed and their id) instead."""
         shards = sharding_lib.data_shards(self.mesh, self.global_batch_size, self.seq_len)
-        return {"shards": {str(p): {"index": s.index, "count": s.count,
-                                    "rows": [s.row_start, s.row_stop]} for p, s in shards.items()},
-                "dataset": self.fingerprint, "packing": self.packing_settings,
-                "seed_offset": self.seed_offset}
+        record = {"shards": {str(p): {"index": s.index, "count": s.count,
+                                      "rows": [s.row_start, s.row_stop]} for p, s in shards.items()},
+                  "dataset": self.fingerprint, "packing": self.packing_settings,
+                  "seed_offset": self.seed_offset}
+        if self.sources is not None:
+            record["sources"] = self.sources
+        return record
 
     def __iter__(self):
         return self

@@ -505,24 +505,72 @@ def stdlib_cache_name() -> str:
 
 
 def prepare_stdlib(cache_dir: str, progress: bool = False) -> str:
-    """Prepares the standard-library corpus under `cache_dir` once; returns its directory.
+    """Prepares the standard-library corpus (one document per file) under `cache_dir` once;
+    returns its directory."""
+    final = os.path.join(os.path.abspath(cache_dir), stdlib_cache_name())
+
+    def write(tmp: str) -> None:
+        write_dataset([stdlib_root()], tmp, glob="*.py", val_fraction=0.01, progress=progress,
+                      sources_label=["python-stdlib"], exclude_dirs=STDLIB_EXCLUDE_DIRS)
+
+    return _prepare_once(final, write, f"the Python standard library in {stdlib_root()}")
+
+
+def stdlib_packages(root: str | None = None) -> dict[str, bytes]:
+    """`{package: its document}` for every top-level package of the standard library: the
+    package's `.py` files (test directories left out, as in the per-file corpus) in sorted path
+    order, each after a `# <path>` line, as ProLong's long code documents are whole repositories."""
+    root = root or stdlib_root()
+    out = {}
+    for name in sorted(os.listdir(root)):
+        top = os.path.join(root, name)
+        if name in STDLIB_EXCLUDE_DIRS or not os.path.isfile(os.path.join(top, "__init__.py")):
+            continue
+        parts = []
+        for src in list_sources([top], "*.py", STDLIB_EXCLUDE_DIRS):
+            with open(src.path, "rb") as f:
+                data = f.read()
+            if text_problem(data) is None:
+                parts.append(f"# {name}/{src.key}\n".encode() + data)
+        if parts:
+            out[name] = b"\n".join(parts)
+    return out
+
+
+def prepare_stdlib_packages(cache_dir: str, progress: bool = False) -> str:
+    """Prepares the long-document corpus (`stdlib_packages`: one document per top-level package,
+    a tenth of them for validation) under `cache_dir` once; returns its directory."""
+    final = os.path.join(os.path.abspath(cache_dir), stdlib_cache_name().replace("stdlib-", "stdlib-packages-", 1))
+
+    def write(tmp: str) -> None:
+        with tempfile.TemporaryDirectory(prefix="stdlib-packages-", dir=os.path.dirname(tmp)) as texts:
+            for name, data in stdlib_packages().items():
+                with open(os.path.join(texts, name), "wb") as f:
+                    f.write(data)
+            write_dataset([texts], tmp, val_fraction=0.1, progress=progress,
+                          sources_label=["python-stdlib-packages"])
+
+    return _prepare_once(final, write, f"the Python standard library in {stdlib_root()}, one "
+                         "document per top-level package")
+
+
+def _prepare_once(final: str, write, what: str) -> str:
+    """Writes the dataset `final` with `write(tmp)` unless it exists; returns `final`.
 
     Safe when several processes race: each writes a private temporary directory and renames it
     into place; the rename of a directory onto an existing non-empty one fails, so the first
     finisher wins and the others discard their copy (identical anyway).
     """
-    final = os.path.join(os.path.abspath(cache_dir), stdlib_cache_name())
     if os.path.exists(os.path.join(final, METADATA)):
         return final
     # Half a minute or more of tokenizing on a first run: say what it is before it starts (on
     # stderr, where progress goes: stdout is the caller's, and "longctx: " there is an error's).
-    print(f"preparing the embedded corpus (the Python standard library in {stdlib_root()}) once, "
-          f"into {final}; later runs reuse it ...", file=sys.stderr, flush=True)
-    os.makedirs(cache_dir, exist_ok=True)
+    print(f"preparing the embedded corpus ({what}) once, into {final}; later runs reuse it ...",
+          file=sys.stderr, flush=True)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp-", dir=os.path.dirname(final))
     try:
-        write_dataset([stdlib_root()], tmp, glob="*.py", val_fraction=0.01, progress=progress,
-                      sources_label=["python-stdlib"], exclude_dirs=STDLIB_EXCLUDE_DIRS)
+        write(tmp)
         os.chmod(tmp, 0o755)
         try:
             os.rename(tmp, final)

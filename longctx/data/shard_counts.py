@@ -23,6 +23,8 @@ import mmap
 import os
 import struct
 
+import numpy as np
+
 from longctx.errors import ConfigError
 
 BLOCK_SIZE = 1 << 16
@@ -68,11 +70,10 @@ def _chunk_header(data, begin: int) -> bytes:
     return out
 
 
-@functools.lru_cache(maxsize=4096)
-def _counts(path: str, size: int, mtime_ns: int, num_records: int) -> ShardCounts | None:
-    del size, mtime_ns  # the cache key: a rewritten file is read again
-    documents = total_bytes = longest = pos = 0
-    one_per_chunk = True
+def _record_chunks(path: str, num_records: int) -> list[tuple[int, int]] | None:
+    """(records, decoded bytes) of each record chunk of the file, None when its chunk headers
+    do not add up to `num_records` records (a damaged file)."""
+    chunks, documents, pos = [], 0, 0
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return None
@@ -86,20 +87,39 @@ def _counts(path: str, size: int, mtime_ns: int, num_records: int) -> ShardCount
             kind_and_records = _U64.unpack_from(header, 24)[0]
             kind, records = kind_and_records & 0xFF, kind_and_records >> 8
             if kind in _RECORD_CHUNK_TYPES:
-                decoded = _U64.unpack_from(header, 32)[0]
+                chunks.append((records, _U64.unpack_from(header, 32)[0]))
                 documents += records
-                total_bytes += decoded
-                longest = max(longest, decoded)
-                one_per_chunk = one_per_chunk and records == 1
             pos = _next_chunk(pos, data_size, records)
     except EOFError:
         return None
     finally:
         data.close()
-    if documents != num_records or total_bytes % TOKEN_BYTES:
+    return chunks if documents == num_records else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _counts(path: str, size: int, mtime_ns: int, num_records: int) -> ShardCounts | None:
+    del size, mtime_ns  # the cache key: a rewritten file is read again
+    chunks = _record_chunks(path, num_records)
+    if chunks is None:
         return None
-    return ShardCounts(documents, total_bytes // TOKEN_BYTES,
+    total_bytes = sum(decoded for _, decoded in chunks)
+    if total_bytes % TOKEN_BYTES:
+        return None
+    one_per_chunk = all(records == 1 for records, _ in chunks)
+    longest = max((decoded for _, decoded in chunks), default=0)
+    return ShardCounts(num_records, total_bytes // TOKEN_BYTES,
                        longest // TOKEN_BYTES if one_per_chunk else None)
+
+
+def document_lengths(path: str, num_records: int) -> np.ndarray | None:
+    """Every document's token count, in record order, from the chunk headers (prepare_data
+    writes one document per chunk); None when a chunk holds several records or the headers do not
+    add up (the caller reads the records instead)."""
+    chunks = _record_chunks(path, num_records)
+    if chunks is None or any(records != 1 for records, _ in chunks):
+        return None
+    return np.array([decoded for _, decoded in chunks], np.int64) // TOKEN_BYTES
 
 
 def shard_counts(path: str, num_records: int) -> ShardCounts | None:

@@ -306,7 +306,8 @@ class Checkpointer:
                 f"; the data iterator state could not be restored with this data config "
                 f"({'; '.join(other)}: {errors.first_line(e)}), so data restarts from a fresh shuffle "
                 f"seeded with step {step}")
-        return state, data_iterator, ", data iterator included"
+        notice = compat.mixture_notice(info["metadata"], data_iterator.stream_record())
+        return state, data_iterator, ", data iterator included" + (f"; {notice}" if notice else "")
 
     def _set_aside(self, step: int, error: BaseException | None) -> None:
         """Moves an unreadable step out of Orbax's sight (never deletes it) and says so."""

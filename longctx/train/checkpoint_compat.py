@@ -9,7 +9,8 @@ the small parts of a step (its config JSON and its arrays' shapes), before any a
     data shard map, the dataset's fingerprint or the values of the keys the packer's rows depend
     on differ -> the saved iterator state means nothing, and the data restarts (the caller
     decides how; `data_state_mismatch` says why).
-Other differences are only reported.
+Other differences are only reported. A mixture (data.sources) resumes source by source:
+`mixture_notice` says which sources changed and restart, and which continue.
 """
 
 from __future__ import annotations
@@ -129,18 +130,66 @@ def data_state_mismatch(saved_config: dict, saved_metadata: dict, current_config
     diffs = shard_differences(saved.get("shards") or {}, current_record["shards"])
     if diffs:
         return ("was saved under another process -> data shard map (" + _listed(diffs) + ")")
-    diffs = fingerprint_differences(saved.get("dataset") or {}, current_record["dataset"])
-    if diffs:
-        return "belongs to another dataset (" + _listed(diffs) + ")"
-    diffs = packing_differences(*_saved_packing(saved, saved_config, saved_metadata),
-                                current_record.get("packing") or {})
-    if diffs:
-        return "was packed into rows under other settings (" + _listed(diffs) + ")"
+    if ("sources" in saved) != ("sources" in current_record):
+        return ("was saved from " + ("a mixture (data.sources) and this run reads one data.path"
+                                     if "sources" in saved else
+                                     "one data.path and this run mixes data.sources"))
+    if "sources" not in current_record:
+        diffs = fingerprint_differences(saved.get("dataset") or {}, current_record["dataset"])
+        if diffs:
+            return "belongs to another dataset (" + _listed(diffs) + ")"
+        diffs = packing_differences(*_saved_packing(saved, saved_config, saved_metadata),
+                                    current_record.get("packing") or {})
+        if diffs:
+            return "was packed into rows under other settings (" + _listed(diffs) + ")"
+    # (a mixture checks dataset and packing per source: mixture.MixtureIterator.set_state
+    # restarts only the sources whose id changed, and mixture_notice says which)
     then, now = saved_seed_offset(saved_metadata), current_record.get("seed_offset", 0)
     if then != now:
         return (f"belongs to the stream shuffled with seed offset {then} (data.shuffle_seed + the "
                 f"step it restarted at) and this iterator's offset is {now}")
     return None
+
+
+def mixture_notice(saved_metadata: dict, current_record: dict) -> str | None:
+    """One phrase for a mixture resumed with changed sources (None when nothing changed): the
+    weights that changed, the sources added or dropped, and those whose data, packing, filters or
+    seed changed, which start at their beginning; every other source continues where it was
+    (data/mixture.py documents the behaviour)."""
+    saved = (saved_metadata.get(DATA_STREAM) or {}).get("sources")
+    current = current_record.get("sources")
+    if saved is None or current is None:
+        return None
+    parts = []
+    weights = [f"{n} {saved[n]['weight']:.3g} -> {current[n]['weight']:.3g}"
+               for n in sorted(set(saved) & set(current)) if saved[n]["weight"] != current[n]["weight"]]
+    if weights:
+        parts.append("weights " + ", ".join(weights))
+    added, dropped = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if added:
+        parts.append("added " + ", ".join(added) + " (from its beginning)")
+    if dropped:
+        parts.append("dropped " + ", ".join(dropped))
+    for name in sorted(set(saved) & set(current)):
+        then, now = saved[name], current[name]
+        if then.get("id") == now.get("id"):
+            continue
+        why = (fingerprint_differences(then.get("dataset") or {}, now.get("dataset") or {})
+               + packing_differences(then.get("packing") or {}, True, now.get("packing") or {})
+               + [f"{k}: {then['selection'].get(k)!r} then vs {v!r} now"
+                  for k, v in (now.get("selection") or {}).items()
+                  if (then.get("selection") or {}).get(k) != v]
+               + ([f"seed {then.get('seed')} then vs {now.get('seed')} now"]
+                  if then.get("seed") != now.get("seed") else []))
+        parts.append(f"{name} restarts from its beginning ({_listed(why or ['its id'])})")
+    if not parts:
+        return None
+    kept = sorted(n for n in set(saved) & set(current) if saved[n].get("id") == current[n].get("id"))
+    return ("the data mixture changed: " + "; ".join(parts)
+            + (f"; {', '.join(kept)} continue{'s' if len(kept) == 1 else ''} where "
+               f"{'it was' if len(kept) == 1 else 'they were'}" if kept else "")
+            + ("; the mixer counts tokens afresh at the new weights"
+               if weights or added or dropped or len(kept) < len(current) else ""))
 
 
 def saved_seed_offset(saved_metadata: dict) -> int:
