@@ -116,8 +116,10 @@ def _base() -> ml_collections.ConfigDict:
             residuals="save_qkv",
             # How attention is split over the sp axis (docs/attention.md): ring | all_gather |
             # ulysses (query heads divisible by sp) | usp (Ulysses inside groups of cp_ulysses
-            # neighbouring devices, the ring across them) | auto (the planner chooses, with the
-            # mesh's -1 axes, when the run starts on TPU: docs/planner.md)
+            # neighbouring devices, the ring across them) | halo (each device receives from each
+            # shard only the blocks its mask reaches: a window's halo, not whole shards) | auto
+            # (the planner chooses, with the mesh's -1 axes, when the run starts on TPU:
+            # docs/planner.md)
             cp="ring",
             cp_ulysses=_optional_int(),  # usp's Ulysses degree: divides mesh sp and model.num_heads
             # Hybrid attention (longctx/model/layer_types.py): the layer types of one period, in
@@ -211,13 +213,13 @@ def _tiny(c):
 
 def _tiny_hybrid(c):
     """The CPU demo as a hybrid model (attention.pattern, docs/attention.md): Gemma 3's shape of
-    pattern, five sliding-window layers (window 128, RoPE theta 10,000) to one global layer (theta
-    1,000,000), over 6 layers."""
+    pattern, five sliding-window layers (window 128, RoPE theta 10,000, passing only their halo
+    between devices: cp=halo) to one global layer (theta 1,000,000, the ring), over 6 layers."""
     c = _tiny(c)
     c.model.update(num_layers=6)
     c.attention.pattern = "local,local,local,local,local,global"
     c.attention.layer_types = ml_collections.ConfigDict({
-        "local": dict(sliding_window=128, rope_theta=10_000.0),
+        "local": dict(sliding_window=128, rope_theta=10_000.0, cp="halo"),
         "global": dict(rope_theta=1_000_000.0),
     })
     return c

@@ -7,7 +7,7 @@ Public API:
                  impl="splash", block_sizes=None) -> [batch, L, heads, head_dim]
       Call inside jax.shard_map with `axis_name` bound, on this device's shard in layout order.
   context_parallel_attention(..., strategy="ring", ulysses_degree=None, **ring_attention's)
-      The same, by strategy "ring" | "all_gather" | "ulysses" | "usp" (STRATEGIES).
+      The same, by strategy "ring" | "all_gather" | "ulysses" | "usp" | "halo" (STRATEGIES).
   reference_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, *,
                       positions, causal, sliding_window, chunk_size, logits_soft_cap, softmax_scale)
       Dense oracle on whole natural-order sequences (tests).

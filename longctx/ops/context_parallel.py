@@ -1,10 +1,13 @@
-"""Attention over a sequence split across the `sp` mesh axis, by one of four strategies.
+"""Attention over a sequence split across the `sp` mesh axis, by one of five strategies.
 
   ring        K/V pass around the sp devices, one hop per step (ring.py; the default)
   all_gather  K/V gathered on every device once per layer, dK/dV reduce-scattered (all_gather.py)
   ulysses     all-to-all from sequence shards to head shards and back (ulysses.py)
   usp         Ulysses inside groups of `ulysses_degree` neighbouring devices, the ring across
               the groups (ulysses.py)
+  halo        each device receives from each shard only the blocks its queries' mask reaches,
+              one permute per ring offset that has any (halo.py): windows and chunks pass a
+              halo, not whole shards
 
 Every strategy takes the same arguments as `ring_attention` (masks, documents, sinks, soft cap,
 layout, impl, blocks), computes the same function with the same per-step backends and tables,
@@ -15,10 +18,10 @@ from __future__ import annotations
 
 import functools
 
-from longctx.ops import all_gather, ring, ulysses
+from longctx.ops import all_gather, halo, ring, ulysses
 from longctx.ops.shmap import sum_over_devices
 
-STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
+STRATEGIES = ("ring", "all_gather", "ulysses", "usp", "halo")
 
 
 def _degree(strategy: str, ulysses_degree, sp: int, heads: int) -> int:
@@ -44,6 +47,8 @@ def _steps(strategy: str, degree: int):
         return ring.forward, ring.backward
     if strategy == "all_gather":
         return all_gather.forward, all_gather.backward
+    if strategy == "halo":
+        return halo.forward, halo.backward
     return functools.partial(ulysses.forward, degree=degree), functools.partial(ulysses.backward, degree=degree)
 
 

@@ -288,11 +288,11 @@ def backward(cfg, res, do):
 
 # What padding becomes inside the ring: different ids on the query and key side, so that the
 # kernels' id comparison never pairs a padding query with a padding key.
-_PAD_Q, _PAD_KV = -1, -2
+PAD_Q, PAD_KV = -1, -2
 
 
 def _kernel_segment_ids(q_ids, kv_ids, positions, chunk_size, layout, seq_len, axis_name):
-    """The int32 ids the kernels compare: padding (<= 0) split into _PAD_Q / _PAD_KV, and with
+    """The int32 ids the kernels compare: padding (<= 0) split into PAD_Q / PAD_KV, and with
     `chunk_size` every (document, chunk of the document) made its own id.
 
     A chunk's id is 1 + the global position where it starts, g - (p mod chunk_size) for a token
@@ -307,7 +307,7 @@ def _kernel_segment_ids(q_ids, kv_ids, positions, chunk_size, layout, seq_len, a
         chunk_start = g[None, :] - jnp.asarray(positions, jnp.int32) % chunk_size + 1
         q_ids = jnp.where(q_ids > 0, chunk_start, q_ids)
         kv_ids = jnp.where(kv_ids > 0, chunk_start, kv_ids)
-    return jnp.where(q_ids > 0, q_ids, _PAD_Q), jnp.where(kv_ids > 0, kv_ids, _PAD_KV)
+    return jnp.where(q_ids > 0, q_ids, PAD_Q), jnp.where(kv_ids > 0, kv_ids, PAD_KV)
 
 
 def differentiable(cfg: RingConfig, forward_fn, backward_fn):

@@ -9,6 +9,7 @@ pair and what waits for what:
   ring        device a computes its pairs one ring step at a time; every step waits for the
               busiest device (the K/V pass on together)
   all_gather  device a computes all its pairs after one gather: no step waits for another device
+  halo        the same pairs as all_gather, each after its own permute of the blocks it needs
   ulysses     every device computes every pair for 1/sp of the heads: all devices equal
   usp         at step s of the ring of groups, each device of group g computes the pairs of
               g's U query shards against group (g - s)'s U K/V shards for 1/U of the heads
@@ -102,7 +103,7 @@ def from_step_blocks(strategy: str, degree: int | None, per_step: np.ndarray,
     if strategy == "ring":
         return StrategySchedule(strategy, 1, per_step.astype(float), ring_critical_path, kept,
                                 ring_steps)
-    if strategy == "all_gather":
+    if strategy in ("all_gather", "halo"):
         work = pairs.sum(axis=1).astype(float)
         return StrategySchedule(strategy, 1, work[:, None], float(work.max()), kept, 1)
     degree = sp if strategy == "ulysses" else int(degree)

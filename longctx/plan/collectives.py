@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from longctx.ops import context_parallel, masks
+from longctx.ops import context_parallel, halo, masks
 from longctx.ops import ring as ring_lib
 from longctx.ops import ulysses
 
@@ -401,6 +401,12 @@ def usp_group_steps(shape: Shape, degree: int, *, causal=True, sliding_window=No
                                degree)
 
 
+def halo_exchanges(shape: Shape, *, causal=True, sliding_window=None, chunk_size=None,
+                   layout="contiguous", block=512):
+    """What the halo strategy sends at each ring offset for a mask (ops/halo.py's plan)."""
+    return halo.exchanges(_config(shape, causal, sliding_window, chunk_size, layout, block))
+
+
 def _config(shape, causal, sliding_window, chunk_size, layout, block):
     spec = masks.make_mask_spec(causal, sliding_window, chunk_size)
     L = shape.seq_len // shape.sp
@@ -422,17 +428,20 @@ def _sends(steps, size: int) -> tuple[int, int]:
     return sends, pos
 
 
-def formula(strategy: str, shape: Shape, *, degree: int | None = None, steps=None) -> dict:
+def formula(strategy: str, shape: Shape, *, degree: int | None = None, steps=None,
+            exchanges=None) -> dict:
     """{"forward": bytes, "backward": bytes} one device sends (= receives) in one attention call.
 
-    strategy: ring | all_gather | ulysses | usp (degree U for usp; ulysses is U = sp).
+    strategy: ring | all_gather | ulysses | usp | halo (degree U for usp; ulysses is U = sp).
     steps: the ring's run steps (ring) or the ring of groups' steps (usp); default every step
-    (a causal or full mask; `ring_run_steps` / `usp_group_steps` give a window's fewer)."""
-    parts = formula_parts(strategy, shape, degree=degree, steps=steps)
+    (a causal or full mask; `ring_run_steps` / `usp_group_steps` give a window's fewer).
+    exchanges: halo's (`halo_exchanges`: what each ring offset sends, from the mask)."""
+    parts = formula_parts(strategy, shape, degree=degree, steps=steps, exchanges=exchanges)
     return {p: sum(kinds.values()) for p, kinds in parts.items()}
 
 
-def formula_parts(strategy: str, shape: Shape, *, degree: int | None = None, steps=None) -> dict:
+def formula_parts(strategy: str, shape: Shape, *, degree: int | None = None, steps=None,
+                  exchanges=None) -> dict:
     """`formula`'s bytes by pass and by kind of collective: {"forward" | "backward": {"permute"
     (the ring's sends), "all_gather", "reduce_scatter", "all_to_all": bytes}}, the kinds the
     planner prices on different links and overlaps differently (plan/step_time.py)."""
@@ -450,8 +459,15 @@ def formula_parts(strategy: str, shape: Shape, *, degree: int | None = None, ste
         gather = (sp - 1) * (2 * kv + ids)
         return {"forward": {"all_gather": gather},
                 "backward": {"all_gather": gather, "reduce_scatter": (sp - 1) * 2 * kv32}}
+    if strategy == "halo":
+        # One permute per exchange, of its hull: K, V and ids (again in the backward), and in the
+        # backward the hull's dK, dV (float32) back to their owners.
+        tokens = sum(ex.stop - ex.start for ex in exchanges)
+        per_token, per_token32 = (2 * kv + ids) // L, 2 * kv32 // L
+        return {"forward": {"permute": tokens * per_token},
+                "backward": {"permute": tokens * (per_token + per_token32)}}
     if strategy not in ("ulysses", "usp"):
-        raise ValueError(f"strategy={strategy!r} is not one of ring, all_gather, ulysses, usp")
+        raise ValueError(f"strategy={strategy!r} is not one of ring, all_gather, ulysses, usp, halo")
     u = sp if strategy == "ulysses" else int(degree)
     groups = sp // u
     slots = ulysses.kv_head_slots(n, kvh, u).shape[1]  # K/V heads a device holds

@@ -1,8 +1,8 @@
-"""all_gather, ulysses and usp against the dense float32 reference: forward and the gradients of
+"""all_gather, ulysses, usp and halo against the dense float32 reference: forward and the gradients of
 q, k, v and the sinks, as the ring is checked (tests/ops/test_ring_attention.py, same
 tolerances), on a ("dp", "fsdp", "sp") mesh with the batch over fsdp.
 
-A covering subset (the full product, 252 cases, about an hour here, runs with
+A covering subset (the full product, 336 cases, over an hour here, runs with
 LONGCTX_EXHAUSTIVE=1: `test_full_product`): every
 strategy with both impls; every mask, layout, sp in {2, 4, 8}, Ulysses degree, KV head count
 (MHA, GQA, MQA: Ulysses replicates KV heads fewer than sp), documents or not, sinks and soft cap
@@ -124,6 +124,10 @@ CASES = [  # strategy, impl, layout, mask, keywords
                                                        with_seg=False)),
     ("usp", "xla", "contiguous", "full", dict(sp=8, degree=4, kv_heads=1, fsdp=1, edge_rows=True)),
     ("usp", "splash", "contiguous", "causal_window", dict(degree=2, soft_cap=5.0, with_aux=True)),
+    ("halo", "xla", "contiguous", "chunked_window", dict(with_aux=True, edge_rows=True)),
+    ("halo", "xla", "zigzag", "two_sided_window", dict(sp=8, fsdp=1, with_seg=False, soft_cap=5.0)),
+    ("halo", "xla", "striped", "causal", dict(kv_heads=1)),
+    ("halo", "splash", "zigzag", "causal_window", dict(with_aux=True)),
 ]
 
 
@@ -137,7 +141,7 @@ def _full_product():
     """strategy x mask x impl x documents x sp (x U for usp), 8 heads over 2 KV heads; layouts,
     sinks and soft cap cycled over the cases."""
     sizes = [("all_gather", sp, None) for sp in (2, 4, 8)] + [("ulysses", sp, None) for sp in (2, 4, 8)]
-    sizes += [("usp", 4, 2), ("usp", 8, 2), ("usp", 8, 4)]
+    sizes += [("usp", 4, 2), ("usp", 8, 2), ("usp", 8, 4)] + [("halo", sp, None) for sp in (2, 4, 8)]
     cases = []
     for i, ((strategy, sp, degree), mask, impl, with_seg) in enumerate(
             itertools.product(sizes, MASKS, ("xla", "splash"), (True, False))):
@@ -150,7 +154,7 @@ def _full_product():
 
 
 _NOT_ASKED = pytest.param(None, None, None, None, None, marks=pytest.mark.skip(
-    reason="the full product runs with LONGCTX_EXHAUSTIVE=1 (252 cases, about an hour)"))
+    reason="the full product runs with LONGCTX_EXHAUSTIVE=1 (336 cases, over an hour)"))
 
 
 @pytest.mark.parametrize("strategy,impl,layout,mask,keywords",

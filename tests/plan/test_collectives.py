@@ -98,6 +98,8 @@ STRATEGY_CASES = [
     ("all_gather", None, 2, True, dict(causal=True)),
     ("ulysses", None, 2, True, dict(causal=True)),
     ("usp", 2, 4, True, dict(causal=True)),
+    ("halo", None, 2, True, dict(causal=True, sliding_window=(100, 0))),
+    ("halo", None, 2, False, dict(causal=True)),
 ]
 
 
@@ -112,16 +114,19 @@ def test_formula_equals_the_lowered_program(mesh, strategy, degree, kv_heads, do
     kw = dict(layout="contiguous", block=128, **mask)
     steps = (collectives.ring_run_steps(shape, **kw) if strategy == "ring" else
              collectives.usp_group_steps(shape, degree, **kw) if strategy == "usp" else None)
-    want = collectives.formula(strategy, shape, degree=degree, steps=steps)
-    parts = collectives.formula_parts(strategy, shape, degree=degree, steps=steps)
+    exchanges = collectives.halo_exchanges(shape, **kw) if strategy == "halo" else None
+    want = collectives.formula(strategy, shape, degree=degree, steps=steps, exchanges=exchanges)
+    parts = collectives.formula_parts(strategy, shape, degree=degree, steps=steps, exchanges=exchanges)
     for part in ("forward", "backward"):
         t = got[part]
         assert t.unknown_loops == 0 and t.total_sent == t.total_received == want[part], (part, t)
         # kind by kind too: the planner prices each kind on its own links (plan/step_time.py)
         by_kind = {HLO_KIND[k]: n for k, n in parts[part].items() if n}
         assert {k: n for k, n in t.sent.items() if n} == by_kind, (part, t.sent, by_kind)
-    if "sliding_window" in mask:
+    if strategy == "ring" and "sliding_window" in mask:
         assert steps == (0, 1)  # K/V go one hop, not SP - 1
+    if strategy == "halo" and "sliding_window" in mask:  # one hop, and only the window's blocks
+        assert [(ex.offset, ex.stop - ex.start) for ex in exchanges] == [(1, 128)]
 
 
 def test_ring_with_document_skipping_has_a_loop_of_unknown_count(mesh):

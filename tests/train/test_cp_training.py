@@ -51,7 +51,8 @@ def ring_losses():
 
 
 @pytest.mark.parametrize("strategy", [dict(cp="all_gather"), dict(cp="ulysses"),
-                                      dict(cp="usp", cp_ulysses=2)], ids=lambda s: s["cp"])
+                                      dict(cp="usp", cp_ulysses=2), dict(cp="halo")],
+                         ids=lambda s: s["cp"])
 def test_strategy_trains_as_the_ring(ring_losses, strategy):
     losses = _losses(_config(**strategy))
     assert losses[-1] < losses[0] - 0.2  # it trains (random tokens: towards their unigram entropy)

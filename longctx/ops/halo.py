@@ -1,0 +1,145 @@
+"""Halo exchange: each device receives, from each other shard, only the K/V its queries can reach.
+
+A sliding window w much shorter than a shard needs of the shard before it only its last w tokens
+(in zigzag, of each of its two chunks, from both neighbours), and a chunked mask whose chunks lie
+inside shards needs nothing at all. The ring sends whole shards; this strategy works out on the
+host, from the ring's own block tables (tables.block_classes), which blocks of shard
+(d - s) mod sp any device d's queries keep at every ring offset s, and sends, in one
+`lax.ppermute` per offset that has any, only the hull of those blocks (a contiguous run of
+blocks, the same on every device, to the devices that need it). The receiver places it where
+it lies in its shard, in an otherwise empty shard-sized buffer, and computes the pair (own
+query shard, that K/V shard) with the same tables and per-step backends as every strategy
+(ops/shard_pairs.py): the blocks outside the hull are empty in the static mask, so they are
+never read. Documents prune the compute, not the bytes (those are static).
+
+Backward: the halos are received again (a layer keeps only its own shards, as the ring does),
+each pair's dK and dV are computed in float32, and the hull of each goes back to its owner by
+the reverse permutation, to be added to the owner's own.
+
+Exact for every mask and layout. It pays where a mask reaches few blocks of other shards: windows
+and chunks in the contiguous and zigzag layouts (Gemma 3's window 1,024 at 131,072 tokens over
+sp = 16 sends 2 of 16 blocks of 512, where the ring sends a whole shard). Striped spreads every
+window over every device, so there the hulls are whole shards: the same bytes as all-gather, in
+sp - 1 permutes. `plan` and `tokens_sent` say what is sent (plan/collectives.py: the bytes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from longctx.ops import ring, shard_pairs
+from longctx.ops import tables as tables_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """What one ring offset sends: tokens [start, stop) of every shard (a hull of whole blocks),
+    from device (a - offset) mod sp to each device a in the permutation's receivers."""
+
+    offset: int
+    start: int
+    stop: int
+    perm: tuple[tuple[int, int], ...]  # (source, receiver) pairs, for lax.ppermute
+
+
+@functools.lru_cache(maxsize=64)
+def plan(spec, layout: str, seq_len: int, sp: int, bq: int, bkv: int) -> tuple[Exchange, ...]:
+    """The exchanges of one mask (offsets 1..sp-1 that any device needs), on the host."""
+    classes = tables_lib.block_classes(spec, layout, seq_len, sp, bq, bkv)  # [device, step, qb, kb]
+    exchanges = []
+    for offset in range(1, sp):
+        kept = classes[:, offset] != 0  # device a at ring step `offset` holds shard a - offset
+        receivers = np.flatnonzero(kept.any(axis=(1, 2)))
+        if receivers.size == 0:
+            continue
+        blocks = np.flatnonzero(kept.any(axis=(0, 1)))
+        perm = tuple((int((a - offset) % sp), int(a)) for a in receivers)
+        exchanges.append(Exchange(offset, int(blocks[0]) * bkv, (int(blocks[-1]) + 1) * bkv, perm))
+    return tuple(exchanges)
+
+
+def exchanges(cfg) -> tuple[Exchange, ...]:
+    return plan(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq, cfg.bkv)
+
+
+def tokens_sent(cfg) -> int:
+    """K/V tokens a layer's forward sends, summed over its permutes (each counted for its busiest
+    device, as plan/collectives.py counts a program's): the hulls' lengths."""
+    return sum(ex.stop - ex.start for ex in exchanges(cfg))
+
+
+def _received(cfg, ex: Exchange, k, v, ks):
+    """This device's (K, V, K/V segment ids) of shard (d - offset) mod sp, stacked [1, ...] as
+    shard_pairs takes them: the hull as received, the rest of the shard empty (zero K/V, padding
+    ids: never read, since the static mask keeps no block there)."""
+    shard_len = k.shape[1]
+
+    def send(x, fill):
+        part = lax.ppermute(lax.slice_in_dim(x, ex.start, ex.stop, axis=1), cfg.axis_name, ex.perm)
+        pad = [(0, 0)] * x.ndim
+        pad[1] = (ex.start, shard_len - ex.stop)
+        return jnp.pad(part, pad, constant_values=fill)
+
+    backend = ring.step_backend(cfg)
+    k_t, v_t = (backend.to_kv_layout(send(x, 0))[None] for x in (k, v))
+    ks_t = None if ks is None else send(ks, ring.PAD_KV)[None]
+    return k_t, v_t, ks_t
+
+
+def _source(cfg, d, ex: Exchange):
+    return ((d - ex.offset) % cfg.sp)[None]
+
+
+def forward(cfg, q, k, v, qs, ks, aux):
+    """(out [b, L, n, h] in q's dtype, lse [b, L, n] float32) of this device's query shard."""
+    backend = ring.step_backend(cfg)
+    d = lax.axis_index(cfg.axis_name)
+    qx = ring.scaled_query(cfg, q)[None]
+    qs1 = None if qs is None else qs[None]
+    kv_heads = k.shape[2]
+    acc = shard_pairs.forward_start(cfg, qx, qs1, kv_heads)
+    local = (backend.to_kv_layout(k)[None], backend.to_kv_layout(v)[None], None if ks is None else ks[None])
+    acc = shard_pairs.forward(cfg, acc, qx, qs1, d[None], local, d[None], kv_heads)
+    for ex in exchanges(cfg):
+        acc = shard_pairs.forward(cfg, acc, qx, qs1, d[None], _received(cfg, ex, k, v, ks),
+                                  _source(cfg, d, ex), kv_heads)
+    o, lse = shard_pairs.forward_end(cfg, acc)
+    o, lse = ring.add_sinks(o[0], lse[0], aux)
+    return o.astype(q.dtype), lse
+
+
+def _add_returned(cfg, ex: Exchange, total, part):
+    """`total` (this device's dK or dV, float32 [b, L, k, h]) plus the hull of `part` (the dK or
+    dV this device's queries gave the halo it received, stacked [1, ...] in the travelling layout)
+    that the receivers of its own halo send back: each device gets what its halo earned."""
+    hull = lax.slice_in_dim(ring.step_backend(cfg).from_kv_layout(part[0]), ex.start, ex.stop, axis=1)
+    home = tuple((receiver, source) for source, receiver in ex.perm)
+    return total.at[:, ex.start:ex.stop].add(lax.ppermute(hull, cfg.axis_name, home))
+
+
+def backward(cfg, res, do):
+    """(dq, dk, dv, None, None, d_aux): the gradients of this device's shards."""
+    q, k, v, qs, ks, aux, out, lse = res
+    backend = ring.step_backend(cfg)
+    d = lax.axis_index(cfg.axis_name)
+    do, di, lse_k = ring.backward_inputs(q, out, lse, do)
+    qx = ring.scaled_query(cfg, q)[None]
+    stack = lambda x: None if x is None else x[None]  # noqa: E731
+    q_side = (qx, stack(qs), lse_k[None], do[None], di[None])
+    local = (backend.to_kv_layout(k)[None], backend.to_kv_layout(v)[None], stack(ks))
+    dq, zeros, _ = shard_pairs.backward_start(cfg, *q_side, k.shape[2], local[0].shape)
+    dq, dk, dv = shard_pairs.backward(cfg, (dq, zeros, zeros), *q_side, d[None], local, d[None],
+                                      k.shape[2])
+    dk, dv = backend.from_kv_layout(dk[0]), backend.from_kv_layout(dv[0])
+    for ex in exchanges(cfg):
+        dq, dk_ex, dv_ex = shard_pairs.backward(cfg, (dq, zeros, zeros), *q_side, d[None],
+                                                _received(cfg, ex, k, v, ks), _source(cfg, d, ex),
+                                                k.shape[2])
+        dk, dv = _add_returned(cfg, ex, dk, dk_ex), _add_returned(cfg, ex, dv, dv_ex)
+    dq = (shard_pairs.backward_end(cfg, dq)[0] * cfg.scale).astype(q.dtype)
+    return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None,
+            ring.sink_gradient(aux, lse_k, di))
