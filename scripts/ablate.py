@@ -3,9 +3,13 @@
   .venv/bin/python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks
   .venv/bin/python scripts/ablate.py --grid=configs/ablations/masks.py --workdir=runs/ablate_masks --dry-run
 
-Writes DIR/ablation.md (final train/val loss, tokens/s, ring schedule efficiency, steps),
+  .venv/bin/python scripts/ablate.py --grid=configs/ablations/hybrid.py --workdir=runs/ablate_hybrid --seeds=3
+
+Writes DIR/ablation.md (final train/val loss, tokens/s, ring schedule efficiency, steps; with
+--seeds N, their mean and standard deviation over N seeds and which variants lie within each
+other's spread; the validation loss past each variant's shortest window; K/V bytes per step),
 DIR/ablation.png (loss curves) and DIR/position_loss.png (validation loss by token position).
-Re-running skips finished variants and resumes unfinished ones from their checkpoints.
+Re-running skips finished runs and resumes unfinished ones from their checkpoints.
 """
 
 import argparse
@@ -42,10 +46,55 @@ def validate_grid(grid: str) -> str:
     return f"the {len(variants)} variants of {grid} are fine"
 
 
+def kv_bytes_per_step(config, layout: str, mesh: dict) -> int | None:
+    """The K/V bytes (with their segment ids, and dK/dV back in the backward) one device sends in
+    one training step, summed over the layers: longctx.plan.collectives' closed form for each
+    layer type's strategy and mask, on the run's layout and mesh (a bound for the ring with
+    documents, which may stop early). None for a strategy that formula does not price."""
+    # lazily: jax and the ops load only once the runs are done
+    import numpy as np
+
+    from longctx.model import layer_types
+    from longctx.plan import collectives
+
+    m = config.model
+    data_ways = mesh["dp"] * mesh["fsdp"] * mesh.get("dcn_dp", 1) * mesh.get("dcn_fsdp", 1)
+    batch = config.data.global_batch_size // data_ways
+    types = layer_types.period(config)
+    total = 0
+    for kind, layers in zip(types, layer_types.layer_counts(m.num_layers, len(types))):
+        a = kind.attention
+        shape = collectives.Shape(batch, config.data.seq_len, mesh["sp"], m.num_heads, m.num_kv_heads, m.head_dim,
+                                  np.dtype(m.dtype).itemsize, documents=bool(a.use_segment_ids))
+        mask = dict(causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size, layout=layout,
+                    block=a.block_size)
+        if a.cp == "ring":
+            per_layer = collectives.formula("ring", shape, steps=collectives.ring_run_steps(shape, **mask))
+        elif a.cp == "usp":
+            per_layer = collectives.formula("usp", shape, degree=a.cp_ulysses,
+                                            steps=collectives.usp_group_steps(shape, a.cp_ulysses, **mask))
+        elif a.cp in ("all_gather", "ulysses"):
+            per_layer = collectives.formula(a.cp, shape)
+        else:
+            return None
+        total += layers * sum(per_layer.values())
+    return total
+
+
+def price_kv(rows: list[dict], variants) -> None:
+    """Adds each row's K/V bytes per step (kv_bytes_per_step on its first run's layout and mesh)."""
+    for row, variant in zip(rows, variants):
+        run = next((r for r in row["runs"] if r["layout"] and r["mesh"]), None)
+        row["kv_bytes"] = kv_bytes_per_step(variant.config, run["layout"], run["mesh"]) if run else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grid", required=True, help="grid file, e.g. configs/ablations/masks.py")
     parser.add_argument("--workdir", required=True, help="one sub-directory per variant goes here")
+    parser.add_argument("--seeds", type=cli.int_at_least(1), default=1,
+                        help="runs per variant (config seed, seed + 1, ...; each in DIR/<variant>/seed_<s>); "
+                             "the table gives mean and standard deviation over them")
     parser.add_argument("--dry-run", action="store_true", help="print the commands (for a cluster) and stop")
     return parser
 
@@ -55,10 +104,11 @@ def main() -> int:
     workdir_lib.check_named(args.workdir)
     if cli.validate_only():
         cli.validated(validate_grid(args.grid))
-    variants = ablation.run_grid(args.grid, args.workdir, dry_run=args.dry_run)
+    variants = ablation.run_grid(args.grid, args.workdir, seeds=args.seeds, dry_run=args.dry_run)
     if args.dry_run:
         return 0
-    rows = ablation.summarize(variants, args.workdir)
+    rows = ablation.summarize(variants, args.workdir, seeds=args.seeds)
+    price_kv(rows, variants)
     paths = ablation.write_report(rows, args.workdir, shlex.join([".venv/bin/python", *sys.argv]))
     print(ablation.markdown_table(rows))
     print("ablate: wrote " + ", ".join(paths.values()))

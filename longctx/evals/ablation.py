@@ -4,6 +4,11 @@ A grid file (configs/ablations/*.py) defines `BASE` ("configs/base.py:preset"), 
 for every variant) and `get_grid() -> {variant: overrides}`. Each variant is an ordinary training
 run in `workdir/<variant>`; a finished one is skipped, an unfinished one resumes from its checkpoint
 (train_and_evaluate does that by itself), so re-running a grid only does the missing work.
+
+With N seeds (`scripts/ablate.py --seeds N`) each variant runs N times, seed `config.seed + k` in
+`workdir/<variant>/seed_<seed>`, and the report gives each variant's mean and sample standard
+deviation over its seeds (`aggregate`) and which variants' validation losses lie within each
+other's spread (`within_spread`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import sys
 from typing import Any
 
 from longctx.errors import ConfigError, RunError
+from longctx.evals import ablation_stats as stats
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (longctx/evals/ in a checkout)
 
@@ -28,10 +34,22 @@ class Variant:
     overrides: dict[str, Any]
     config: Any  # the resolved ConfigDict
 
-    def command(self, base: str, workdir: str) -> list[str]:
+    def seeds(self, count: int) -> list[int | None]:
+        """The seeds of `count` runs: None for one (the config's own seed, today's layout), else
+        config.seed, config.seed + 1, ..."""
+        return [None] if count == 1 else [int(self.config.seed) + k for k in range(count)]
+
+    def run_dir(self, workdir: str, seed: int | None = None) -> str:
+        return os.path.join(workdir, self.name, *([] if seed is None else [f"seed_{seed}"]))
+
+    def command(self, base: str, workdir: str, seed: int | None = None) -> list[str]:
+        # a dict value (a ConfigDict-valued key such as attention.layer_types) is its Python
+        # literal, which ml_collections' flag parser reads back as a ConfigDict
         flags = [f"--config.{k}={v}" for k, v in self.overrides.items()]
+        if seed is not None:
+            flags.append(f"--config.seed={seed}")
         return [sys.executable, os.path.join(REPO, "scripts", "train.py"), f"--config={base}",
-                f"--workdir={os.path.join(workdir, self.name)}", *flags]
+                f"--workdir={self.run_dir(workdir, seed)}", *flags]
 
 
 def _load_module(path: str, name: str):
@@ -92,51 +110,125 @@ def is_finished(variant: Variant, run_dir: str) -> bool:
     return bool(steps) and max(steps) >= variant.config.train.num_steps
 
 
-def run_grid(grid_path: str, workdir: str, *, dry_run: bool = False, echo=print) -> list[Variant]:
-    """Runs each variant in turn (each its own training process, whose output follows a line
-    "ablate: variant k of N (name): starting"), or with `dry_run` prints each command."""
+def run_grid(grid_path: str, workdir: str, *, seeds: int = 1, dry_run: bool = False,
+             echo=print) -> list[Variant]:
+    """Runs each variant in turn, `seeds` times (each run its own training process, whose output
+    follows a line "ablate: variant k of N (name): starting", with ", seed s (j of M)" where
+    seeds > 1), or with `dry_run` prints each command."""
     base, variants = load_grid(grid_path)
     for k, variant in enumerate(variants, 1):
-        command = variant.command(base, workdir)
-        if dry_run:
-            echo(shlex.join(command))
-            continue
-        run_dir = os.path.join(workdir, variant.name)
-        which = f"ablate: variant {k} of {len(variants)} ({variant.name})"
-        if is_finished(variant, run_dir):
-            echo(f"{which}: finished, skipping")
-            continue
-        echo(f"{which}: {'resuming' if os.path.isdir(run_dir) else 'starting'}")
-        sys.stdout.flush()  # (before the run's own lines, also when stdout is a pipe)
-        result = subprocess.run(command, cwd=REPO)
-        if result.returncode != 0:
-            raise RunError(f"variant {variant.name!r} failed with exit code {result.returncode} "
-                           f"(its message is above): {shlex.join(command)}")
+        variant_seeds = variant.seeds(seeds)
+        for j, seed in enumerate(variant_seeds, 1):
+            command = variant.command(base, workdir, seed)
+            if dry_run:
+                echo(shlex.join(command))
+                continue
+            run_dir = variant.run_dir(workdir, seed)
+            which = f"ablate: variant {k} of {len(variants)} ({variant.name})"
+            if seed is not None:
+                which += f", seed {seed} ({j} of {len(variant_seeds)})"
+            if is_finished(variant, run_dir):
+                echo(f"{which}: finished, skipping")
+                continue
+            echo(f"{which}: {'resuming' if os.path.isdir(run_dir) else 'starting'}")
+            sys.stdout.flush()  # (before the run's own lines, also when stdout is a pipe)
+            result = subprocess.run(command, cwd=REPO)
+            if result.returncode != 0:
+                what = variant.name if seed is None else f"{variant.name} (seed {seed})"
+                raise RunError(f"variant {what!r} failed with exit code {result.returncode} "
+                               f"(its message is above): {shlex.join(command)}")
     return variants
 
 
-def summarize(variants: list[Variant], workdir: str) -> list[dict]:
-    rows = []
-    for variant in variants:
-        run_dir = os.path.join(workdir, variant.name)
-        records = read_metrics(run_dir)
-        train = [r for r in records if "train/loss" in r]
-        val = [r for r in records if "val/loss" in r]
-        info_path = os.path.join(run_dir, "run_info.json")
-        info = json.load(open(info_path)) if os.path.isfile(info_path) else {}
-        speeds = sorted(r["train/tokens_per_s"] for r in train if "train/tokens_per_s" in r)
-        rows.append({
-            "variant": variant.name,
-            "steps": train[-1]["step"] if train else 0,
-            "train_loss": train[-1]["train/loss"] if train else None,
-            "val_loss": val[-1]["val/loss"] if val else None,
-            "tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
-            "schedule_efficiency": info.get("ring_schedule_efficiency"),
-            "ring_steps": info.get("ring_steps_run"),
-            "train_curve": [(r["step"], r["train/loss"]) for r in train],
-            "position_loss": (val[-1].get("val/position_bucket_starts"), val[-1].get("val/loss_by_position"))
-            if val else None,
-        })
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def summarize_run(run_dir: str) -> dict:
+    """One run's figures: its last train and validation loss, median tokens/s, ring schedule,
+    layout, loss curve, validation loss (and tokens) by position bucket and, where the run
+    evaluated passkey retrieval (train.eval_needle_every), its accuracy by needle depth."""
+    records = read_metrics(run_dir)
+    train = [r for r in records if "train/loss" in r]
+    val = [r for r in records if "val/loss" in r]
+    info = _read_json(os.path.join(run_dir, "run_info.json"))
+    speeds = sorted(r["train/tokens_per_s"] for r in train if "train/tokens_per_s" in r)
+    needle = _read_json(os.path.join(run_dir, "needle.json"))
+    return {
+        "steps": train[-1]["step"] if train else 0,
+        "train_loss": train[-1]["train/loss"] if train else None,
+        "val_loss": val[-1]["val/loss"] if val else None,
+        "tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
+        "schedule_efficiency": info.get("ring_schedule_efficiency"),
+        "ring_steps": info.get("ring_steps_run"),
+        "layout": info.get("layout"),
+        "mesh": info.get("mesh"),
+        "train_curve": [(r["step"], r["train/loss"]) for r in train],
+        # (bucket starts, loss, tokens); tokens None in runs from before train/steps.py counted them
+        "position_loss": (val[-1].get("val/position_bucket_starts"), val[-1].get("val/loss_by_position"),
+                          val[-1].get("val/tokens_by_position")) if val else None,
+        "passkey": (needle["depths"], [sum(col) / len(col) for col in zip(*needle["accuracy"])])
+        if needle.get("accuracy") else None,
+    }
+
+
+def blind_from(config) -> int | None:
+    """The first in-document position some layer of `config` cannot see its document's start
+    from (its shortest window or chunk; None where every layer is global)."""
+    # lazily: the model's layer types load jax, which the parent process does without until
+    # the runs are done
+    from longctx.model import layer_types
+
+    types = layer_types.period(config)
+    return stats.blind_from([t.attention.get("sliding_window") for t in types],
+                                     [t.attention.get("chunk_size") for t in types])
+
+
+def _past_loss(run: dict, start: int | None) -> float | None:
+    if start is None or not run["position_loss"] or run["position_loss"][2] is None:
+        return None
+    return stats.loss_from(start, *run["position_loss"])
+
+
+def _aggregate(name: str, runs: list[dict], blind: int | None) -> dict:
+    """A variant's row: means (and standard deviations) over its runs."""
+    first = lambda key: next((r[key] for r in runs if r[key] is not None), None)  # noqa: E731
+    train_loss, train_std = stats.mean_std([r["train_loss"] for r in runs])
+    val_loss, val_std = stats.mean_std([r["val_loss"] for r in runs])
+    positions = [r["position_loss"] for r in runs if r["position_loss"] and r["position_loss"][0]]
+    starts = positions[0][0] if positions else []
+    past_from = stats.first_bucket_from(blind, starts) if blind is not None else None
+    past_loss, past_std = stats.mean_std([_past_loss(r, past_from) for r in runs])
+    passkeys = [r["passkey"] for r in runs if r["passkey"]]
+    curve = stats.mean_curve([r["train_curve"] for r in runs if r["train_curve"]])
+    return {
+        "variant": name, "runs": runs, "seeds": sum(r["train_loss"] is not None for r in runs),
+        "steps": min(r["steps"] for r in runs),
+        "train_loss": train_loss, "train_loss_std": train_std, "val_loss": val_loss, "val_loss_std": val_std,
+        "tokens_per_s": stats.mean_std([r["tokens_per_s"] for r in runs])[0],
+        "schedule_efficiency": first("schedule_efficiency"), "ring_steps": first("ring_steps"),
+        "layout": first("layout"), "blind_from": blind, "past_from": past_from,
+        "past_loss": past_loss, "past_loss_std": past_std,
+        "train_curve": [(step, mean) for step, mean, _, _ in curve],
+        "train_band": [(step, low, high) for step, _, low, high in curve],
+        "position_loss": (starts, stats.mean_lists([p[1] for p in positions])) if positions else None,
+        "passkey": (passkeys[0][0], stats.mean_lists([p[1] for p in passkeys])) if passkeys else None,
+    }
+
+
+def summarize(variants: list[Variant], workdir: str, seeds: int = 1) -> list[dict]:
+    """One row per variant over its `seeds` runs; each row also names the variants within its
+    validation loss's spread, and gives the first variant's loss on the tokens past its window."""
+    rows = [_aggregate(v.name, [summarize_run(v.run_dir(workdir, s)) for s in v.seeds(seeds)],
+                       blind_from(v.config)) for v in variants]
+    close = stats.within_spread([r["variant"] for r in rows], [r["val_loss"] for r in rows],
+                                [r["val_loss_std"] for r in rows])
+    for r in rows:
+        r["within_spread"] = close[r["variant"]]
+        r["reference_past_loss"] = stats.mean_std([_past_loss(run, r["past_from"]) for run in rows[0]["runs"]])[0]
     return rows
 
 
@@ -144,14 +236,50 @@ def _cell(value, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
+def _spread_cell(mean, std, fmt: str) -> str:
+    return _cell(mean, fmt) if std is None else f"{mean:{fmt}} ± {std:{fmt}}"
+
+
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| variant | steps | train loss | val loss | tokens/s | ring schedule efficiency | ring steps |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    """The table, and under it what its spread and comparison columns mean. Optional columns:
+    passkey by depth where a run evaluated it, K/V bytes where the caller priced them
+    (row["kv_bytes"], scripts/ablate.py)."""
+    reference = rows[0]["variant"] if rows else ""
+    passkey = next((r["passkey"] for r in rows if r.get("passkey")), None)
+    priced = any(r.get("kv_bytes") is not None for r in rows)
+    header = ["variant", "steps", "seeds", "train loss", "val loss", "val loss within the spread of",
+              "first position past the window", "val loss there", f"{reference} there"]
+    if passkey:
+        header.append("passkey at depth " + " / ".join(f"{d:.0%}" for d in passkey[0]))
+    header += ["tokens/s", "layout", "ring schedule efficiency", "ring steps"]
+    if priced:
+        header.append("K/V bytes per step per device")
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * 4 + "---|" + "---:|" * 3
+             + "---:|" * bool(passkey) + "---:|---|---:|---:|" + "---:|" * priced]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['steps']} | {_cell(r['train_loss'], '.4f')} | "
-                     f"{_cell(r['val_loss'], '.4f')} | {_cell(r['tokens_per_s'], '.0f')} | "
-                     f"{_cell(r['schedule_efficiency'], '.3f')} | {_cell(r['ring_steps'], 'd')} |")
-    return "\n".join(lines) + "\n"
+        cells = [r["variant"], str(r["steps"]), str(r["seeds"]),
+                 _spread_cell(r["train_loss"], r["train_loss_std"], ".4f"),
+                 _spread_cell(r["val_loss"], r["val_loss_std"], ".4f"),
+                 ", ".join(r.get("within_spread", [])) or "–", _cell(r["past_from"], "d"),
+                 _spread_cell(r["past_loss"], r["past_loss_std"], ".4f"),
+                 _cell(r.get("reference_past_loss") if r["past_from"] is not None else None, ".4f")]
+        if passkey:
+            cells.append(" / ".join(f"{a:.2f}" for a in r["passkey"][1]) if r.get("passkey") else "–")
+        cells += [_cell(r["tokens_per_s"], ".0f"), r["layout"] or "–", _cell(r["schedule_efficiency"], ".3f"),
+                  _cell(r["ring_steps"], "d")]
+        if priced:
+            cells.append(_cell(r.get("kv_bytes"), ",d"))
+        lines.append("| " + " | ".join(cells) + " |")
+    seeds = max((r["seeds"] for r in rows), default=0)
+    notes = [f"Losses are the mean over {seeds} seeds ± their sample standard deviation (n - 1); "
+             "a variant is within the spread of another when their mean validation losses differ "
+             "by less than the larger of the two standard deviations (the run does not tell them "
+             "apart)." if seeds > 1 else "One seed per variant: no spread (scripts/ablate.py --seeds N).",
+             "\"First position past the window\": the first position bucket ([0, 1), [1, 3), [3, 7), "
+             "...) whose tokens all lie further into their document than the variant's shortest "
+             f"window (or chunk) reaches; \"val loss there\" is the validation loss on those tokens, "
+             f"\"{reference} there\" the first variant's on the same tokens."]
+    return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
 
 
 def write_report(rows: list[dict], workdir: str, command: str) -> dict[str, str]:
@@ -169,8 +297,13 @@ def write_report(rows: list[dict], workdir: str, command: str) -> dict[str, str]
     for r in rows:
         if r["train_curve"]:
             steps, losses = zip(*r["train_curve"])
-            ax.plot(steps, losses, label=r["variant"])
-    ax.set(xlabel="step", ylabel="train loss", title="Training loss by variant")
+            line, = ax.plot(steps, losses, label=r["variant"])
+            if r["seeds"] > 1:  # the seeds' range around their mean
+                _, low, high = zip(*r["train_band"])
+                ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+    seeded = any(r["seeds"] > 1 for r in rows)
+    title = "Training loss by variant" + (" (mean and range over seeds)" if seeded else "")
+    ax.set(xlabel="step", ylabel="train loss", title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(paths["curves"], dpi=120)
@@ -184,7 +317,7 @@ def write_report(rows: list[dict], workdir: str, command: str) -> dict[str, str]
             if points:
                 ax.plot(*zip(*points), marker="o", label=r["variant"])
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="position in document (bucket start + 1, log scale)", ylabel="validation loss",
+    ax.set(xlabel="position in document (bucket start + 1, log scale)", ylabel="validation loss (mean over seeds)",
            title="Validation loss by token position")
     ax.legend(fontsize=8)
     fig.tight_layout()

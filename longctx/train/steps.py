@@ -108,6 +108,9 @@ def evaluate(config, eval_step, params, make_iterator) -> dict:
         return {}
     counts = np.maximum(totals["count_by_position"], 1.0)
     by_position = np.where(totals["count_by_position"] > 0, totals["nll_by_position"] / counts, np.nan)
+    # the tokens behind each bucket's loss, so that a range of buckets can be averaged
+    # (scripts/ablate.py: the loss past a window)
     return {"loss": float(totals["nll_sum"] / max(totals["count"], 1.0)),
             "loss_by_position": [None if np.isnan(x) else float(x) for x in by_position],
-            "position_bucket_starts": [2 ** i - 1 for i in range(len(by_position))]}
+            "position_bucket_starts": [2 ** i - 1 for i in range(len(by_position))],
+            "tokens_by_position": [int(x) for x in totals["count_by_position"]]}

@@ -31,6 +31,9 @@ def test_grid_runs_reports_and_skips_finished(tmp_path):
     # the eval step reported loss by position for every run
     val = [json.loads(line) for line in open(tmp_path / "causal" / "metrics.jsonl") if "val/loss" in line]
     assert val and len(val[-1]["val/loss_by_position"]) == len(val[-1]["val/position_bucket_starts"])
+    # with the tokens behind each bucket (the loss past a window averages buckets by them)
+    tokens = val[-1]["val/tokens_by_position"]
+    assert len(tokens) == len(val[-1]["val/position_bucket_starts"]) and sum(tokens) > 0
 
     second = run_ablate(f"--grid={GRID}", f"--workdir={tmp_path}")
     assert second.returncode == 0
