@@ -170,6 +170,8 @@ def _base() -> ml_collections.ConfigDict:
             eval_steps=4,
             # Passkey retrieval (longctx/evals/needle.py) on validation haystacks every N steps; 0 = never.
             eval_needle_every=0,
+            # RULER's synthetic tasks (longctx/evals/ruler.py) by task and length every N steps; 0 = never.
+            eval_ruler_every=0,
             loss_chunk_size=512,  # tokens per chunk of the output projection + cross-entropy
             on_nonfinite="stop",  # stop | skip
             # With skip: stop (as stop does) once this many steps in a row were non-finite. A bad
@@ -284,9 +286,60 @@ def _llama3_8b_extend_128k(c):
     return c
 
 
+def _hybrid_at_scale(c, *, layers, d_model, heads, kv_heads, head_dim, mlp_dim, vocab, seq_len,
+                     pattern, types, theta):
+    """A hybrid model's shape for the fit check and the planner (no weights needed), on v5p-128
+    (sp=16, fsdp=-1) as llama3_8b_128k: the families' own blocks (Gemma's GeGLU and norms, gpt-oss's
+    experts, Llama 4's experts) are Llama blocks of the same widths here, the experts a dense MLP of
+    the active experts' width."""
+    c = _llama3_8b_128k(c)
+    c.model.update(vocab_size=vocab, d_model=d_model, num_layers=layers, num_heads=heads,
+                   num_kv_heads=kv_heads, head_dim=head_dim, mlp_dim=mlp_dim, rope_theta=theta)
+    c.data.update(seq_len=seq_len, global_batch_size=4)
+    c.attention.pattern = pattern
+    c.attention.layer_types = ml_collections.ConfigDict(types)
+    return c
+
+
+def _gemma3_12b_128k(c):
+    """Gemma-3-12B's shape at 131,072 tokens: 48 layers, five sliding-window layers (window 1,024,
+    RoPE theta 10,000, the halo) to one global (theta 1,000,000, linear scaling x8, the ring)."""
+    return _hybrid_at_scale(
+        c, layers=48, d_model=3840, heads=16, kv_heads=8, head_dim=256, mlp_dim=15_360,
+        vocab=262_208, seq_len=131_072, theta=1_000_000.0,
+        pattern="local,local,local,local,local,global",
+        types={"local": dict(sliding_window=1024, rope_theta=10_000.0, cp="halo"),
+               "global": dict(rope_scaling=dict(type="linear", factor=8.0))})
+
+
+def _gpt_oss_20b_128k(c):
+    """gpt-oss-20b's attention at 131,072 tokens, its experts as a dense MLP of the 4 active ones'
+    width: 24 layers alternating a 128-token window (the halo) and full attention, learned sinks
+    on both."""
+    c = _hybrid_at_scale(
+        c, layers=24, d_model=2880, heads=64, kv_heads=8, head_dim=64, mlp_dim=4 * 2880,
+        vocab=201_088, seq_len=131_072, theta=150_000.0, pattern="local,global",
+        types={"local": dict(sliding_window=128, cp="halo"), "global": {}})
+    c.attention.attention_sinks = True
+    return c
+
+
+def _llama4_scout_256k(c):
+    """Llama-4-Scout's attention at 262,144 tokens, its experts as a dense MLP of the shared and
+    the one routed expert's width: 48 layers, three chunked layers (chunks of 8,192, RoPE, the
+    halo: chunks inside shards need nothing) to one full layer without RoPE, whose queries are
+    scaled by position (temperature tuning: floor 8,192, scale 0.1)."""
+    return _hybrid_at_scale(
+        c, layers=48, d_model=5120, heads=40, kv_heads=8, head_dim=128, mlp_dim=2 * 8192,
+        vocab=202_048, seq_len=262_144, theta=500_000.0, pattern="chunked,chunked,chunked,global",
+        types={"chunked": dict(chunk_size=8192, cp="halo"),
+               "global": dict(rope=False, temperature_floor=8192, temperature_scale=0.1)})
+
+
 PRESETS = {"": lambda c: c, "base": lambda c: c, "tiny": _tiny, "tiny_hybrid": _tiny_hybrid, "long_cpu": _long_cpu,
            "llama3_8b_128k": _llama3_8b_128k, "llama3_70b_128k": _llama3_70b_128k,
-           "llama3_8b_extend_128k": _llama3_8b_extend_128k}
+           "llama3_8b_extend_128k": _llama3_8b_extend_128k, "gemma3_12b_128k": _gemma3_12b_128k,
+           "gpt_oss_20b_128k": _gpt_oss_20b_128k, "llama4_scout_256k": _llama4_scout_256k}
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:

@@ -264,6 +264,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
              f"train.eval_steps={t.eval_steps} must be positive when train.eval_every > 0.")
     _require(t.get("eval_needle_every", 0) >= 0,
              f"train.eval_needle_every={t.get('eval_needle_every')} must be >= 0 (0 disables the passkey evaluation).")
+    _require(t.get("eval_ruler_every", 0) >= 0,
+             f"train.eval_ruler_every={t.get('eval_ruler_every')} must be >= 0 (0 disables the RULER evaluation).")
     _require(c.every_steps >= 0, f"checkpoint.every_steps={c.every_steps} must be >= 0 (0 = only at the end).")
     _require(c.max_to_keep >= 1, f"checkpoint.max_to_keep={c.max_to_keep} must be at least 1.")
     _require(c.keep_period is None or c.keep_period > 0,
@@ -317,6 +319,9 @@ def _check_layer_types(config, sp: int, shard_len: int) -> None:
                  f"{prefix}block_size={a.block_size} does not divide the per-device shard of "
                  f"data.seq_len/sp = {config.data.seq_len}/{sp} = {shard_len} tokens.")
         _check_splash_block(a.block_size, shard_len, a.impl, a.layout, prefix)
+        scaling = layer_types_lib.rope_scaling(config, layer_type.name)
+        if scaling is not None:
+            _check_rope_scaling(ml_collections.ConfigDict(scaling), f"{prefix}rope_scaling")
 
 
 def _check_splash_block(block: int, shard_len: int, impl: str, layout: str, prefix: str = "attention.") -> None:
@@ -334,31 +339,32 @@ def _check_splash_block(block: int, shard_len: int, impl: str, layout: str, pref
     raise ConfigError(f"{prefix}block_size={block} {problem}; {fix}.")
 
 
-def _check_rope_scaling(s) -> None:
-    """The keys `model.rope_scaling.type` reads (longctx/model/rope.py) must describe a real stretch."""
+def _check_rope_scaling(s, key: str = "model.rope_scaling") -> None:
+    """The keys `model.rope_scaling.type` reads (longctx/model/rope.py) must describe a real stretch;
+    `key` names them (a layer type's: attention.layer_types.<name>.rope_scaling)."""
     if s is None:
         return
-    _require(s.type in rope.ROPE_TYPES, f"model.rope_scaling.type={s.type!r} is not one of "
+    _require(s.type in rope.ROPE_TYPES, f"{key}.type={s.type!r} is not one of "
              f"{', '.join(map(repr, rope.ROPE_TYPES))}.")
     if s.type == "none":
         return
     # A factor below 1 would compress positions: a shorter context, never what scaling is for.
     _require(s.factor is not None and s.factor >= 1.0,
-             f"model.rope_scaling.factor={s.factor!r} must be at least 1 for {s.type} RoPE scaling.")
+             f"{key}.factor={s.factor!r} must be at least 1 for {s.type} RoPE scaling.")
     if s.type in ("llama3", "yarn"):
         _require(s.original_max_position is not None and s.original_max_position > 0,
-                 f"model.rope_scaling.original_max_position={s.original_max_position!r} must be a "
+                 f"{key}.original_max_position={s.original_max_position!r} must be a "
                  f"positive number of tokens for {s.type} RoPE scaling.")
     if s.type == "llama3":
         _require(0 < s.low_freq_factor < s.high_freq_factor,
-                 f"model.rope_scaling.low_freq_factor={s.low_freq_factor} must be positive and below "
-                 f"model.rope_scaling.high_freq_factor={s.high_freq_factor}.")
+                 f"{key}.low_freq_factor={s.low_freq_factor} must be positive and below "
+                 f"{key}.high_freq_factor={s.high_freq_factor}.")
     if s.type == "yarn":
         _require(0 < s.beta_slow < s.beta_fast,
-                 f"model.rope_scaling.beta_slow={s.beta_slow} must be positive and below "
-                 f"model.rope_scaling.beta_fast={s.beta_fast}.")
+                 f"{key}.beta_slow={s.beta_slow} must be positive and below "
+                 f"{key}.beta_fast={s.beta_fast}.")
         _require(s.attention_factor is None or s.attention_factor > 0,
-                 f"model.rope_scaling.attention_factor={s.attention_factor} must be positive (or unset).")
+                 f"{key}.attention_factor={s.attention_factor} must be positive (or unset).")
 
 
 def num_params_estimate(config) -> int:

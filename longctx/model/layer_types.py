@@ -113,12 +113,23 @@ def resolve(config, name: str) -> LayerType:
     m = config.model
     rotary = None
     if settings.get("rope", True):
-        scaling = settings.get("rope_scaling", m.get("rope_scaling"))
-        rotary = rope_lib.rotary(m.head_dim, settings.get("rope_theta", m.rope_theta), scaling)
+        rotary = rope_lib.rotary(m.head_dim, settings.get("rope_theta", m.rope_theta),
+                                 rope_scaling(config, name))
     temperature = None
     if settings.get("temperature_floor") is not None:
         temperature = (int(settings["temperature_floor"]), float(settings.get("temperature_scale", 0.1)))
     return LayerType(name, attention, rotary, temperature)
+
+
+def rope_scaling(config, name: str) -> dict | None:
+    """Type `name`'s RoPE scaling (model.rope_scaling's keys, with those the type's rope_scaling
+    sets over them: `rope_scaling=dict(type="linear", factor=8.0)` needs no other key)."""
+    scaling = config.model.get("rope_scaling")
+    merged = None if scaling is None else dict(scaling)
+    own = _type_settings(config, name).get("rope_scaling")
+    if own is not None:
+        merged = {**(merged or {}), **dict(own)}
+    return merged
 
 
 def period(config) -> tuple[LayerType, ...]:

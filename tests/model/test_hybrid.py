@@ -20,7 +20,7 @@ from flax import nnx
 from longctx import config as config_lib
 from longctx.errors import ConfigError
 from longctx.interop import hf
-from longctx.model import flops, layer_types
+from longctx.model import flops, layer_types, rope
 from longctx.model.decoder import Decoder, model_nll
 from longctx.ops import reference_attention
 from longctx.parallel import layout as layout_lib
@@ -163,6 +163,8 @@ def test_types_resolve_from_attention_and_model_keys():
     (dict(types={"global": dict(cp="ulysses_ring")}), "attention.layer_types.global.cp='ulysses_ring' is not one of"),
     (dict(types={"global": dict(block_size=96)}), "attention.layer_types.global.block_size=96 does not divide"),
     (dict(types={"local": dict(logits_soft_cap=-1.0)}), "attention.layer_types.local.logits_soft_cap=-1.0 must be positive."),
+    (dict(types={"global": dict(rope_scaling=dict(type="linear", factor=0.5))}),
+     "attention.layer_types.global.rope_scaling.factor=0.5 must be at least 1 for linear RoPE scaling."),
 ])
 def test_validate_names_the_type_and_key_of_a_bad_setting(change, message):
     config = hybrid_config()
@@ -194,3 +196,14 @@ def test_the_parameter_estimate_and_attention_flops_count_each_type():
                                  chunk_size=TYPES[name].get("chunk_size"))
                 for name in ("local", "global", "nope", "local", "global"))
     assert flops.attention_flops_per_step(config) == 12.0 * d.global_batch_size * m.num_heads * m.head_dim * pairs
+
+
+def test_a_type_s_rope_scaling_takes_the_model_s_other_keys():
+    config = hybrid_config()
+    config.attention.layer_types["global"] = ml_collections.ConfigDict(
+        dict(rope_scaling=dict(type="linear", factor=8.0)))
+    scaled, plain = layer_types.resolve(config, "global"), layer_types.resolve(config, "local")
+    unscaled = rope.plain_inv_freq(config.model.head_dim, config.model.rope_theta)
+    np.testing.assert_allclose(scaled.rotary.inv_freq, unscaled / 8, rtol=1e-6)
+    assert layer_types.rope_scaling(config, "global")["original_max_position"] == 8192  # the model's
+    assert plain.rotary is not None and layer_types.rope_scaling(config, "local")["type"] == "none"
