@@ -44,6 +44,12 @@ def test_the_hybrid_grid_validates_and_repeats_each_pattern_whole():
         period = layer_types.pattern(v.config.attention)
         assert v.config.model.num_layers % len(period) == 0, v.name  # no remainder: ratios are exact
         blind[v.name] = ablation.blind_from(v.config)
+    seq_len, sp = variants[0].config.data.seq_len, variants[0].config.mesh.sp
+    from configs.ablations import hybrid
+
+    text = " ".join(hybrid.__doc__.split())
+    assert f"sequences of {seq_len:,} tokens over sp={sp}" in text and f"a shard of {shard} tokens" in text
+    assert f"{variants[0].config.model.num_layers} layers" in text
     assert blind == {"global_only": None, "gpt_oss_1to1_window32_sinks": 33, "cohere_3to1_window128_nope": 129,
                      "gemma3_5to1_window128": 129, "llama4_3to1_chunk256_nope": shard}
 
@@ -97,6 +103,9 @@ def test_seeds_aggregate_to_mean_and_sample_std_and_the_table_says_what_is_withi
             by_position = [loss + i / 10 for i in range(len(starts))]
             write_run(tmp_path / name / f"seed_{seed}", steps=steps, train_loss=loss + 0.5, val_loss=loss,
                       tokens_per_s=1000.0 * (seed + 1), position=(starts, by_position, tokens))
+    for seed, found in enumerate(([[0.0, 1.0, 1.0]], [[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])):  # (lengths x depths)
+        (tmp_path / "causal" / f"seed_{seed}" / "needle.json").write_text(
+            json.dumps({"depths": [0.0, 0.5, 1.0], "accuracy": found}))
     rows = {r["variant"]: r for r in ablation.summarize(variants, str(tmp_path), seeds=3)}
     causal = rows["causal"]
     assert causal["seeds"] == 3 and causal["steps"] == steps
@@ -122,6 +131,9 @@ def test_seeds_aggregate_to_mean_and_sample_std_and_the_table_says_what_is_withi
     assert "| causal | 4 | 3 | 2.6000 ± 0.1000 | 2.1000 ± 0.1000 | sliding_window_64 | – |" in table
     assert "| no_document_mask | 4 | 3 | 3.6500 ± 0.0500 | 3.1500 ± 0.0500 | – |" in table
     assert "| sliding_window_64 | 4 | 3 |" in table and "| 127 |" in table
+    # passkey by depth: the mean over lengths, then over the seeds that evaluated it
+    assert "| passkey at depth 0% / 50% / 100% |" in table
+    assert "| 0.50 / 0.75 / 1.00 |" in table and table.count("| – | 2000 |") == 2
     assert "mean over 3 seeds ± their sample standard deviation (n - 1)" in table
     assert "less than the larger of the two standard deviations" in table
     paths = ablation.write_report(list(rows.values()), str(tmp_path), "ablate.py --seeds=3")
