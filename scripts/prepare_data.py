@@ -5,9 +5,13 @@
   .venv/bin/python scripts/prepare_data.py --input corpus.jsonl --tokenizer sentencepiece:sp.model --output d
   .venv/bin/python scripts/prepare_data.py --input corpus.jsonl --train-sentencepiece 8000 --output d
   .venv/bin/python scripts/prepare_data.py --input corpus.jsonl --tokenizer hf:Meta-Llama-3-8B --output d
+  .venv/bin/python scripts/prepare_data.py --input web.jsonl.zst pages.parquet --text-field text --output d
+  .venv/bin/python scripts/prepare_data.py --input hf_saved_dataset/ --output d
 
-Plain files are one document each; `.jsonl` files give one document per line (field
---text-field); directories are walked for files matching --glob. Plain files that are not text
+Plain files are one document each; `.jsonl` files (also `.jsonl.gz`, `.jsonl.zst`) give one
+document per line (field --text-field), Parquet files and the Arrow files of a Hugging Face
+`datasets.save_to_disk` directory one per row (column --text-field; these need
+`pip install -e '.[formats]'`); directories are walked for files matching --glob. Plain files that are not text
 in --encoding (they do not decode, or hold NUL bytes) are skipped, and one line on stderr says
 how many and names one; so are blank documents (empty or whitespace only). An empty split (no
 validation documents: --val-fraction 0, or a single input document) is warned about on stderr:
@@ -59,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="text files, .jsonl files or directories")
+                   help="text files, .jsonl(.gz|.zst), .parquet or .arrow files, or directories")
     p.add_argument("--output", required=True, metavar="DIR")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing dataset in --output")
@@ -67,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="byte | sentencepiece:MODEL_FILE | hf:TOKENIZER_JSON_OR_MODEL_DIR")
     p.add_argument("--train-sentencepiece", type=cli.int_at_least(1), default=None, metavar="VOCAB",
                    help="train a BPE SentencePiece model of this vocabulary size on the input first")
-    p.add_argument("--text-field", default="text", help="jsonl field holding the document")
+    p.add_argument("--text-field", default="text", help="JSONL field, or Parquet/Arrow column, holding the document")
     p.add_argument("--encoding", default="utf-8",
                    help="encoding of plain text files; files that do not decode are skipped")
     p.add_argument("--glob", default="*", help="file-name pattern for directory inputs")

@@ -14,8 +14,9 @@ Output directory layout (what `scripts/prepare_data.py` writes and the pipeline 
   .longctx-dataset               a marker, written first: this directory is prepare_data's output
                                  (or being written), never its input
 
-Inputs: plain files (one document each), `.jsonl` (one document per non-blank line, taken from
-`text_field`), and directories (every file below that matches `glob`, walked in sorted order).
+Inputs: plain files (one document each), `.jsonl` (also `.jsonl.gz`, `.jsonl.zst`: one document
+per non-blank line, taken from `text_field`), Parquet and Hugging Face `save_to_disk` Arrow files
+(one document per row of the column `text_field`; formats.py), and directories (every file below that matches `glob`, walked in sorted order).
 A dataset directory met in a walk (the marker, or a metadata.json of this format: e.g. the
 output itself when --output lies inside an input directory, or its temporary sibling) is left
 out, and giving one, or a file inside one, as an input is an error: prepare_data never reads its
@@ -50,6 +51,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from longctx.data import formats
 from longctx.data import tokenizer as tokenizer_lib
 from longctx import errors
 from longctx.errors import ConfigError, MissingFileError, RunError
@@ -111,6 +113,8 @@ def list_sources(inputs: Sequence[str], glob: str = "*",
             for d, dirs, files in os.walk(inp):
                 dirs[:] = sorted(x for x in dirs if x not in exclude_dirs
                                  and not is_dataset_dir(os.path.join(d, x)))
+                if formats.is_hf_disk_dataset(d):  # its .arrow files hold the documents
+                    files = [f for f in files if f.endswith(".arrow")]
                 for f in sorted(files):
                     if fnmatch.fnmatch(f, glob):
                         full = os.path.join(d, f)
@@ -154,25 +158,8 @@ def iter_documents(src: Source, text_field: str = "text", encoding: str = "utf-8
     Raises NotText, before yielding anything, for a plain file that is not text in `encoding`.
     """
     blank = [] if blank is None else blank
-    if src.path.endswith(".jsonl"):
-        with open(src.path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{src.path}:{lineno} is not valid JSON ({e.msg}).") from None
-                if not isinstance(obj, dict) or text_field not in obj:
-                    raise ConfigError(f"{src.path}:{lineno} has no field {text_field!r} "
-                                      "(choose it with --text-field).")
-                text = obj[text_field]
-                if not isinstance(text, str):
-                    raise ConfigError(f"{src.path}:{lineno} field {text_field!r} is not a string.")
-                if text.strip():
-                    yield f"{src.key}:{lineno}", text.encode("utf-8")
-                else:
-                    blank.append(f"{src.key}:{lineno}")
+    if formats.is_structured(src.path):  # JSONL (also .gz, .zst), Parquet, Arrow: formats.py
+        yield from formats.documents(src.path, src.key, text_field, blank)
     else:
         with open(src.path, "rb") as f:
             data = f.read()
