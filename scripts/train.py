@@ -1,5 +1,6 @@
 """Train a longctx model: flags -> config -> longctx.train.train_and_evaluate (with the passkey
-evaluator of longctx.evals.needle when --config.train.eval_needle_every > 0). With
+evaluator of longctx.evals.needle when --config.train.eval_needle_every > 0, RULER's of
+longctx.evals.ruler when --config.train.eval_ruler_every > 0). With
 --config.attention.cp=auto the planner (longctx.plan.auto) chooses the strategy and the mesh's -1
 axes first (with --config.attention.block_size=auto the block), says what it chose in one line and
 records its best rows in run_info.json.
@@ -28,6 +29,7 @@ import jax  # noqa: E402
 
 from longctx import train  # noqa: E402
 from longctx.evals import needle  # noqa: E402
+from longctx.evals import ruler  # noqa: E402
 from longctx.parallel import mesh as mesh_lib  # noqa: E402
 from longctx.plan import auto  # noqa: E402
 
@@ -52,7 +54,7 @@ def main(argv):
     run_info = resolution.run_info(PLAN_ROWS_KEPT)
     run_info["predicted"] = auto.prediction(config, jax.devices())  # None off the planner's chips
     # The loop runs evaluations it is given; it never imports them (they live above it).
-    evaluators = [needle.PASSKEY_EVALUATOR] if config.train.get("eval_needle_every") else []
+    evaluators = [e for e in (needle.PASSKEY_EVALUATOR, ruler.RULER_EVALUATOR) if e.every(config) > 0]
     train.train_and_evaluate(config, _WORKDIR.value, evaluators=evaluators, run_info=run_info)
 
 

@@ -29,6 +29,7 @@ ZERO_IS_MEANINGFUL = {
     ("scripts/convert_hf.py check-logits", "--block-size"): "0: the block is chosen",
     ("scripts/convert_hf.py check-logits", "--tolerance"): "an exact match",
     ("scripts/eval_needle.py", "--seed"): "a seed",
+    ("scripts/eval_ruler.py", "--seed"): "a seed",
     ("scripts/ring_report.py", "--seed"): "a seed",
     ("scripts/ring_report.py", "--sliding-window"): "a window of the query alone (masks allow 0)",
     ("scripts/prepare_data.py", "--val-fraction"): "no validation split",

@@ -17,7 +17,8 @@ from longctx.errors import ConfigError
 from longctx.train.state import Setup
 
 # The train.* keys that ask for an evaluator, and what to pass when it is missing.
-EVERY_KEYS = {"eval_needle_every": "longctx.evals.needle.PASSKEY_EVALUATOR"}
+EVERY_KEYS = {"eval_needle_every": "longctx.evals.needle.PASSKEY_EVALUATOR",
+              "eval_ruler_every": "longctx.evals.ruler.RULER_EVALUATOR"}
 
 
 @dataclasses.dataclass(frozen=True)
