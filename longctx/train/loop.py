@@ -44,7 +44,15 @@ class _StopRequest:
     """SIGTERM (a preemption) and a first Ctrl-C ask the loop to stop: it finishes the current step,
     saves and exits cleanly ("stopped at step N (saved)"). Each is acknowledged on stderr when it
     arrives; a second Ctrl-C abandons the run (KeyboardInterrupt: "interrupted", exit status 130).
-    With several processes the decision is agreed (any process asked -> all stop at the same step).
+    With several processes the decision is agreed (any process asked -> all stop at the same step),
+    and the save needs every process: the acknowledgement promises it only if every process gets
+    there (the launcher sends SIGTERM to the others when one dies: then `_loop` says in one line
+    that nothing was saved, where the run said "it will be saved" and then failed).
+
+    Before the first step (`starting`, from `train_and_evaluate`'s start until `training`) nothing
+    has been trained, so there is nothing to save: a signal ends the run at once, with one line and
+    SystemExit(128 + the signal), through every `finally` (the lease is released, what was opened
+    is closed). Before, SIGTERM there killed the process silently (status 143).
 
     Python runs a signal's handler only when the main thread is next in Python, which a compile or
     a long step can put off for minutes. So the acknowledgement also comes from a thread that reads
@@ -53,16 +61,23 @@ class _StopRequest:
     handler as one, a stop. The line is written straight to the file descriptor: a handler that
     interrupts a write to sys.stderr and writes there again fails ("reentrant call")."""
 
-    ACKNOWLEDGED = {signal.SIGINT: "stopping at {when} (it will be saved); Ctrl-C again to abandon.",
-                    signal.SIGTERM: "SIGTERM: stopping at {when} (it will be saved)."}
+    ACKNOWLEDGED = {signal.SIGINT: "stopping at {when} ({saved}); Ctrl-C again to abandon.",
+                    signal.SIGTERM: "SIGTERM: stopping at {when} ({saved})."}
+    NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
-    def __init__(self, *, after_progress_bar: bool = False):
+    def __init__(self, *, after_progress_bar: bool = False, starting: bool = False):
         self.requested = False
         self._interrupts = 0
         self._new_line = "\n" if after_progress_bar else ""  # (a bar's line has no end yet)
         self._acknowledge = jax.process_index() == 0  # (logs are written once, by process 0)
         # (processes agree at sync points only: see `_loop`)
-        self._when = "the next step" if jax.process_count() == 1 else "the next log or checkpoint step"
+        self._when, self._saved = (("the next step", "it will be saved") if jax.process_count() == 1 else
+                                   ("the next log or checkpoint step", "saved if every process gets there"))
+        self._phase = threading.Lock()  # (the first signal's phase and the phase change agree)
+        self._starting = starting
+        self._first: tuple[int, bool] | None = None  # the first signal and whether it came at start-up
+        self.arrived = False  # a signal came (set at once by the watcher, unlike `requested`)
+        self.failed = False  # the loop ended in an error: a signal after it promises nothing
         self._acknowledged = threading.Lock()  # taken, never released, by whoever says it
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.ACKNOWLEDGED}
         read, self._wakeup = os.pipe()
@@ -71,6 +86,16 @@ class _StopRequest:
         self._watcher = threading.Thread(target=self._watch, args=(read,), name="longctx-stop-request",
                                          daemon=True)
         self._watcher.start()
+
+    def training(self, *, after_progress_bar: bool = False) -> None:
+        """The first step is next: from here a signal asks for a stop that saves. A signal that came
+        during start-up (said already; its handler may not have run yet) ends the run now."""
+        self._new_line = "\n" if after_progress_bar else ""
+        with self._phase:
+            self._starting = False
+            first = self._first
+        if first is not None and first[1]:
+            raise SystemExit(128 + first[0])
 
     def _watch(self, read: int) -> None:
         try:
@@ -82,19 +107,34 @@ class _StopRequest:
             os.close(read)
 
     def _say(self, signum: int) -> None:
+        """Notes the first signal and the phase it came in, and says so (once, on process 0)."""
+        with self._phase:
+            if self._first is None:
+                self._first = (signum, self._starting)
+            first, at_start_up = self._first
+        self.arrived = True
         if self._acknowledge and self._acknowledged.acquire(blocking=False):
-            line = f"{self._new_line}longctx: {self.ACKNOWLEDGED[signal.Signals(signum)].format(when=self._when)}\n"
+            name = self.NAMES[signal.Signals(first)]
+            if at_start_up:
+                text = (f"{name} during start-up: stopped before the first step; nothing was trained, so "
+                        "nothing is lost (the same command starts the run).")
+            elif self.failed:
+                text = f"{name}: the run is ending already, after the error above."
+            else:
+                text = self.ACKNOWLEDGED[signal.Signals(signum)].format(when=self._when, saved=self._saved)
             try:
-                os.write(sys.stderr.fileno(), line.encode())
+                os.write(sys.stderr.fileno(), f"{self._new_line}longctx: {text}\n".encode())
             except (OSError, ValueError):  # no stderr to write to: stopping is what matters
                 pass
 
     def _handle(self, signum, frame):
+        self._say(signum)
+        if self._first[1]:  # at start-up: nothing to save, so stop now
+            raise SystemExit(128 + self._first[0])
         if signum == signal.SIGINT:
             self._interrupts += 1
             if self._interrupts > 1:
                 raise KeyboardInterrupt
-        self._say(signum)
         self.requested = True
 
     def agreed(self, lease_lost: bool = False) -> tuple[bool, bool]:
@@ -181,54 +221,58 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     passkey evaluator of longctx.evals.needle when train.eval_needle_every > 0). `run_info`: more
     entries for run_info.json (scripts/train.py: what attention.cp=auto chose and why)."""
     mesh_lib.maybe_initialize_distributed(config.distributed)
-    sizes = config_lib.validate(config)
-    hooks.check_evaluators(config, evaluators)
-    if cli.validate_only():
-        cli.validated(check_inputs(config, workdir, sizes))
-    # This host's files: a failure on one process is raised on all (cli.agreed), not left to
-    # hang the others in the first collective.
-    data_dir = cli.agreed(lambda: _local_inputs(config, workdir))
-    with lease_lib.hold(workdir) as lease:  # one run per workdir: a second one is refused here
-        return _train_and_evaluate_held(config, workdir, sizes, data_dir, evaluators, run_info or {}, lease)
+    stop = _StopRequest(starting=True)  # from here a signal is one line (until the loop: a stop now)
+    try:
+        sizes = config_lib.validate(config)
+        hooks.check_evaluators(config, evaluators)
+        if cli.validate_only():
+            cli.validated(check_inputs(config, workdir, sizes))
+        # This host's files: a failure on one process is raised on all (cli.agreed), not left to
+        # hang the others in the first collective.
+        data_dir = cli.agreed(lambda: _local_inputs(config, workdir))
+        with lease_lib.hold(workdir) as lease:  # one run per workdir: a second one is refused here
+            return _train_and_evaluate_held(config, workdir, sizes, data_dir, evaluators, run_info or {}, lease,
+                                            stop)
+    finally:
+        stop.restore()
 
 
 def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, sizes: dict, data_dir: str,
-                             evaluators: Sequence[hooks.Evaluator], run_info: dict, lease) -> dict:
+                             evaluators: Sequence[hooks.Evaluator], run_info: dict, lease, stop) -> dict:
     """`train_and_evaluate` once the inputs are checked and this run holds `workdir`."""
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
-
-    mesh = mesh_lib.make_mesh(config.mesh)
-    # e.g. no validation documents to evaluate on (the count of data shards needs the mesh)
-    data_lib.check_splits(config, data_lib.load_metadata(data_dir), data_dir, mesh)
-    by_documents = (config.attention.layout == "auto" and config.attention.use_segment_ids
-                    and data_lib.packer_layout(config.data.packer) is None)
-    documents = data_lib.layout_sample(config, data_dir) if by_documents else None
-    layout = resolve_layout(config, sizes[mesh_lib.SP], documents)
-    mix = (data_lib.achieved_shares(config, sizes[mesh_lib.SP])  # (data/mixture.py)
-           if config.data.get("sources") and jax.process_index() == 0 else None)
-    _write_run_info(config, workdir, mesh, layout, data_dir, documents,
-                    {**run_info, "data_mixture": mix} if mix else run_info)
-    if jax.process_index() == 0:
-        chosen = (f" (auto, chosen on the documents of {len(documents)} sampled rows)" if by_documents
-                  else f" (auto, the layout data.packer={config.data.packer} places documents for)"
-                  if config.attention.layout == "auto" and data_lib.packer_layout(config.data.packer)
-                  else " (auto, chosen by the mask)" if config.attention.layout == "auto" else "")
-        print(f"longctx: {jax.process_count()} process(es), {jax.device_count()} {jax.devices()[0].platform} "
-              f"devices, mesh {dict(mesh.shape)}, layout {layout}{chosen}, attention impl {config.attention.impl}, "
-              f"~{config_lib.num_params_estimate(config) / 1e6:.1f}M params, data {data_dir}", flush=True)
-        if mix:
-            print(f"longctx: {data_lib.describe_shares(mix)}", flush=True)
-
-    def make_train_iterator(seed_offset: int = 0):
-        return data_lib.make_batch_iterator(config, mesh, split="train", layout=layout, data_dir=data_dir,
-                                            seed_offset=seed_offset)
-
-    def make_eval_iterator(source=None):  # (a mixture's sources are evaluated apart: source_eval)
-        return data_lib.make_batch_iterator(config, mesh, split="validation", layout=layout, data_dir=data_dir,
-                                            source=source)
-
     writer = train_iter = None
-    try:
+    try:  # (from here on, also a stop during start-up closes the checkpointer)
+        mesh = mesh_lib.make_mesh(config.mesh)
+        # e.g. no validation documents to evaluate on (the count of data shards needs the mesh)
+        data_lib.check_splits(config, data_lib.load_metadata(data_dir), data_dir, mesh)
+        by_documents = (config.attention.layout == "auto" and config.attention.use_segment_ids
+                        and data_lib.packer_layout(config.data.packer) is None)
+        documents = data_lib.layout_sample(config, data_dir) if by_documents else None
+        layout = resolve_layout(config, sizes[mesh_lib.SP], documents)
+        mix = (data_lib.achieved_shares(config, sizes[mesh_lib.SP])  # (data/mixture.py)
+               if config.data.get("sources") and jax.process_index() == 0 else None)
+        _write_run_info(config, workdir, mesh, layout, data_dir, documents,
+                        {**run_info, "data_mixture": mix} if mix else run_info)
+        if jax.process_index() == 0:
+            chosen = (f" (auto, chosen on the documents of {len(documents)} sampled rows)" if by_documents
+                      else f" (auto, the layout data.packer={config.data.packer} places documents for)"
+                      if config.attention.layout == "auto" and data_lib.packer_layout(config.data.packer)
+                      else " (auto, chosen by the mask)" if config.attention.layout == "auto" else "")
+            print(f"longctx: {jax.process_count()} process(es), {jax.device_count()} {jax.devices()[0].platform} "
+                  f"devices, mesh {dict(mesh.shape)}, layout {layout}{chosen}, attention impl {config.attention.impl}, "
+                  f"~{config_lib.num_params_estimate(config) / 1e6:.1f}M params, data {data_dir}", flush=True)
+            if mix:
+                print(f"longctx: {data_lib.describe_shares(mix)}", flush=True)
+
+        def make_train_iterator(seed_offset: int = 0):
+            return data_lib.make_batch_iterator(config, mesh, split="train", layout=layout, data_dir=data_dir,
+                                                seed_offset=seed_offset)
+
+        def make_eval_iterator(source=None):  # (a mixture's sources are evaluated apart: source_eval)
+            return data_lib.make_batch_iterator(config, mesh, split="validation", layout=layout, data_dir=data_dir,
+                                                source=source)
+
         with jax.set_mesh(mesh):
             setup = make_setup(config, mesh, layout)
             state, train_iter, resumed_from = checkpointer.restore_or_init(setup, make_train_iterator)
@@ -248,7 +292,7 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
             hooked = tuple((e, e.build(context)) for e in evaluators if e.every(config) > 0)
             run = _Run(config, workdir, train_step, eval_step, make_eval_iterator, checkpointer, writer,
                        lease, hooked)
-            result, stopped_at = _loop(run, state, train_iter)
+            result, stopped_at = _loop(run, state, train_iter, stop)
     finally:
         # Also on an error: files are closed and the save in flight completes. A save that failed
         # is raised last, so it is the error the user sees: it names the checkpoint the next start
@@ -387,7 +431,7 @@ def _lease_lost_error(run: _Run, step: int) -> errors.RunError:
         "start this command again.")
 
 
-def _loop(run: _Run, state, train_iter) -> tuple[dict, int | None]:
+def _loop(run: _Run, state, train_iter, stop: _StopRequest) -> tuple[dict, int | None]:
     """Steps until `train.num_steps`, a stop request or an error; returns the last logged metrics.
 
     The host runs ahead of the device between sync points, by at most one step: a step is
@@ -410,7 +454,7 @@ def _loop(run: _Run, state, train_iter) -> tuple[dict, int | None]:
         # disable=None: no bar when stderr is not a terminal (a log file would get every redraw).
         progress = tqdm(total=t.num_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=None)
-    stop = _StopRequest(after_progress_bar=progress is not None and not progress.disable)
+    stop.training(after_progress_bar=progress is not None and not progress.disable)
     profiler = _Profiler(t, run.workdir)
 
     def say(line: str) -> None:
@@ -487,12 +531,32 @@ def _loop(run: _Run, state, train_iter) -> tuple[dict, int | None]:
                 checkpointer.wait()
                 stopped_at = done
                 break
+    except Exception as e:
+        if stop.arrived and jax.process_count() > 1 and not isinstance(e, errors.LongctxError):
+            raise _stop_not_saved_error(checkpointer, e) from e
+        stop.failed = True
+        raise
     finally:
         profiler.stop()
-        stop.restore()
         if progress is not None:
             progress.close()
     return last, stopped_at
+
+
+def _stop_not_saved_error(checkpointer, error: Exception) -> errors.RunError:
+    """A stop asked for on a run of several processes that then failed in a collective (agreeing on
+    the stop, a step, the save): another process is gone (the launcher sends SIGTERM to the others
+    when one dies), so no save is possible. Said as such, not as an unexpected error after the
+    promise of a save."""
+    try:
+        checkpointer.manager.reload()  # (complete steps only: a save in flight cannot end now)
+        newest = checkpointer.manager.latest_step()
+    except Exception:  # noqa: BLE001  (only for the message)
+        newest = None
+    resume = ("no checkpoint was saved, so the next start begins afresh" if newest is None else
+              f"the newest checkpoint, step {newest}, is where the next start resumes")
+    return errors.RunError(f"stopped without saving: another process of this run is gone or failed (a collective "
+                           f"failed after the stop request: {errors.first_line(error)}); {resume}.")
 
 
 def _step_metrics(metrics) -> dict:
