@@ -73,6 +73,8 @@ def kv_bytes_per_step(config, layout: str, mesh: dict) -> int | None:
         elif a.cp == "usp":
             per_layer = collectives.formula("usp", shape, degree=a.cp_ulysses,
                                             steps=collectives.usp_group_steps(shape, a.cp_ulysses, **mask))
+        elif a.cp == "halo":
+            per_layer = collectives.formula("halo", shape, exchanges=collectives.halo_exchanges(shape, **mask))
         elif a.cp in ("all_gather", "ulysses"):
             per_layer = collectives.formula(a.cp, shape)
         else:

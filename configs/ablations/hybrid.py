@@ -15,6 +15,8 @@ to that sequence: the gpt-oss-like short window of 32 is 1/32 of it (gpt-oss: 12
 pretraining context), the Cohere- and Gemma-3-like window of 128 is half a shard (1/8 of the
 sequence, between Gemma 3's 1,024 of 32,768 and Command R7B's 4,096 of 8,192), and the Llama-4-like
 chunk of 256 is one shard (Llama 4: 8,192), with the temperature floor at the chunk as Llama 4's.
+The local layers pass only their halo between devices (`cp="halo"`, as tiny_hybrid's); the global
+layers run the ring.
 """
 
 BASE = "configs/base.py:tiny"
@@ -41,25 +43,26 @@ def get_grid() -> dict[str, dict]:
         # gpt-oss: sliding and full layers alternating, learned sinks on both.
         "gpt_oss_1to1_window32_sinks": {
             "attention.pattern": "local,global",
-            "attention.layer_types": {"local": {"sliding_window": SHORT_WINDOW, "attention_sinks": True},
+            "attention.layer_types": {"local": {"sliding_window": SHORT_WINDOW, "attention_sinks": True,
+                                                "cp": "halo"},
                                       "global": {"attention_sinks": True}},
         },
         # Cohere Command R7B / A: three sliding layers (RoPE) to one full layer without RoPE.
         "cohere_3to1_window128_nope": {
             "attention.pattern": "local,local,local,global",
-            "attention.layer_types": {"local": {"sliding_window": WINDOW}, "global": {"rope": False}},
+            "attention.layer_types": {"local": {"sliding_window": WINDOW, "cp": "halo"}, "global": {"rope": False}},
         },
         # Gemma 3: five sliding layers (RoPE theta 10,000) to one global (theta 1,000,000).
         "gemma3_5to1_window128": {
             "attention.pattern": "local,local,local,local,local,global",
-            "attention.layer_types": {"local": {"sliding_window": WINDOW, "rope_theta": 10_000.0},
+            "attention.layer_types": {"local": {"sliding_window": WINDOW, "rope_theta": 10_000.0, "cp": "halo"},
                                       "global": {"rope_theta": 1_000_000.0}},
         },
         # Llama 4: three chunked layers (RoPE) to one full layer without RoPE whose queries are
         # scaled by position ("temperature tuning", floor 8,192 and scale 0.1 in Llama 4).
         "llama4_3to1_chunk256_nope": {
             "attention.pattern": "local,local,local,global",
-            "attention.layer_types": {"local": {"chunk_size": CHUNK},
+            "attention.layer_types": {"local": {"chunk_size": CHUNK, "cp": "halo"},
                                       "global": {"rope": False, "temperature_floor": CHUNK,
                                                  "temperature_scale": 0.1}},
         },

@@ -160,8 +160,8 @@ def test_stats_by_hand():
 
 def test_kv_bytes_per_step_sum_each_layer_types_closed_form():
     """scripts/ablate.py prices a variant's K/V traffic per step from collectives.formula per
-    layer type: a uniform ring model is num_layers x one layer's bytes; a 1:1 hybrid is the sum
-    of its two types' (a window of 32 on contiguous 256-token shards runs 2 ring steps)."""
+    layer type: a uniform ring model is num_layers x one layer's bytes; a hybrid is the sum of its
+    types' over their layers."""
     sys.path.insert(0, "scripts")
     import ablate  # noqa: E402 (the script, for its pricing function)
 
@@ -175,8 +175,15 @@ def test_kv_bytes_per_step_sum_each_layer_types_closed_form():
                               documents=True)
     full = sum(collectives.formula("ring", shape).values())
     assert ablate.kv_bytes_per_step(c, "contiguous", mesh) == 12 * full
-    window_steps = collectives.ring_run_steps(shape, sliding_window=32, layout="contiguous", block=128)
-    assert window_steps == (0, 1)
-    window = sum(collectives.formula("ring", shape, steps=window_steps).values())
-    assert window < full
+    # the local layers pass their halo (cp="halo"): a window of 32 one block of 128 from one
+    # neighbour; the Llama-4-like chunk of one shard (256) nothing at all
+    exchanges = collectives.halo_exchanges(shape, sliding_window=32, layout="contiguous", block=128)
+    assert [(e.offset, e.stop - e.start) for e in exchanges] == [(1, 128)]
+    window = sum(collectives.formula("halo", shape, exchanges=exchanges).values())
+    assert 0 < window < full
     assert ablate.kv_bytes_per_step(one_to_one.config, "contiguous", mesh) == 6 * full + 6 * window
+    llama4 = variants[4]
+    assert collectives.halo_exchanges(shape, chunk_size=256, layout="contiguous", block=128) == ()
+    assert ablate.kv_bytes_per_step(llama4.config, "contiguous", mesh) == 3 * full
+    llama4.config.attention.layer_types.local.cp = "something new"
+    assert ablate.kv_bytes_per_step(llama4.config, "contiguous", mesh) is None  # not priced: "–"
