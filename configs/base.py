@@ -14,6 +14,9 @@ Presets:
   tiny             the CPU demo: 2 layers, d=128, 1K-token sequences, 8 virtual devices.
   tiny_hybrid      tiny as a hybrid: 5 sliding-window layers to 1 global (Gemma 3's pattern), 6 layers.
   long_cpu         a few steps of a tiny model on one 65,536-token sequence over 8 CPU devices.
+  long_mix_cpu     long_cpu's model on a ProLong-shaped mixture at 16,384 tokens (docs/data.md,
+                   "Mixtures"): 60% whole stdlib packages, 40% single files, long files upsampled:
+    .venv/bin/python scripts/train.py --config=configs/base.py:long_mix_cpu --workdir=runs/long_mix
   llama3_8b_128k   Llama-3-8B shape, 131,072 tokens per sequence, ring over sp=16 on v5p-128.
   llama3_8b_extend_128k   Llama-3-8B converted from Hugging Face, extended to 131,072 tokens with
                    llama3 RoPE scaling (docs/extend.md):
@@ -242,6 +245,22 @@ def _long_cpu(c):
     return c
 
 
+def _long_mix_cpu(c):
+    """ProLong's shape of mixture (Gao et al. 2024: 60% long data, whole code repositories and
+    books; 40% short, high-quality data, which they find necessary) from the embedded corpus:
+    every top-level standard-library package as one document (long: median ~100K tokens) beside
+    the per-file documents (short), and within the short source Fu et al.'s upsampling of its long
+    documents (files of 8,192+ tokens read twice per epoch). Each source is evaluated apart."""
+    c = _long_cpu(c)
+    c.data.update(seq_len=16_384, global_batch_size=1)
+    c.train.update(num_steps=4, eval_every=4, eval_steps=1)
+    c.data.sources = ml_collections.ConfigDict({
+        "packages": dict(path="embedded:packages", weight=0.6),
+        "files": dict(path="embedded:files", weight=0.4, upsample_factor=2.0, upsample_above=8192),
+    })
+    return c
+
+
 def _llama3_8b_128k(c):
     c.mesh.update(dp=1, fsdp=-1, sp=16)
     c.model.update(vocab_size=128_256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -337,6 +356,7 @@ def _llama4_scout_256k(c):
 
 
 PRESETS = {"": lambda c: c, "base": lambda c: c, "tiny": _tiny, "tiny_hybrid": _tiny_hybrid, "long_cpu": _long_cpu,
+           "long_mix_cpu": _long_mix_cpu,
            "llama3_8b_128k": _llama3_8b_128k, "llama3_70b_128k": _llama3_70b_128k,
            "llama3_8b_extend_128k": _llama3_8b_extend_128k, "gemma3_12b_128k": _gemma3_12b_128k,
            "gpt_oss_20b_128k": _gpt_oss_20b_128k, "llama4_scout_256k": _llama4_scout_256k}

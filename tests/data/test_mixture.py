@@ -238,3 +238,22 @@ def test_bad_sources_are_one_sentence(source, message):
         c.data.sources = {"s": source}
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         config_lib.validate(c, 8)
+
+
+def test_stdlib_packages_are_one_document_each_in_a_fixed_order(tmp_path):
+    root = tmp_path / "lib"
+    for path, text in {"email/__init__.py": "A", "email/mime/text.py": "C", "email/base.py": "B",
+                       "email/test/test_x.py": "no", "json/__init__.py": "J", "single.py": "module",
+                       "notapackage/x.py": "no __init__"}.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    docs = prepare.stdlib_packages(str(root))
+    assert docs == {"email": b"# email/__init__.py\nA\n# email/base.py\nB\n# email/mime/text.py\nC",
+                    "json": b"# json/__init__.py\nJ"}
+
+
+def test_the_long_mix_preset_is_prolongs_shape():
+    c = base.get_config("long_mix_cpu")
+    config_lib.validate(c, 8)
+    got = {s.name: (s.path, s.weight) for s in mixture.sources(c)}
+    assert got == {"files": (mixture.EMBEDDED_FILES, 0.4), "packages": (mixture.EMBEDDED_PACKAGES, 0.6)}
