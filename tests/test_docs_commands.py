@@ -53,6 +53,7 @@ NEEDS_A_FILE = {
     "docs.jsonl": "the reader's own JSONL documents",
     "long_docs.jsonl": "the reader's own long documents",
     "data/mine": "written by the prepare_data command above it",
+    "runs/demo": "written by the train.py command above it (docs/ruler.md)",
     "Meta-Llama-3-8B": "the released model the reader downloads",
     "runs/llama3_8b_hf": "written by step 1 of 'Extend a released model'",
     "data/llama3_long": "written by step 2 of 'Extend a released model'",
