@@ -346,8 +346,10 @@ def _gpt_oss_20b_128k(c):
 def _llama4_scout_256k(c):
     """Llama-4-Scout's attention at 262,144 tokens, its experts as a dense MLP of the shared and
     the one routed expert's width: 48 layers, three chunked layers (chunks of 8,192, RoPE, the
-    halo: chunks inside shards need nothing) to one full layer without RoPE, whose queries are
-    scaled by position (temperature tuning: floor 8,192, scale 0.1)."""
+    halo) to one full layer without RoPE, whose queries are scaled by position (temperature
+    tuning: floor 8,192, scale 0.1). Chunks start at each document's start, so a chunked layer
+    needs at most the last 8,191 tokens of the shard before its own (half of a 16,384-token
+    shard); without document masking, chunks inside shards would need nothing."""
     return _hybrid_at_scale(
         c, layers=48, d_model=5120, heads=40, kv_heads=8, head_dim=128, mlp_dim=2 * 8192,
         vocab=202_048, seq_len=262_144, theta=500_000.0, pattern="chunked,chunked,chunked,global",

@@ -55,7 +55,8 @@ def test_each_exchange_sends_the_hull_of_the_blocks_some_query_reaches(layout, w
 def test_a_window_sends_its_halo_and_chunks_inside_shards_send_nothing():
     """Gemma 3's local layer at 131,072 tokens over sp = 16 (window 1,024, blocks of 512): the
     ring sends a whole 8,192-token shard one hop; the halo sends 2 blocks. In zigzag each shard's
-    two chunks take a halo from each neighbour. A chunk of one shard needs nothing."""
+    two chunks take a halo from each neighbour. A chunk of one shard needs nothing (without
+    documents)."""
     def plan(layout, window=None, chunk=None):
         spec = masks.make_mask_spec(True, None if window is None else (window, 0), chunk)
         return [(ex.offset, ex.stop - ex.start) for ex in halo.plan(spec, layout, 131072, 16, 512, 512)]
@@ -64,6 +65,11 @@ def test_a_window_sends_its_halo_and_chunks_inside_shards_send_nothing():
     assert plan("zigzag", window=1024) == [(1, 1024), (15, 1024)]
     assert plan("contiguous", chunk=8192) == []
     assert plan("contiguous", chunk=16384) == [(1, 8192)]  # a chunk over two shards: its first one
+    # With documents a chunk starts at each document's start: statically, a causal window of
+    # chunk - 1 keys (masks.within_chunk_window, what the kernels are given), so up to a shard.
+    documents = masks.within_chunk_window(masks.make_mask_spec(True, None, 8192))
+    assert [(ex.offset, ex.stop - ex.start)
+            for ex in halo.plan(documents, "contiguous", 131072, 16, 512, 512)] == [(1, 8192)]
 
 
 @pytest.mark.tpu_aot
@@ -71,7 +77,8 @@ def test_a_window_sends_its_halo_and_chunks_inside_shards_send_nothing():
 def test_a_gemma_3_local_layer_sends_at_most_a_quarter_of_the_ring_s_bytes_on_v5p():
     """Read from the lowered programs for v5p:2x2x4 (16 chips on sp; nothing compiles): Gemma-3-12B's
     attention shape (16 heads, 8 KV heads of 256, bf16) at 131,072 tokens with documents, window
-    1,024, forward and backward. A chunked layer with chunk = shard sends nothing."""
+    1,024, forward and backward. A chunked layer with chunk = shard sends nothing without documents
+    (with them, chunks start at each document's start: test_a_window_sends_its_halo_...)."""
     devices = aot.topology_devices("v5p:2x2x4")
     mesh = jax.sharding.Mesh(np.array(devices), ("sp",), axis_types=(AxisType.Auto,))
     shape = collectives.Shape(batch=1, seq_len=131072, sp=16, heads=16, kv_heads=8, head_dim=256,
