@@ -120,6 +120,7 @@ def test_two_processes_match_one_and_resume(tmp_path):
     assert launcher.returncode == 0, _tail(out)
     assert "got SIGTERM; forwarding SIGTERM to all processes" in out, _tail(out)
     assert child_output.find(out, 0, re.escape("longctx: 2 process(es), 8 cpu devices")), _tail(out)
+    assert out.count("longctx: 2 process(es)") == 1, _tail(out)  # once (issue 54 saw it twice)
     stopped = child_output.find(out, 0, r"longctx: stopped at step (\d+) \(saved")
     assert stopped, _tail(out)
     stop_step = int(stopped.group(1))
@@ -135,6 +136,7 @@ def test_two_processes_match_one_and_resume(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, _tail(out)
     assert child_output.find(out, 0, rf"longctx: resumed from \S+ \(step {stop_step}\)"), _tail(out)
+    assert out.count("longctx: resumed from") == out.count("longctx: 2 process(es)") == 1, _tail(out)
     after = _losses(two)
     assert max(after) == NUM_STEPS, after
     t_resume = time.monotonic() - t0 - t_first
