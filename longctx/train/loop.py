@@ -119,7 +119,7 @@ class _StopRequest:
                 text = (f"{name} during start-up: stopped before the first step; nothing was trained, so "
                         "nothing is lost (the same command starts the run).")
             elif self.failed:
-                text = f"{name}: the run is ending already, after the error above."
+                text = f"{name}: the run is already ending, on an error (said when it exits)."
             else:
                 text = self.ACKNOWLEDGED[signal.Signals(signum)].format(when=self._when, saved=self._saved)
             try:
