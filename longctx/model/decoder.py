@@ -273,6 +273,10 @@ class Decoder(nnx.Module):
         self.unembed = (None if m.tie_embeddings
                         else param((m.d_model, m.vocab_size), ("embed", "vocab"), m.d_model ** -0.5))
 
+    def layer_stacks(self) -> list:
+        """The stacked blocks of each position of the period, in pattern order."""
+        return list(self.period_blocks) if hasattr(self, "period_blocks") else [self.blocks]
+
     def unembedding(self):
         """[d, v] output projection (the transposed embedding when tied)."""
         return self.embed[...].T if self.unembed is None else self.unembed[...]
@@ -302,7 +306,7 @@ class Decoder(nnx.Module):
             # without segment ids already counts its chunks from the row's start.)
             segment_ids, positions = None, self.row_positions(tokens.shape)
 
-        stacks = list(self.period_blocks) if layer_types_lib.is_hybrid(config) else [self.blocks]
+        stacks = self.layer_stacks()
         graphdefs, stacked = zip(*(nnx.split(stack) for stack in stacks))
 
         def layer(x, position, block_state):
