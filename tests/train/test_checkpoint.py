@@ -583,6 +583,8 @@ def test_keep_policy(tmp_path):
 NOT_STREAM_KEYS = {
     "data.cache_dir": "where the embedded corpus is prepared; the dataset's fingerprint is checked",
     "data.prefetch_buffer_size": "how far ahead batches are read, not which",
+    "data.sources": "a mixture's sources are checked one by one (mixture.py: each state's id; "
+                    "checkpoint_compat.mixture_notice), and a changed source restarts alone",
 }
 
 
