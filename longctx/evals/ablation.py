@@ -187,6 +187,13 @@ def blind_from(config) -> int | None:
                                      [t.attention.get("chunk_size") for t in types])
 
 
+def is_hybrid(config) -> bool:
+    # lazily: as blind_from
+    from longctx.model import layer_types
+
+    return layer_types.is_hybrid(config)
+
+
 def _past_loss(run: dict, start: int | None) -> float | None:
     if start is None or not run["position_loss"] or run["position_loss"][2] is None:
         return None
@@ -226,7 +233,9 @@ def summarize(variants: list[Variant], workdir: str, seeds: int = 1) -> list[dic
                        blind_from(v.config)) for v in variants]
     close = stats.within_spread([r["variant"] for r in rows], [r["val_loss"] for r in rows],
                                 [r["val_loss_std"] for r in rows])
-    for r in rows:
+    for r, v in zip(rows, variants):
+        if is_hybrid(v.config):  # run_info's ring schedule is attention.*'s, not each type's
+            r["schedule_efficiency"] = r["ring_steps"] = None
         r["within_spread"] = close[r["variant"]]
         r["reference_past_loss"] = stats.mean_std([_past_loss(run, r["past_from"]) for run in rows[0]["runs"]])[0]
     return rows
@@ -278,7 +287,8 @@ def markdown_table(rows: list[dict]) -> str:
              "\"First position past the window\": the first position bucket ([0, 1), [1, 3), [3, 7), "
              "...) whose tokens all lie further into their document than the variant's shortest "
              f"window (or chunk) reaches; \"val loss there\" is the validation loss on those tokens, "
-             f"\"{reference} there\" the first variant's on the same tokens."]
+             f"\"{reference} there\" the first variant's on the same tokens. Ring schedule: the run's "
+             "(run_info.json), of attention.*; \"–\" for a hybrid model, whose types each have their own."]
     return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
 
 

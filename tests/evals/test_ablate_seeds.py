@@ -141,6 +141,16 @@ def test_seeds_aggregate_to_mean_and_sample_std_and_the_table_says_what_is_withi
     assert all(open(paths[k], "rb").read(4) == b"\x89PNG" for k in ("curves", "position"))
 
 
+def test_a_hybrid_variant_has_no_single_ring_schedule(tmp_path):
+    """run_info.json's ring schedule is attention.*'s: for a hybrid variant the table says "–"."""
+    _, variants = ablation.load_grid(HYBRID)
+    for v in variants[:2]:
+        write_run(tmp_path / v.name, steps=v.config.train.num_steps, train_loss=1.0, val_loss=1.0)
+    rows = ablation.summarize(variants[:2], str(tmp_path))
+    assert (rows[0]["schedule_efficiency"], rows[0]["ring_steps"]) == (0.5, 2)  # global only
+    assert (rows[1]["schedule_efficiency"], rows[1]["ring_steps"]) == (None, None)
+
+
 def test_stats_by_hand():
     assert stats.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
     assert stats.mean_std([1.0, None]) == (1.0, None) and stats.mean_std([None]) == (None, None)
