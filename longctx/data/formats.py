@@ -144,11 +144,11 @@ def _record_batches(pa, path: str):
     """(an iterator of record batches, the schema) of a Parquet file or an Arrow stream/file."""
     try:
         if path.endswith(".parquet"):
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # lazily: pyarrow is an optional extra (formats)
 
             f = pq.ParquetFile(path)
             return f.iter_batches(), f.schema_arrow
-        import pyarrow.ipc as ipc
+        import pyarrow.ipc as ipc  # lazily: pyarrow is an optional extra (formats)
 
         try:
             reader = ipc.open_stream(pa.memory_map(path))  # what save_to_disk writes
