@@ -150,15 +150,17 @@ def auto_keys(config) -> tuple[str, ...]:
 
 def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
          segment_ids: np.ndarray | None = None,
-         progress: Callable[[int, int], None] | None = None) -> list[Row]:
+         progress: Callable[[int, int, int, int], None] | None = None) -> list[Row]:
     """Every valid candidate, best first (fitting ones by predicted step time, then the rest;
     `distinct` keeps the best of each way to split attention, for a table).
 
     open_keys: the SEARCHABLE keys to choose; the others stay as the config has them.
     segment_ids: natural-order rows of the run's packed documents [rows, seq_len] to price the
     attention by (None: the static mask, rows of one document).
-    progress: called with (done, total) (mesh, strategy, layout, block) combinations after each
-    (with documents at 2,097,152 tokens a plan takes minutes: the caller can say how far it is)."""
+    progress: called after each valid (mesh, strategy, layout, block) with (done, total, document
+    tables built, total): with documents at 2,097,152 tokens a plan takes minutes, nearly all of
+    them in the ring's tables on the documents (one per layout, sp and block, which every strategy
+    shares), so the caller can say how far it is in both."""
     a, m = config.attention, config.model
     spec = masks.make_mask_spec(**attention_lib.mask_kwargs(a))
     chips = topology.num_chips
@@ -166,24 +168,27 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
     residual_choices = opened("attention.residuals", _residual_policies(topology), a.residuals)
     remat_choices = opened("model.remat_policy", decoder.REMAT_POLICIES, m.remat_policy)
     pairs = None if segment_ids is None else step_time.document_pairs(config, segment_ids)
-    combinations = _combinations(config, chips, open_keys)
+    valid = [(mesh, strategy, layout, block) for mesh, strategy, layout, block
+             in _combinations(config, chips, open_keys)
+             if _valid(candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy,
+                                        block), chips)]
+    tables = 0 if segment_ids is None else len({(layout, mesh["sp"], block)
+                                                for mesh, _, layout, block in valid})
     rows = []
     ring_schedules = {}  # with documents: _schedule's ring schedule per (layout, sp, block)
-    for done, (mesh, strategy, layout, block) in enumerate(combinations, 1):
-        c = candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy, block)
-        if _valid(c, chips):
-            schedule = _schedule(strategy, spec, layout, c.data.seq_len, mesh["sp"], block,
-                                 segment_ids, ring_schedules)
-            for residuals, remat in itertools.product(residual_choices, remat_choices):
-                cc = candidate_config(config, mesh, strategy, layout, residuals, remat, block)
-                rows.append(Row(cc, mesh, strategy, layout, residuals, remat, block,
-                                step_time.estimate(cc, topology, schedule, mesh,
-                                                   rows_in_schedule=_schedule_rows(segment_ids),
-                                                   pairs_per_row=pairs),
-                                memory_model.per_device_bytes(cc, mesh),
-                                topology.chip.hbm_bytes))
+    for done, (mesh, strategy, layout, block) in enumerate(valid, 1):
+        schedule = _schedule(strategy, spec, layout, config.data.seq_len, mesh["sp"], block,
+                             segment_ids, ring_schedules)
+        for residuals, remat in itertools.product(residual_choices, remat_choices):
+            cc = candidate_config(config, mesh, strategy, layout, residuals, remat, block)
+            rows.append(Row(cc, mesh, strategy, layout, residuals, remat, block,
+                            step_time.estimate(cc, topology, schedule, mesh,
+                                               rows_in_schedule=_schedule_rows(segment_ids),
+                                               pairs_per_row=pairs),
+                            memory_model.per_device_bytes(cc, mesh),
+                            topology.chip.hbm_bytes))
         if progress is not None:
-            progress(done, len(combinations))
+            progress(done, len(valid), len(ring_schedules), tables)
     order = {id(r): i for i, r in enumerate(rows)}
     return sorted(rows, key=lambda r: (not r.fits, round(r.step.seconds, 9), r.memory.total_bytes,
                                        order[id(r)]))
@@ -278,18 +283,20 @@ def fallback_block(config, num_devices: int) -> int:
 PROGRESS_EVERY_S = 10.0
 
 
-def progress_lines(out, every: float = PROGRESS_EVERY_S, clock=time.monotonic) -> Callable[[int, int], None]:
+def progress_lines(out, every: float = PROGRESS_EVERY_S,
+                   clock=time.monotonic) -> Callable[[int, int, int, int], None]:
     """A `progress` for plan() that writes a line to `out` when `every` seconds have passed since
     the last (or the start): a plan that ends sooner says nothing."""
     start = last = clock()
 
-    def report(done: int, total: int) -> None:
+    def report(done: int, total: int, tables: int, tables_total: int) -> None:
         nonlocal last
         now = clock()
         if now - last >= every:
             last = now
-            print(f"plan: {done} of {total} (mesh, strategy, layout, block) priced, {now - start:.0f} s",
-                  file=out, flush=True)
+            built = f", the documents' block tables {tables} of {tables_total}" if tables_total else ""
+            print(f"plan: {done} of {total} (mesh, strategy, layout, block) priced{built}, "
+                  f"{now - start:.0f} s", file=out, flush=True)
 
     return report
 

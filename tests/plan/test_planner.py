@@ -327,23 +327,33 @@ def test_offload_qkv_is_refused_for_tpu_in_one_sentence_and_never_planned():
 # ----------------------------------------------------------------------------- the command
 
 def test_a_long_plan_says_how_far_it_is():
-    """plan() reports every (mesh, strategy, layout, block) it has priced; progress_lines writes a
-    line each PROGRESS_EVERY_S seconds (on a fake clock here) and nothing for a plan that ends sooner."""
-    calls = []
+    """plan() reports every valid (mesh, strategy, layout, block) it has priced and, with
+    documents, the ring tables on them it has built (the slow part); progress_lines writes a line
+    each PROGRESS_EVERY_S seconds (on a fake clock here) and nothing for a plan that ends sooner."""
     c = _config(data=dict(seq_len=32_768, global_batch_size=4))
-    planner.plan(c, hardware.parse_topology("v5p:2x2x2"), open_keys=("mesh", "attention.cp"),
-                 progress=lambda done, total: calls.append((done, total)))
-    total = calls[0][1]
-    assert calls == [(i, total) for i in range(1, total + 1)] and total > 10
+    v5p = hardware.parse_topology("v5p:2x2x2")
+    for ids in (None, length_mixes.segment_ids_of([1000, 7000], 32_768)):
+        calls = []
+        rows = planner.plan(c, v5p, open_keys=("mesh", "attention.cp", "attention.layout"), segment_ids=ids,
+                            progress=lambda *args: calls.append(args))
+        total = len({(tuple(r.mesh.values()), r.strategy, r.layout, r.block) for r in rows})
+        assert [call[:2] for call in calls] == [(i, total) for i in range(1, total + 1)] and total > 10
+        tables = 0 if ids is None else 3 * len({r.mesh["sp"] for r in rows})  # per layout and sp (block 512)
+        assert calls[-1][2:] == (tables, tables)
+        assert [call[2] for call in calls] == sorted(call[2] for call in calls)
 
     out, now = io.StringIO(), [100.0]
     report = planner.progress_lines(out, every=10.0, clock=lambda: now[0])
     for done, t in [(1, 100.0), (2, 109.9), (3, 110.0), (4, 115.0), (5, 125.0)]:
         now[0] = t
-        report(done, 5)
-    assert out.getvalue().splitlines() == ["plan: 3 of 5 (mesh, strategy, layout, block) priced, 10 s",
-                                           "plan: 5 of 5 (mesh, strategy, layout, block) priced, 25 s"]
-
+        report(done, 5, done // 2, 2)
+    assert out.getvalue().splitlines() == [
+        "plan: 3 of 5 (mesh, strategy, layout, block) priced, the documents' block tables 1 of 2, 10 s",
+        "plan: 5 of 5 (mesh, strategy, layout, block) priced, the documents' block tables 2 of 2, 25 s"]
+    report(6, 6, 0, 0)  # without documents
+    now[0] = 140.0
+    report(6, 6, 0, 0)
+    assert out.getvalue().splitlines()[-1] == "plan: 6 of 6 (mesh, strategy, layout, block) priced, 40 s"
 
 
 def _plan(*args):
