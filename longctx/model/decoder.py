@@ -8,9 +8,10 @@ Einsum legend:
 Every parameter carries logical axis names (`out_sharding` metadata); `longctx.parallel.mesh` maps them to
 mesh axes, so nothing here names a mesh axis. Layers are stacked along a leading "layers" axis and
 run under `lax.scan` with a configurable remat policy, so compile time does not grow with depth.
-A hybrid model (`attention.pattern`, longctx/model/layer_types.py) has one stacked block per
-position of its period, and the scan runs one period per step: each layer attends with its own
-type's mask, strategy and RoPE, and the depth still costs no compile time.
+A hybrid model (`attention.pattern`, longctx/model/layer_types.py) has one stacked block per run
+of one type in its period, and the scan runs one period per step, each run's layers under an inner
+scan: each layer attends with its own type's mask, strategy and RoPE, and neither the depth nor a
+run's length costs compile time (Gemma 3's period compiles two layer bodies, not six).
 The model is called under `jax.set_mesh(mesh)`: attention is a `shard_map` over that mesh that
 calls `longctx.ops.ring_attention` on each device's shard of the sequence.
 """
@@ -260,11 +261,12 @@ class Decoder(nnx.Module):
         self.embed = param((m.vocab_size, m.d_model), ("vocab", "embed"),
                            m.d_model ** -0.5 if m.tie_embeddings else 1.0)
 
-        # One stack of blocks per position of the period: `blocks` for a model without a pattern
-        # (the parameter tree every earlier checkpoint has), `period_blocks[p]` for a hybrid's.
-        types = layer_types_lib.period(config)
-        counts = layer_types_lib.layer_counts(m.num_layers, len(types))
-        stacks = [_stacked_blocks(config, layer_type, count, rngs) for layer_type, count in zip(types, counts)]
+        # One stack of blocks per run of one type in the period: `blocks` for a model without a
+        # pattern (the parameter tree every earlier checkpoint has), `period_blocks[r]` for a
+        # hybrid's (layer_types.runs: Gemma 3's five local layers are one run, its global another).
+        period_length = len(layer_types_lib.period(config))
+        stacks = [_stacked_blocks(config, run.layer_type, run.layers(m.num_layers, period_length), rngs)
+                  for run in layer_types_lib.runs(config)]
         if layer_types_lib.is_hybrid(config):
             self.period_blocks = nnx.List(stacks)
         else:
@@ -274,7 +276,7 @@ class Decoder(nnx.Module):
                         else param((m.d_model, m.vocab_size), ("embed", "vocab"), m.d_model ** -0.5))
 
     def layer_stacks(self) -> list:
-        """The stacked blocks of each position of the period, in pattern order."""
+        """The stacked blocks of each run of the period (layer_types.runs), in pattern order."""
         return list(self.period_blocks) if hasattr(self, "period_blocks") else [self.blocks]
 
     def unembedding(self):
@@ -306,29 +308,43 @@ class Decoder(nnx.Module):
             # without segment ids already counts its chunks from the row's start.)
             segment_ids, positions = None, self.row_positions(tokens.shape)
 
-        stacks = self.layer_stacks()
-        graphdefs, stacked = zip(*(nnx.split(stack) for stack in stacks))
+        runs = layer_types_lib.runs(config)
+        period_length = sum(run.length for run in runs)
+        graphdefs, stacked = zip(*(nnx.split(stack) for stack in self.layer_stacks()))
 
-        def layer(x, position, block_state):
-            block = nnx.merge(graphdefs[position], block_state)
+        def layer(x, r, block_state):
+            block = nnx.merge(graphdefs[r], block_state)
             return block(x, positions, segment_ids, config=config, layout=self.layout)
 
-        def one_period(x, period_state):
-            for position, block_state in enumerate(period_state):
-                x = layer(x, position, block_state)
+        def run_layers(x, r, states):
+            """The run's layers in order: `states` stacked [n, ...]; one compiled body for all n."""
+            if jax.tree.leaves(states)[0].shape[0] == 1:
+                return layer(x, r, jax.tree.map(lambda p: p[0], states))
+            if not m.scan_layers:
+                for i in range(jax.tree.leaves(states)[0].shape[0]):
+                    x = layer(x, r, jax.tree.map(lambda p: p[i], states))
+                return x
+            return jax.lax.scan(lambda x, state: (layer(x, r, state), None), x, states)[0]
+
+        def one_period(x, period_states):
+            for r, states in enumerate(period_states):
+                x = run_layers(x, r, states)
             return x, None
 
-        whole, remainder = layer_types_lib.depth_split(m.num_layers, len(stacks))
+        whole, _ = layer_types_lib.depth_split(m.num_layers, period_length)
+        # [whole, run length, ...] per run: period i holds layers i * length .. (i + 1) * length - 1
+        # of each run's stack (the rest, if any, is the run's part of the remainder).
+        by_period = tuple(jax.tree.map(lambda p, run=run: p[:whole * run.length].reshape(
+            whole, run.length, *p.shape[1:]), state) for run, state in zip(runs, stacked))
         if m.scan_layers:
-            # The scan takes the first `whole` layers of every position (a position of the
-            # remainder has one more, run after the scan).
-            x, _ = jax.lax.scan(one_period, x, tuple(
-                state if remainder == 0 else jax.tree.map(lambda p: p[:whole], state) for state in stacked))
+            x, _ = jax.lax.scan(one_period, x, by_period)
         else:
             for i in range(whole):
-                x, _ = one_period(x, tuple(jax.tree.map(lambda p: p[i], state) for state in stacked))
-        for position in range(remainder):
-            x = layer(x, position, jax.tree.map(lambda p: p[whole], stacked[position]))
+                x, _ = one_period(x, tuple(jax.tree.map(lambda p: p[i], state) for state in by_period))
+        for r, (run, state) in enumerate(zip(runs, stacked)):  # the remainder: the period's first layers
+            extra = run.in_remainder(m.num_layers, period_length)
+            if extra:
+                x = run_layers(x, r, jax.tree.map(lambda p: p[whole * run.length:][:extra], state))
         return rms_norm(x, self.final_norm[...], m.norm_eps)
 
 

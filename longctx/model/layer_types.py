@@ -17,9 +17,9 @@ pattern[i % period]; where model.num_layers is not a multiple of the period, the
 the first types of one more period (Gemma 3 27B: 62 = 10 x 6 + 2). An empty pattern is one type,
 `attention.*` itself, for every layer: every config written before layer types means what it meant.
 
-The types are data, read here once: the decoder builds one stacked block per position of the
-period (longctx/model/decoder.py), each layer calls attention with its type's config, and nothing
-outside this module branches on a type's name.
+The types are data, read here once: the decoder builds one stacked block per run of one type in
+the period (`runs`; longctx/model/decoder.py), each layer calls attention with its type's config,
+and nothing outside this module branches on a type's name.
 """
 
 from __future__ import annotations
@@ -136,6 +136,38 @@ def period(config) -> tuple[LayerType, ...]:
     """The resolved types of one period, in pattern order (one LayerType per position)."""
     resolved = {}
     return tuple(resolved.setdefault(name, resolve(config, name)) for name in pattern(config.attention))
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Consecutive positions of the period that share a type (Gemma 3's five `local`): the decoder
+    keeps one parameter stack per run and runs its layers under one inner scan, so a period costs
+    one compiled layer body per run, not per position."""
+
+    layer_type: LayerType
+    start: int  # its first position in the period
+    length: int  # how many positions
+
+    def layers(self, num_layers: int, period_length: int) -> int:
+        """How many layers of the model its stack holds: `length` per whole period, and those of
+        its positions that fall in the remainder."""
+        whole, remainder = depth_split(num_layers, period_length)
+        return whole * self.length + min(max(remainder - self.start, 0), self.length)
+
+    def in_remainder(self, num_layers: int, period_length: int) -> int:
+        """How many of its positions fall in the remainder (its layers after the scan)."""
+        return min(max(depth_split(num_layers, period_length)[1] - self.start, 0), self.length)
+
+
+def runs(config) -> tuple[Run, ...]:
+    """The period as runs of one type, in order ("local,local,global,local": three runs)."""
+    out: list[Run] = []
+    for position, layer_type in enumerate(period(config)):
+        if out and out[-1].layer_type.name == layer_type.name:
+            out[-1] = dataclasses.replace(out[-1], length=out[-1].length + 1)
+        else:
+            out.append(Run(layer_type, position, 1))
+    return tuple(out)
 
 
 def type_prefix(name: str) -> str:

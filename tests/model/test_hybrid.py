@@ -1,11 +1,13 @@
 """A hybrid model (attention.pattern) against an unrolled plain-jnp reference, logits and gradients.
 
 Legend: b batch, s position (natural order), d model, n heads, k kv heads, h head dim, f mlp.
-The pattern has a remainder (5 layers, period 3: local, global, nope, local, global), two RoPE
-thetas, a NoPE type with Llama 4's query temperature, sinks on one type only, chunked attention on another, and a different
-context-parallel strategy per type (ring, all-gather, Ulysses). The reference runs layer i with
-type pattern[i % 3] and the parameters of position i % 3, index i // 3, on whole natural-order
-sequences with the dense attention oracle: the model's NLL and every parameter's gradient match.
+The pattern has a run of one type and a remainder (6 layers, period 4: local, local, global, nope,
+then local, local), two RoPE thetas, a NoPE type with Llama 4's query temperature, sinks on one
+type only, chunked attention on another, and a different context-parallel strategy per type (ring,
+all-gather, Ulysses). The reference runs layer i with type pattern[i % 4] and the parameters the
+decoder should hold it at (LAYER_PARAMS, written out: the two local positions are one run, one
+stack), on whole natural-order sequences with the dense attention oracle: the model's NLL and every
+parameter's gradient match.
 """
 
 import os
@@ -36,7 +38,12 @@ TYPES = {
 }
 
 
-def hybrid_config(pattern="local,global,nope", num_layers=5, impl="xla"):
+PATTERN = "local,local,global,nope"
+# (stack, index) of each of the 6 layers: the local run's stack holds layers 0, 1, 4 and 5.
+LAYER_PARAMS = [(0, 0), (0, 1), (1, 0), (2, 0), (0, 2), (0, 3)]
+
+
+def hybrid_config(pattern=PATTERN, num_layers=6, impl="xla"):
     c = small_config(impl=impl, layout=LAYOUT)
     c.unlock()
     c.model.num_layers = num_layers
@@ -64,7 +71,8 @@ def plain_hybrid_nll(params, rows, config):
     segments, positions = jnp.asarray(rows["segment_ids"]), jnp.asarray(rows["positions"])
     for i in range(m.num_layers):
         kind = TYPES[names[i % len(names)]]
-        p = jax.tree.map(lambda t: t[i // len(names)], params["period_blocks"][i % len(names)])
+        stack, index = LAYER_PARAMS[i]
+        p = jax.tree.map(lambda t: t[index], params["period_blocks"][stack])
         y = plain_rms_norm(x, p["attn_norm"], m.norm_eps)
         q = jnp.einsum("bsd,dnh->bsnh", y, p["wq"])
         k = jnp.einsum("bsd,dkh->bskh", y, p["wk"])
@@ -92,7 +100,9 @@ def plain_hybrid_nll(params, rows, config):
 def test_hybrid_model_matches_the_unrolled_reference_forward_and_gradients(scan_layers):
     config = hybrid_config()
     config.model.scan_layers = scan_layers
-    assert layer_types.layer_counts(5, 3) == (2, 2, 1)
+    assert layer_types.layer_counts(6, 4) == (2, 2, 1, 1)
+    assert [(run.start, run.length, run.layers(6, 4)) for run in layer_types.runs(config)] == [
+        (0, 2, 4), (2, 1, 1), (3, 1, 1)]
     mesh = mesh_lib.make_mesh(config.mesh)
     rows = synthetic.packed_rows(2, config.data.seq_len, config.model.vocab_size, seed=3)
     batch = synthetic.to_layout(rows, LAYOUT, 4)
@@ -100,7 +110,7 @@ def test_hybrid_model_matches_the_unrolled_reference_forward_and_gradients(scan_
     order = layout_lib.permutation(LAYOUT, config.data.seq_len, 4)
     with jax.set_mesh(mesh):
         model = Decoder(config, layout=LAYOUT, rngs=nnx.Rngs(params=0))
-        model.period_blocks[0].sinks[...] = jnp.linspace(-1.0, 2.0, 8).reshape(2, 4)  # (zero-initialised)
+        model.period_blocks[0].sinks[...] = jnp.linspace(-1.0, 2.0, 16).reshape(4, 4)  # (zero-initialised)
         graphdef, params = nnx.split(model, nnx.Param)
         sharded = {k: jax.device_put(v, mesh_lib.batch_sharding(mesh)) for k, v in batch.items()}
 
@@ -151,7 +161,8 @@ def test_types_resolve_from_attention_and_model_keys():
     np.testing.assert_array_equal(local.rotary.inv_freq, local_again.rotary.inv_freq)
     assert not np.array_equal(local.rotary.inv_freq, global_.rotary.inv_freq)  # two thetas
     assert "pattern" not in local.attention and "layer_types" not in local.attention
-    assert [layer_types.type_of_layer(config, i) for i in range(5)] == ["local", "global", "nope", "local", "global"]
+    assert [layer_types.type_of_layer(config, i) for i in range(6)] == [
+        "local", "local", "global", "nope", "local", "local"]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -194,7 +205,7 @@ def test_the_parameter_estimate_and_attention_flops_count_each_type():
     m, d = config.model, config.data
     pairs = sum(flops.kept_pairs(d.seq_len, causal=True, sliding_window=TYPES[name].get("sliding_window"),
                                  chunk_size=TYPES[name].get("chunk_size"))
-                for name in ("local", "global", "nope", "local", "global"))
+                for name in ("local", "local", "global", "nope", "local", "local"))
     assert flops.attention_flops_per_step(config) == 12.0 * d.global_batch_size * m.num_heads * m.head_dim * pairs
 
 
