@@ -82,11 +82,9 @@ def estimate(config, topology: str, breakdown: bool = True) -> aot.CompiledStep:
         check(config, topology)
         cli.validated(f"config and topology {topology} are fine")
         # A compile takes from seconds (tiny) to minutes (an 8B model at 131,072 tokens): say so
-        # before it starts, on stderr so that --json's stdout stays one JSON object.
-        print(f"estimate: compiling the train step for {topology}"
-              f"{' (and one layer of it, for the breakdown)' if breakdown else ''} ...",
-              file=sys.stderr, flush=True)
-        return aot.compile_train_step(config, topology, breakdown=breakdown)
+        # before it starts and when it ends, on stderr so that --json's stdout stays one JSON object.
+        return aot.compile_train_step(config, topology, breakdown=breakdown,
+                                      say=lambda line: print(f"estimate: {line}", file=sys.stderr, flush=True))
     except ConfigError as e:
         raise ConfigError(f"the config does not fit topology {topology}: {e}") from None
     except ValueError as e:  # aot: a topology libtpu does not know

@@ -24,7 +24,9 @@ and everything not searched stay as the config has them; --seq-len overrides dat
 `--config.attention.cp=auto` and `--config.attention.block_size=auto` in scripts/train.py and
 estimate.py apply the same planner to a run at start-up (only the strategy, the mesh's -1 axes, the
 block and attention.layout=auto are chosen, each where the config asks).
-Exit status 0, or 2 with one line (`longctx: ...`) on bad input.
+A long search (documents at millions of tokens) says how far it is on stderr every 10 s.
+Exit status 0, or 2 with one line (`longctx: ...`) on bad input or where no candidate fits by
+the memory model (the line names the nearest slice, sequence or batch that does).
 """
 
 import os
@@ -48,7 +50,7 @@ from longctx import reports  # noqa: E402
 from longctx.data import length_mixes  # noqa: E402
 from longctx.data import pipeline as data_lib  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
-from longctx.plan import aot, hardware, planner  # noqa: E402  (aot: the source digest)
+from longctx.plan import aot, fit_remedy, hardware, planner  # noqa: E402  (aot: the source digest)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:llama3_8b_128k.",
                                           lock_config=True)
@@ -154,7 +156,8 @@ def compile_row(row, topology: str) -> dict:
     command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "estimate.py"),
                *_config_flags(), *seq, *row.overrides(), f"--topology={topology}", "--nobreakdown",
                "--json"]
-    print(f"plan: compiling {' '.join(row.overrides())} for {topology} ...", file=sys.stderr, flush=True)
+    print(f"plan: compiling {' '.join(row.overrides())} for {topology} "
+          f"({aot.compile_duration(row.config)}) ...", file=sys.stderr, flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode in (0, 1):  # fits, does not fit
         r = json.loads(done.stdout)
@@ -175,7 +178,8 @@ def compile_row(row, topology: str) -> dict:
 
 def _table(rows, compiled: dict, why: list[str]) -> str:
     header = ["#", "mesh dp,fsdp,sp", "cp", "layout", "block", "residuals", "remat", "step s",
-              "tokens/s/chip", "MFU", "HBM GiB (model)", "HBM GiB (AOT)", "exposed comm s", "bound"]
+              "tokens/s/chip", "MFU (document FLOPs)", "HBM GiB (model)", "HBM GiB (AOT)",
+              "exposed comm s", "bound"]
     body = []
     for i, r in enumerate(rows):
         s = r.step
@@ -231,12 +235,15 @@ def main(argv):
     config = _config(_CONFIG.value)
     documents = _documents(config)
     cli.validated(f"config, topology {topology.name} and documents are fine")
-    rows = planner.plan(config, topology, segment_ids=documents)
+    rows = planner.plan(config, topology, segment_ids=documents,
+                        progress=planner.progress_lines(sys.stderr))
     if not rows:
         raise ConfigError(f"no mesh, strategy and block of this config is valid on {topology.name} "
                           f"({topology.num_chips} chips): data.seq_len must divide by sp, "
                           f"data.global_batch_size by dp x fsdp and model.d_model by fsdp x sp for "
                           f"some split of the chips.")
+    if not any(r.fits for r in rows):  # no run to recommend: say what would fit instead
+        raise ConfigError(fit_remedy.why_nothing_fits(config, topology))
     top = planner.distinct(rows)[:_TOP.value]
     compiled = {}
     for i, row in enumerate(top[:_COMPILE.value]):
@@ -252,10 +259,14 @@ def main(argv):
                        for i, (r, w) in enumerate(zip(top, why))]}
     if _PNG.value:
         draw(_PNG.value, top)
+    # MFU's numerator: what the documents need, as the step's attention is priced (step_time.py).
+    flops_basis = ("of rows of one document" if documents is None else
+                   "these documents need (attention within each document only)")
     heading = (f"{topology.name}: {len(rows)} candidates, {result['fit_by_model']} fit by the memory "
                f"model; the best {len(top)} ways to split attention (sp, strategy, layout: each with "
                f"its best dp x fsdp, block and policies) by predicted step time"
-               f"{'' if documents is None else ', attention priced on ' + result['documents']}:")
+               f"{'' if documents is None else ', attention priced on ' + result['documents']}; "
+               f"MFU counts the model FLOPs {flops_basis}:")
     # The first row the compiler fits, where one was compiled; else the model's first.
     chosen = next((i for i, c in sorted(compiled.items()) if c.get("fits")), 0)
     text = (f"{heading}\n\n{_table(top, compiled, why)}\n\nrun #{chosen + 1}: "
