@@ -53,6 +53,7 @@ import importlib.util
 import logging
 import os
 import re
+import signal
 import sys
 import traceback
 import warnings
@@ -146,12 +147,21 @@ def start(cpu_devices: int | None = 8) -> None:
         sys.path.append(_REPO)  # appended: an installed `configs` or longctx comes first
     _take_start_flags(sys.argv)
     sys.excepthook = _excepthook
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     quiet_third_party_logs()
     if cpu_devices is not None:
         try:
             devices.configure_cpu_devices(cpu_devices)
         except LongctxError as e:  # e.g. LONGCTX_CPU_DEVICES=abc
             sys.exit(report(e))
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    """SIGTERM before a script handles it itself (train_and_evaluate does from its first line: one
+    line, then a stop that saves once it trains): one line and status 143 through every `finally`,
+    where Python's default ended the process silently (in the seconds its imports take)."""
+    os.write(2, f"{PREFIX}SIGTERM: stopped.\n".encode())  # (a handler that writes to sys.stderr
+    raise SystemExit(128 + signum)                       # while it is being written fails)
 
 
 # What every script imports that a Python without .venv lacks (setup.cfg's install_requires).

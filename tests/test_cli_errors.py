@@ -123,22 +123,41 @@ def test_corrupt_shard_is_one_line_and_the_checkpoints_stay(dataset, tmp_path):
     assert not (tmp_path / "w" / "checkpoints_unreadable").exists()
 
 
-def test_corrupt_record_found_while_training_is_one_line(dataset, tmp_path):
-    """A record whose bytes are damaged inside an otherwise readable file surfaces from Grain's
-    read threads in the middle of the loop; still one line."""
+def _damaged_copy(dataset, tmp_path, offsets):
+    """A copy of the dataset whose first train shard has the bytes at `offsets` flipped."""
     data = tmp_path / "data"
     data.mkdir()
     for f in os.listdir(dataset):
         (data / f).write_bytes((dataset / f).read_bytes())
     shard = data / "train-00000.array_record"
     raw = bytearray(shard.read_bytes())
-    for i in range(300, 20000, 7):
+    for i in offsets(len(raw)):
         raw[i] ^= 0x55
     shard.write_bytes(bytes(raw))
+    return data, shard
+
+
+def test_corrupt_record_found_while_training_is_one_line(dataset, tmp_path):
+    """A record whose bytes are damaged inside an otherwise readable file (its chunk headers
+    intact, so start-up's count check passes) surfaces from Grain's read threads in the middle of
+    the loop; still one line."""
+    data, shard = _damaged_copy(dataset, tmp_path, lambda size: range(1000, 1064))
     r = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'w'}",
             f"--config.data.path={data}", "--config.train.num_steps=2")
     assert r.returncode == 2
     assert re.fullmatch(rf"longctx: {re.escape(str(shard))} record \d+ is corrupt \(.+\); prepare "
+                        r"the data again with scripts/prepare_data\.py \(or restore the file from a "
+                        r"copy\)\.", the_line(r)), r.stderr[-2000:]
+
+
+def test_damaged_chunk_headers_are_refused_at_start_up_in_one_line(dataset, tmp_path):
+    """Bytes flipped all over the file's start, its chunk headers among them: the start-up check of
+    the shards' counts (data/shard_counts.py) refuses it before anything compiles."""
+    data, shard = _damaged_copy(dataset, tmp_path, lambda size: range(300, 20000, 7))
+    r = run(TRAIN, "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'w'}",
+            f"--config.data.path={data}", "--validate_only")
+    assert r.returncode == 2
+    assert re.fullmatch(rf"longctx: {re.escape(str(shard))} is corrupt: its chunk headers .+; prepare "
                         r"the data again with scripts/prepare_data\.py \(or restore the file from a "
                         r"copy\)\.", the_line(r)), r.stderr[-2000:]
 
