@@ -11,9 +11,8 @@ for a ConfigDict-valued key replaces it: on the command line it is the dict's Py
 Every variant has 12 layers, the least common multiple of the periods 2, 4 and 6, so each pattern
 repeats whole (1:1 is 6 local + 6 global, 3:1 is 9 + 3, 5:1 is 10 + 2). The tiny preset's
 sequences of 1,024 tokens over sp=4 give each device a shard of 256 tokens; the windows are scaled
-to that sequence: the gpt-oss-like short window of 32 is 1/32 of it (gpt-oss: 128 of its 4,096-token
-pretraining context), the Cohere- and Gemma-3-like window of 128 is half a shard (1/8 of the
-sequence, between Gemma 3's 1,024 of 32,768 and Command R7B's 4,096 of 8,192), and the Llama-4-like
+to that sequence: the gpt-oss-like short window of 32 is 1/32 of it (gpt-oss: 128), the Cohere- and
+Gemma-3-like window of 128 is half a shard (Command R7B: 4,096; Gemma 3: 1,024), and the Llama-4-like
 chunk of 256 is one shard (Llama 4: 8,192), with the temperature floor at the chunk as Llama 4's.
 The local layers pass only their halo between devices (`cp="halo"`, as tiny_hybrid's); the global
 layers run the ring.
@@ -21,8 +20,8 @@ layers run the ring.
 
 BASE = "configs/base.py:tiny"
 
-# Shared by every variant: 12 layers (above), a short run so that 5 variants x 3 seeds take about
-# 40 minutes on a 2-core CPU (raise num_steps for a real comparison).
+# Shared by every variant: 12 layers (above), a short run (5 variants x 3 seeds took 67 minutes on
+# 2 CPU cores shared with other work: docs/ablation_hybrid.md); raise num_steps for a real comparison.
 COMMON = {
     "model.num_layers": 12,
     "train.num_steps": 50,
