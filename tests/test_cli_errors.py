@@ -9,8 +9,10 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -678,3 +680,31 @@ def test_own_log_records_are_kept_and_libraries_warnings_dropped(where, kept, mo
     assert cli._ThirdPartyLogs().filter(record) is kept
     record.levelno = logging.ERROR
     assert cli._ThirdPartyLogs().filter(record) is True
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (/proc/<pid>/status SigCgt)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught >> (signum - 1) & 1)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/<pid>/status")
+def test_sigterm_while_a_script_imports_is_one_line_and_status_143(tmp_path):
+    """cli.start handles SIGTERM first thing; the signal is sent as soon as the handler is there,
+    while the script is still importing jax (seconds before train_and_evaluate takes over)."""
+    full_env = {k: v for k, v in os.environ.items() if k not in (cli.DEBUG_ENV, cli.VALIDATE_ENV)}
+    p = subprocess.Popen([sys.executable, TRAIN, "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'w'}"],
+                         cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches(p.pid, signal.SIGTERM):
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 143, err[-2000:]
+    assert err.strip().splitlines() == ["longctx: SIGTERM: stopped."] and not out.strip(), err[-2000:]
+    assert not (tmp_path / "w").exists()
