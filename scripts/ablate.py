@@ -52,35 +52,11 @@ def kv_bytes_per_step(config, layout: str, mesh: dict) -> int | None:
     layer type's strategy and mask, on the run's layout and mesh (a bound for the ring with
     documents, which may stop early). None for a strategy that formula does not price."""
     # lazily: jax and the ops load only once the runs are done
-    import numpy as np
-
-    from longctx.model import layer_types
     from longctx.plan import collectives
 
-    m = config.model
     data_ways = mesh["dp"] * mesh["fsdp"] * mesh.get("dcn_dp", 1) * mesh.get("dcn_fsdp", 1)
-    batch = config.data.global_batch_size // data_ways
-    types = layer_types.period(config)
-    total = 0
-    for kind, layers in zip(types, layer_types.layer_counts(m.num_layers, len(types))):
-        a = kind.attention
-        shape = collectives.Shape(batch, config.data.seq_len, mesh["sp"], m.num_heads, m.num_kv_heads, m.head_dim,
-                                  np.dtype(m.dtype).itemsize, documents=bool(a.use_segment_ids))
-        mask = dict(causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size, layout=layout,
-                    block=a.block_size)
-        if a.cp == "ring":
-            per_layer = collectives.formula("ring", shape, steps=collectives.ring_run_steps(shape, **mask))
-        elif a.cp == "usp":
-            per_layer = collectives.formula("usp", shape, degree=a.cp_ulysses,
-                                            steps=collectives.usp_group_steps(shape, a.cp_ulysses, **mask))
-        elif a.cp == "halo":
-            per_layer = collectives.formula("halo", shape, exchanges=collectives.halo_exchanges(shape, **mask))
-        elif a.cp in ("all_gather", "ulysses"):
-            per_layer = collectives.formula(a.cp, shape)
-        else:
-            return None
-        total += layers * sum(per_layer.values())
-    return total
+    return collectives.step_bytes(config, sp=mesh["sp"], rows=config.data.global_batch_size // data_ways,
+                                  layout=layout)
 
 
 def price_kv(rows: list[dict], variants) -> None:

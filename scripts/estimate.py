@@ -40,7 +40,9 @@ import json  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from longctx.model import layer_types  # noqa: E402
 from longctx.plan import aot, auto, collectives, planner  # noqa: E402
+from longctx.train import state as train_state  # noqa: E402
 from longctx import config as config_lib  # noqa: E402
 from longctx import reports  # noqa: E402
 from longctx.parallel import mesh as mesh_lib  # noqa: E402
@@ -101,32 +103,23 @@ def check(config, topology: str) -> None:
 
 
 def communication(config, mesh_shape: dict) -> dict:
-    """{strategy label: {"forward", "backward"} bytes one device sends per layer} for every
-    context-parallel strategy the heads and sp allow (longctx.plan.collectives.formula: every
-    ring step, as a causal mask runs; segment ids travel with K/V)."""
-    m, sp = config.model, mesh_shape[mesh_lib.SP]
+    """{layer type: collectives.TypeTraffic} per device per layer of the run as compiled: every
+    strategy the heads and sp allow, on each type's mask in the run's layout."""
+    sp = mesh_shape[mesh_lib.SP]
     rows = config.data.global_batch_size // max(1, mesh_shape.get("dp", 1) * mesh_shape.get("fsdp", 1))
-    shape = collectives.Shape(batch=max(1, rows), seq_len=config.data.seq_len, sp=sp, heads=m.num_heads,
-                              kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                              dtype_bytes=2 if m.dtype == "bfloat16" else 4, documents=True)
-    out = {"ring": collectives.formula("ring", shape), "all_gather": collectives.formula("all_gather", shape)}
-    if sp > 1 and m.num_heads % sp == 0:
-        out["ulysses"] = collectives.formula("ulysses", shape)
-    for u in range(2, sp):
-        if sp % u == 0 and m.num_heads % u == 0:
-            out[f"usp U={u}"] = collectives.formula("usp", shape, degree=u)
-    return out
+    return collectives.layer_type_traffic(config, sp=sp, rows=rows,
+                                          layout=train_state.resolve_layout(config, sp))
 
 
 def _communication_lines(config, mesh_shape: dict) -> str:
-    chosen = config.attention.get("cp", "ring")
-    if chosen == "usp":
-        chosen = f"usp U={config.attention.get('cp_ulysses')}"
-    lines = ["attention communication per device per layer (formula: longctx/plan/collectives.py; "
-             f"x {config.model.num_layers} layers per step):"]
-    for name, b in communication(config, mesh_shape).items():
-        lines.append(f"  {name:11s} forward {b['forward'] / 2**20:9,.1f} MiB   backward "
-                     f"{b['backward'] / 2**20:9,.1f} MiB" + ("   <- attention.cp" if name == chosen else ""))
+    lines = ["attention communication per device per layer (formula: longctx/plan/collectives.py):"]
+    for name, traffic in communication(config, mesh_shape).items():
+        what = "" if name == layer_types.UNIFORM else f"layer type {name}: "
+        lines.append(f" {what}x {traffic.layers} layers per step")
+        for strategy, b in traffic.per_strategy.items():
+            lines.append(f"  {strategy:11s} forward {b['forward'] / 2**20:9,.1f} MiB   backward "
+                         f"{b['backward'] / 2**20:9,.1f} MiB"
+                         + ("   <- attention.cp" if strategy == traffic.chosen else ""))
     return "\n".join(lines)
 
 
@@ -138,7 +131,8 @@ def result_dict(config, result: aot.CompiledStep) -> dict:
                remat_policy=config.model.remat_policy, impl=config.attention.impl,
                remedies=aot.suggest_remedies(config, result),
                remedy_estimates=[dataclasses.asdict(r) for r in aot.remedy_estimates(config, result)],
-               attention_communication_bytes_per_layer=communication(config, result.mesh_shape))
+               attention_communication_bytes_per_layer={
+                   name: traffic.per_strategy for name, traffic in communication(config, result.mesh_shape).items()})
     if result.breakdown is None:
         out.pop("breakdown", None)
     else:
@@ -272,9 +266,21 @@ def _model_line(config) -> str:
             f"residuals {config.attention.get('residuals', 'save_qkv')}, "
             f"cp {config.attention.get('cp', 'ring')}"
             f"{'' if config.attention.get('cp_ulysses') is None else ' x' + str(config.attention.cp_ulysses)}"
-            "), parameters over "
+            f"{_pattern_text(config)}), parameters over "
             f"{'x'.join(mesh_lib.split_axes('embed'))}, optimizer state over "
             f"{'x'.join(mesh_lib.split_axes('embed', config.optimizer.get('shard_state_over_dp', False)))}")
+
+
+def _pattern_text(config) -> str:
+    """", pattern local x5 (window 1024, cp halo) + global (...)" for a hybrid model, else ""."""
+    if not layer_types.is_hybrid(config):
+        return ""
+    parts = []
+    for run in layer_types.runs(config):
+        a, own = run.layer_type.attention, dict(config.attention.layer_types[run.layer_type.name])
+        keys = ", ".join(f"{k} {v}" for k, v in own.items()) or "attention.*"
+        parts.append(f"{run.layer_type.name}{' x' + str(run.length) if run.length > 1 else ''} ({keys})")
+    return ", pattern " + " + ".join(parts)
 
 
 def _save_sweep(out_stem: str, results: dict) -> None:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from longctx.model import layer_types
 from longctx.ops import context_parallel, halo, masks
 from longctx.ops import ring as ring_lib
 from longctx.ops import ulysses
@@ -399,6 +400,61 @@ def usp_group_steps(shape: Shape, degree: int, *, causal=True, sliding_window=No
     """The steps of usp's ring of groups at which some group holds a pair the mask keeps."""
     return ulysses.group_steps(_config(shape, causal, sliding_window, chunk_size, layout, block),
                                degree)
+
+
+@dataclasses.dataclass(frozen=True)
+class TypeTraffic:
+    """One layer type's attention traffic per device per layer, by strategy."""
+    layers: int  # how many of the model's layers have this type
+    chosen: str  # its own strategy, as labelled in `per_strategy` ("usp U=2")
+    per_strategy: dict  # label -> {"forward", "backward"} bytes
+
+
+def layer_type_traffic(config, *, sp: int, rows: int, layout: str) -> dict[str, TypeTraffic]:
+    """{layer type name: TypeTraffic} of a model (one type, "default", without a pattern): every
+    strategy the heads and sp allow, priced by `formula` on the type's mask in the run's `layout`
+    (the ring's run steps, usp's group steps, halo's exchanges; with documents a chunk is the
+    window of chunk - 1 keys it spans statically, as the kernels are given it), `rows` sequences
+    per device, K/V in the compute dtype and, with documents, their segment ids."""
+    m = config.model
+    types = layer_types.period(config)
+    counts = {}
+    for layer_type, count in zip(types, layer_types.layer_counts(m.num_layers, len(types))):
+        counts[layer_type.name] = (layer_type, counts.get(layer_type.name, (None, 0))[1] + count)
+    out = {}
+    for name, (layer_type, count) in counts.items():
+        a = layer_type.attention
+        shape = Shape(batch=max(1, rows), seq_len=config.data.seq_len, sp=sp, heads=m.num_heads,
+                      kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                      dtype_bytes=jnp.dtype(m.dtype).itemsize, documents=bool(a.use_segment_ids))
+        spec = masks.make_mask_spec(a.causal, None if a.sliding_window is None else (a.sliding_window, 0),
+                                    a.chunk_size)
+        if spec.chunk is not None and a.use_segment_ids:
+            spec = masks.within_chunk_window(spec)
+        mask = dict(causal=spec.causal, sliding_window=spec.window, chunk_size=spec.chunk, layout=layout,
+                    block=min(int(a.block_size), shape.seq_len // sp))
+        per = {"ring": formula("ring", shape, steps=ring_run_steps(shape, **mask)),
+               "all_gather": formula("all_gather", shape),
+               "halo": formula("halo", shape, exchanges=halo_exchanges(shape, **mask))}
+        if sp > 1 and m.num_heads % sp == 0:
+            per["ulysses"] = formula("ulysses", shape)
+        for u in range(2, sp):
+            if sp % u == 0 and m.num_heads % u == 0:
+                per[f"usp U={u}"] = formula("usp", shape, degree=u, steps=usp_group_steps(shape, u, **mask))
+        cp = a.get("cp", "ring")
+        out[name] = TypeTraffic(count, f"usp U={a.get('cp_ulysses')}" if cp == "usp" else cp, per)
+    return out
+
+
+def step_bytes(config, *, sp: int, rows: int, layout: str) -> int | None:
+    """K/V bytes one device sends in a training step (forward and backward, every layer, each by
+    its type's own strategy); None where a type's strategy is not priced (cp=auto unresolved)."""
+    total = 0
+    for t in layer_type_traffic(config, sp=sp, rows=rows, layout=layout).values():
+        if t.chosen not in t.per_strategy:
+            return None
+        total += t.layers * sum(t.per_strategy[t.chosen].values())
+    return total
 
 
 def halo_exchanges(shape: Shape, *, causal=True, sliding_window=None, chunk_size=None,

@@ -186,7 +186,8 @@ def test_kv_bytes_per_step_sum_each_layer_types_closed_form():
     full = sum(collectives.formula("ring", shape).values())
     assert ablate.kv_bytes_per_step(c, "contiguous", mesh) == 12 * full
     # the local layers pass their halo (cp="halo"): a window of 32 one block of 128 from one
-    # neighbour; the Llama-4-like chunk of one shard (256) nothing at all
+    # neighbour; the Llama-4-like chunk of one shard (256) starts at each document's start, so it
+    # reaches 255 keys back: the shard before, whole (with no documents it would send nothing)
     exchanges = collectives.halo_exchanges(shape, sliding_window=32, layout="contiguous", block=128)
     assert [(e.offset, e.stop - e.start) for e in exchanges] == [(1, 128)]
     window = sum(collectives.formula("halo", shape, exchanges=exchanges).values())
@@ -194,6 +195,9 @@ def test_kv_bytes_per_step_sum_each_layer_types_closed_form():
     assert ablate.kv_bytes_per_step(one_to_one.config, "contiguous", mesh) == 6 * full + 6 * window
     llama4 = variants[4]
     assert collectives.halo_exchanges(shape, chunk_size=256, layout="contiguous", block=128) == ()
-    assert ablate.kv_bytes_per_step(llama4.config, "contiguous", mesh) == 3 * full
+    chunk = sum(collectives.formula("halo", shape, exchanges=collectives.halo_exchanges(
+        shape, sliding_window=(255, 0), layout="contiguous", block=128)).values())
+    assert 0 < chunk
+    assert ablate.kv_bytes_per_step(llama4.config, "contiguous", mesh) == 3 * full + 9 * chunk
     llama4.config.attention.layer_types.local.cp = "something new"
     assert ablate.kv_bytes_per_step(llama4.config, "contiguous", mesh) is None  # not priced: "–"
