@@ -277,8 +277,8 @@ def _pattern_text(config) -> str:
         return ""
     parts = []
     for run in layer_types.runs(config):
-        a, own = run.layer_type.attention, dict(config.attention.layer_types[run.layer_type.name])
-        keys = ", ".join(f"{k} {v}" for k, v in own.items()) or "attention.*"
+        own = dict(config.attention.layer_types[run.layer_type.name])
+        keys = ", ".join(f"{k} {dict(v) if hasattr(v, 'items') else v}" for k, v in own.items()) or "attention.*"
         parts.append(f"{run.layer_type.name}{' x' + str(run.length) if run.length > 1 else ''} ({keys})")
     return ", pattern " + " + ".join(parts)
 
