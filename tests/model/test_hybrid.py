@@ -28,7 +28,7 @@ from longctx.ops import reference_attention
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from tests import synthetic
-from tests.model.test_model import plain_rms_norm, small_config
+from tests.model.test_model import plain_rms_norm, plain_rope, small_config
 
 LAYOUT = "zigzag"
 TYPES = {
@@ -53,14 +53,6 @@ def hybrid_config(pattern=PATTERN, num_layers=6, impl="xla"):
     c.data.seq_len = 256
     c.mesh.update(dp=1, fsdp=2, sp=4)
     return c
-
-
-def plain_rope(x, positions, theta):
-    h = x.shape[-1]
-    freq = theta ** (-jnp.arange(0, h, 2) / h)
-    ang = positions[..., None, None] * freq  # [b, s, 1, h/2]
-    x1, x2 = x[..., : h // 2], x[..., h // 2:]
-    return jnp.concatenate([x1 * jnp.cos(ang) - x2 * jnp.sin(ang), x2 * jnp.cos(ang) + x1 * jnp.sin(ang)], -1)
 
 
 def plain_hybrid_nll(params, rows, config):
