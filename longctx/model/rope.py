@@ -49,12 +49,21 @@ KEYS_BY_TYPE = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Rotary:
-    """What the model needs: the frequencies, and the scale applied to cos and sin."""
+    """What the model needs: the frequencies, and the scale applied to cos and sin. Compared and
+    hashed by value: a layer type holds one, and the decoder's blocks are static data that jax and
+    flax compare (a dataclass's own == would compare the arrays element by element)."""
 
     inv_freq: np.ndarray  # float32 [head_dim // 2]
     attention_scaling: float = 1.0
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Rotary) and self.attention_scaling == other.attention_scaling
+                and np.array_equal(self.inv_freq, other.inv_freq))
+
+    def __hash__(self) -> int:
+        return hash((self.inv_freq.tobytes(), self.attention_scaling))
 
 
 _F32 = np.float32

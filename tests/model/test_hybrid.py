@@ -210,3 +210,13 @@ def test_a_type_s_rope_scaling_takes_the_model_s_other_keys():
     np.testing.assert_allclose(scaled.rotary.inv_freq, unscaled / 8, rtol=1e-6)
     assert layer_types.rope_scaling(config, "global")["original_max_position"] == 8192  # the model's
     assert plain.rotary is not None and layer_types.rope_scaling(config, "local")["type"] == "none"
+
+
+def test_layer_types_compare_by_value():
+    """The blocks' graph definitions (which hold their layer type) are compared by jax and flax
+    when a program is traced again: two resolutions of one type are equal and hash alike."""
+    config = hybrid_config()
+    first, again = layer_types.resolve(config, "local"), layer_types.resolve(config, "local")
+    assert first.rotary is not again.rotary and first.rotary == again.rotary
+    assert hash(first.rotary) == hash(again.rotary) and first == again
+    assert first != layer_types.resolve(config, "global")
