@@ -143,8 +143,10 @@ def _needed_files(words: list[str]) -> list[str]:
     """The files the command needs that this machine lacks (a fresh clone lacks them all; a
     machine where someone installed the peers in /tmp/peers has that one, and the command must
     then run as any other)."""
-    needed = [path for path in NEEDS_A_FILE
-              if path in words or any(w.endswith(("=" + path, ":" + path)) for w in words)]
+    # (train.py writes its --workdir: that command is the one the others need, not one of them)
+    writes = {w.split("=", 1)[1] for w in words if "scripts/train.py" in words and w.startswith("--workdir=")}
+    needed = [path for path in NEEDS_A_FILE if path not in writes
+              and (path in words or any(w.endswith(("=" + path, ":" + path)) for w in words))]
     if any(script in words for script in READS_DATA):
         needed += [path for preset, path in PRESET_FILES.items() if f"--config={preset}" in words]
     return [path for path in needed if not os.path.exists(os.path.join(ROOT, path))]
