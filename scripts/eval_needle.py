@@ -155,14 +155,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of needle depths, evenly from 0%% to 100%%")
     p.add_argument("--samples", type=cli.int_at_least(1), default=4, help="passkeys per (length, depth) cell")
     p.add_argument("--seed", type=cli.int_at_least(0), default=0, help="passkey seed (0 or more)")
+    add_model_flags(p, haystacks="fills the haystacks", tokenizer_default="see below")
+    return p
+
+
+def add_model_flags(p: argparse.ArgumentParser, *, haystacks: str, tokenizer_default: str) -> None:
+    """The run's settings an evaluation may change, as _mesh_overrides, _dataset and
+    _model_tokenizer read them (scripts/eval_ruler.py takes the same)."""
     p.add_argument("--seq-len", type=cli.int_at_least(1), help="run at this data.seq_len instead of the run's")
     p.add_argument("--mesh", help="DP,FSDP,SP instead of the run's mesh")
     p.add_argument("--impl", choices=("splash", "xla"), help="attention impl instead of the run's")
-    p.add_argument("--data", metavar="DIR", help="prepared dataset whose validation text fills the "
-                   "haystacks (default: the run's data.path, else the embedded corpus)")
+    p.add_argument("--data", metavar="DIR", help=f"prepared dataset whose validation text {haystacks} "
+                   "(default: the run's data.path, else the embedded corpus)")
     p.add_argument("--tokenizer", metavar="SPEC", help="the model's tokenizer: byte, "
-                   "sentencepiece:MODEL or hf:DIR_OR_JSON (default: see below)")
-    return p
+                   f"sentencepiece:MODEL or hf:DIR_OR_JSON (default: {tokenizer_default})")
 
 
 def main(argv=None) -> int:

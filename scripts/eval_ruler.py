@@ -73,13 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=cli.int_at_least(1), default=2,
                    help="samples per (task, length, depth); cwe and fwe take as many per length")
     p.add_argument("--seed", type=cli.int_at_least(0), default=0, help="sample seed (0 or more)")
-    p.add_argument("--seq-len", type=cli.int_at_least(1), help="run at this data.seq_len instead of the run's")
-    p.add_argument("--mesh", help="DP,FSDP,SP instead of the run's mesh")
-    p.add_argument("--impl", choices=("splash", "xla"), help="attention impl instead of the run's")
-    p.add_argument("--data", metavar="DIR", help="prepared dataset whose validation text makes the "
-                   "documents and essay haystacks (default: the run's data.path, else the embedded corpus)")
-    p.add_argument("--tokenizer", metavar="SPEC", help="the model's tokenizer: byte, "
-                   "sentencepiece:MODEL or hf:DIR_OR_JSON (default: as scripts/eval_needle.py finds it)")
+    eval_needle.add_model_flags(p, haystacks="makes the documents and essay haystacks",
+                                tokenizer_default="as scripts/eval_needle.py finds it")
     return p
 
 
