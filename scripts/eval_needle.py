@@ -34,6 +34,7 @@ from longctx import cli  # noqa: E402
 cli.start()  # before jax is imported
 
 import argparse  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -144,6 +145,41 @@ def _mesh_overrides(args, config) -> dict:
     return overrides
 
 
+class DocumentSource(NamedTuple):
+    """Where an evaluation's model tokenizer and haystack documents came from (for its result file)."""
+    data_dir: str
+    data_tokenizer: str  # the dataset's tokenizer
+    tokenizer: str  # the model's tokenizer spec
+    tokenizer_from: str  # how that spec was found
+    retokenized: bool  # the documents went through text into the model's ids
+
+
+def model_and_documents(args, config, directory: str, step: int, overrides: dict, flag: str = "--workdir"):
+    """(runner, the model's tokenizer, validation documents in its ids, DocumentSource) for the
+    model `args.workdir` names (`flag`: the flag that named it), as --data and --tokenizer say."""
+    data_dir = _dataset(args, config)
+    meta = data_lib.load_metadata(data_dir)
+    spec, spec_dir, origin = _model_tokenizer(args, config, directory, step, data_dir)
+    tokenizer = tokenizer_lib.load_tokenizer(spec, spec_dir)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"the tokenizer {tokenizer.name} ({origin}) has {tokenizer.vocab_size} ids, more "
+                          f"than the {config.model.vocab_size} of the model in {flag}={args.workdir}; "
+                          "pass --tokenizer=SPEC, the tokenizer the model was trained with.")
+    runner = inference.runner_from_checkpoint(args.workdir, overrides)
+    data_tokenizer, documents = needle.validation_documents(runner.config, data_dir)
+    # The dataset's ids are the model's when they name the same tokenizer file (or both bytes).
+    retokenized = not (spec == meta["tokenizer"] and (spec == "byte" or spec_dir is not None and
+                                                      os.path.realpath(spec_dir) == os.path.realpath(data_dir)))
+    if retokenized:  # the dataset's ids are another tokenizer's: through text into the model's
+        documents = needle.retokenized(documents, data_tokenizer, tokenizer)
+    return runner, tokenizer, documents, DocumentSource(data_dir, data_tokenizer.name, spec, origin, retokenized)
+
+
+def evenly_spread_depths(count: int) -> tuple[float, ...]:
+    """--depths: `count` depths evenly from 0 to 1 (one: the middle)."""
+    return tuple(float(d) for d in np.round(np.linspace(0.0, 1.0, count), 3)) if count > 1 else (0.5,)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flags, each number with its range (a value outside it is one line naming the flag)."""
     p = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -189,30 +225,17 @@ def main(argv=None) -> int:
         raise ConfigError(f"--lengths={max(args.lengths)} is longer than the {seq_len}-token sequences "
                           f"the model runs at; pass --seq-len={max(args.lengths)} as well.")
     cli.validated(f"--workdir {args.workdir} holds a checkpoint (step {step})")
-    data_dir = _dataset(args, config)
-    meta = data_lib.load_metadata(data_dir)
-    spec, spec_dir, origin = _model_tokenizer(args, config, directory, step, data_dir)
-    tokenizer = tokenizer_lib.load_tokenizer(spec, spec_dir)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ConfigError(f"the tokenizer {tokenizer.name} ({origin}) has {tokenizer.vocab_size} ids, more "
-                          f"than the {config.model.vocab_size} of the model in --workdir={args.workdir}; "
-                          "pass --tokenizer=SPEC, the tokenizer the model was trained with.")
-    runner = inference.runner_from_checkpoint(args.workdir, overrides)
-    data_tokenizer, documents = needle.validation_documents(runner.config, data_dir)
-    # The dataset's ids are the model's when they name the same tokenizer file (or both bytes).
-    retokenized = not (spec == meta["tokenizer"] and (spec == "byte" or spec_dir is not None and
-                                                      os.path.realpath(spec_dir) == os.path.realpath(data_dir)))
-    if retokenized:  # the dataset's ids are another tokenizer's: through text into the model's
-        documents = needle.retokenized(documents, data_tokenizer, tokenizer)
-    depths = tuple(float(d) for d in np.round(np.linspace(0.0, 1.0, args.depths), 3)) if args.depths > 1 else (0.5,)
+    runner, tokenizer, documents, source = model_and_documents(args, config, directory, step, overrides)
+    depths = evenly_spread_depths(args.depths)
     try:
         result = needle.evaluate(runner, tokenizer, documents, lengths=args.lengths, depths=depths,
                                  samples=args.samples, seed=args.seed)
     except ValueError as e:  # a length the haystack cannot hold
         raise ConfigError(f"--lengths: {e}") from None
-    result.update(step=step, workdir=args.workdir, data_dir=data_dir, data_tokenizer=data_tokenizer.name,
-                  tokenizer=spec, tokenizer_name=tokenizer.name, tokenizer_from=origin,
-                  filler_retokenized=retokenized)
+    result.update(step=step, workdir=args.workdir, data_dir=source.data_dir,
+                  data_tokenizer=source.data_tokenizer, tokenizer=source.tokenizer,
+                  tokenizer_name=tokenizer.name, tokenizer_from=source.tokenizer_from,
+                  filler_retokenized=source.retokenized)
     json_path, png_path = needle.write_results(result, args.out or args.workdir,
                                                title=f"passkey retrieval, step {step}")
     for length, row in zip(result["lengths"], result["accuracy"]):

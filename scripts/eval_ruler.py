@@ -32,15 +32,11 @@ cli.start()  # before jax is imported
 
 import argparse  # noqa: E402
 
-import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, for the model's sources
 import eval_needle  # noqa: E402  (how a model's tokenizer, data and mesh are found: one copy)
 
-from longctx import data as data_lib  # noqa: E402
-from longctx.data import tokenizer as tokenizer_lib  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
-from longctx.evals import inference  # noqa: E402
 from longctx.evals import needle  # noqa: E402
 from longctx.evals import ruler  # noqa: E402
 from longctx.evals import ruler_tasks  # noqa: E402
@@ -100,27 +96,15 @@ def main(argv=None) -> int:
         raise ConfigError(f"--lengths={max(args.lengths)} is longer than the {seq_len}-token sequences "
                           f"the model runs at; pass --seq-len={max(args.lengths)} as well.")
     cli.validated(f"{flag} {args.workdir} holds a checkpoint (step {step})")
-    data_dir = eval_needle._dataset(args, config)
-    meta = data_lib.load_metadata(data_dir)
-    spec, spec_dir, origin = eval_needle._model_tokenizer(args, config, directory, step, data_dir)
-    tokenizer = tokenizer_lib.load_tokenizer(spec, spec_dir)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ConfigError(f"the tokenizer {tokenizer.name} ({origin}) has {tokenizer.vocab_size} ids, more "
-                          f"than the {config.model.vocab_size} of the model in {flag}={args.workdir}; "
-                          "pass --tokenizer=SPEC, the tokenizer the model was trained with.")
-    runner = inference.runner_from_checkpoint(args.workdir, overrides)
-    data_tokenizer, documents = needle.validation_documents(runner.config, data_dir)
-    # The dataset's ids are the model's when they name the same tokenizer file (or both bytes).
-    retokenized = not (spec == meta["tokenizer"] and (spec == "byte" or spec_dir is not None and
-                                                      os.path.realpath(spec_dir) == os.path.realpath(data_dir)))
-    if retokenized:  # the dataset's ids are another tokenizer's: through text into the model's
-        documents = needle.retokenized(documents, data_tokenizer, tokenizer)
-    depths = tuple(float(d) for d in np.round(np.linspace(0.0, 1.0, args.depths), 3)) if args.depths > 1 else (0.5,)
+    runner, tokenizer, documents, source = eval_needle.model_and_documents(args, config, directory, step,
+                                                                           overrides, flag)
+    depths = eval_needle.evenly_spread_depths(args.depths)
     lengths = args.lengths or needle.default_lengths(runner.config.data.seq_len, shortest=256)
     result = ruler.evaluate(runner, tokenizer, documents, tasks=args.tasks, lengths=lengths, depths=depths,
                             samples=args.samples, seed=args.seed)
-    result.update(step=step, model=args.workdir, data_dir=data_dir, data_tokenizer=data_tokenizer.name,
-                  tokenizer=spec, tokenizer_from=origin, haystack_retokenized=retokenized)
+    result.update(step=step, model=args.workdir, data_dir=source.data_dir, data_tokenizer=source.data_tokenizer,
+                  tokenizer=source.tokenizer, tokenizer_from=source.tokenizer_from,
+                  haystack_retokenized=source.retokenized)
     json_path, png_path = ruler.write_results(result, args.out or args.workdir, title=f"RULER, step {step}")
     for task, row in zip(result["tasks"], result["score"]):
         cells = " ".join("  -  " if v is None else f"{v:.2f}" for v in row)
