@@ -8,23 +8,13 @@ import os
 import pytest
 
 from configs import base
-from longctx.data import prepare
 from longctx.train import loop
-from tests.synthetic import make_corpus
-
-WEIGHTS = {"books": 0.5, "code": 0.3, "web": 0.2}
+from tests.data.mixture_sources import WEIGHTS, prepare_sources
 
 
 @pytest.fixture(scope="module")
 def source_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mixture_sources")
-    out = {}
-    for k, (name, short) in enumerate([("books", 400), ("code", 100), ("web", 20)]):
-        (root / name).mkdir()
-        corpus = make_corpus(root / name, num_docs=60, seed=k, short=short)
-        out[name] = str(root / f"{name}_data")
-        prepare.prepare([str(corpus)], out[name], val_fraction=0.2, progress=False)
-    return out
+    return prepare_sources(tmp_path_factory.mktemp("mixture_sources"))
 
 
 def _config(source_dirs, weights, num_steps):
