@@ -3,6 +3,9 @@
 - mesh dp=2, sp=4: each process holds one dp block, so the two read disjoint documents, and the
   global arrays are the two local halves stacked;
 - mesh dp=1, sp=8: the ring spans both processes, so both read the same rows;
+- a 3-source mixture (data.sources) on both meshes: what the two processes read together is what
+  one process reads (the same global batches on dp=1, sp=8; on dp=2, sp=4 the one-process
+  streams of data shards 0 and 1 of 2, stacked);
 - a checkpoint saved on one of these meshes and resumed on the other: the process -> data shard
   map changed, so the saved iterator states (one per process) must not be restored (the two
   processes of the new sp group would feed different rows into one sequence); the stream
@@ -19,6 +22,7 @@ import numpy as np
 import pytest
 
 from tests import ROOT
+from tests.data.mixture_sources import prepare_sources
 
 LOCAL = os.path.join(ROOT, "launch", "local.py")
 SEQ, BATCH, STEPS = 64, 4, 3
@@ -48,6 +52,36 @@ def worker(data_dir: str, out_dir: str, dp: int, sp: int) -> None:
     local = [it2.next_local()["tokens"] for _ in range(STEPS)]
     np.savez(os.path.join(out_dir, f"p{jax.process_index()}.npz"), local=np.stack(local),
              full=np.stack(full), shard=np.array([it.shard.index, it.shard.count]))
+
+
+def mixture_config(sources_json: str, dp: int, sp: int):
+    from configs import base
+
+    c = base.get_config("tiny")
+    c.mesh.update(dp=dp, fsdp=1, sp=sp)
+    c.data.update(seq_len=SEQ, global_batch_size=BATCH, packer="best_fit", prefetch_buffer_size=0)
+    with c.unlocked():
+        c.data.sources = json.loads(sources_json)
+    return c
+
+
+def mixture_worker(sources_json: str, out_dir: str, dp: int, sp: int) -> None:
+    """The global batches of a mixture, gathered to every process (each process's own rows beside)."""
+    import jax
+
+    from longctx.data import make_batch_iterator
+    from longctx.parallel import mesh as mesh_lib
+    from longctx.parallel import processes
+
+    c = mixture_config(sources_json, dp, sp)
+    mesh_lib.maybe_initialize_distributed(c.distributed)
+    mesh = mesh_lib.make_mesh(c.mesh)
+    it = make_batch_iterator(c, mesh, layout="contiguous", data_dir="")
+    batches = [next(it) for _ in range(STEPS)]
+    it.close()
+    full = {k: np.stack([processes.replicated(b[k]) for b in batches]) for k in batches[0]}
+    np.savez(os.path.join(out_dir, f"p{jax.process_index()}.npz"), shard=np.array([it.shard.index, it.shard.count]),
+             **full)
 
 
 MESHES = {"dp": (2, 4), "sp": (1, 8)}  # (dp, sp), fsdp=1
@@ -217,6 +251,56 @@ def test_shard_balanced_rows_are_the_same_on_both_hosts_of_a_ring_and_resume_exa
     assert not np.array_equal(p0["resumed"], p0["fresh"])  # (else the test proves nothing)
 
 
+def _one_process_rows(config, shard, steps: int) -> dict[str, np.ndarray]:
+    """`[steps, rows, SEQ]` per key: the stream one process reads as `shard` (the contiguous
+    layout: no permutation), through the same mixture and batching as make_batch_iterator."""
+    from longctx.data import mixture, pipeline
+
+    rows, _ = mixture.mixture_rows(config, mixture.source_dirs(config), shard=shard, sp=config.mesh.sp)
+    it = iter(pipeline.batched(rows, shard.local_batch_size, None, prefetch_buffer_size=0))
+    batches = [next(it) for _ in range(steps)]
+    return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
+@pytest.mark.slow
+def test_two_processes_read_a_mixture_as_one_process_does(tmp_path):
+    # (imported here, as in the workers: run as a script, this file sets up its devices first)
+    from longctx.data import mixture, packing
+    from longctx.data.sharding import DataShard
+    from longctx.parallel import mesh as mesh_lib
+
+    sources = json.dumps({n: {"path": d, "weight": w} for (n, d), w in
+                          zip(sorted(prepare_sources(tmp_path).items()), (0.5, 0.3, 0.2))})
+    for name in MESHES:
+        (tmp_path / name).mkdir()
+    _launch_two(*[("mixture", sources, tmp_path / name, dp, sp) for name, (dp, sp) in MESHES.items()])
+    (p0, p1), (q0, q1) = [[np.load(tmp_path / name / f"p{i}.npz") for i in range(2)] for name in MESHES]
+
+    # dp=1, sp=8: one sp group over both processes; the same batches as one process on that mesh.
+    config = mixture_config(sources, *MESHES["sp"])
+    mesh = mesh_lib.make_mesh(config.mesh)
+    it = mixture.make_batch_iterator(config, mesh, layout="contiguous", data_dir="")
+    one = [next(it) for _ in range(STEPS)]
+    taken = it.get_state()["tokens"]
+    it.close()
+    assert sorted(taken) == ["books", "code", "web"] and min(taken.values()) > 0, taken
+    assert q0["shard"].tolist() == q1["shard"].tolist() == [0, 1]
+    for key in packing.KEYS:
+        want = np.stack([np.asarray(b[key]) for b in one])
+        assert np.array_equal(q0[key], want) and np.array_equal(q1[key], want), key
+
+    # dp=2, sp=4: process i reads data shard i of 2 of every source, exactly as one process reads
+    # that shard; the global batch is the two stacked, seen identically by both processes.
+    config = mixture_config(sources, *MESHES["dp"])
+    half = BATCH // 2
+    shards = [_one_process_rows(config, DataShard(i, 2, i * half, (i + 1) * half), STEPS) for i in range(2)]
+    assert p0["shard"].tolist() == [0, 2] and p1["shard"].tolist() == [1, 2]
+    for key in packing.KEYS:
+        want = np.concatenate([shards[0][key], shards[1][key]], axis=1)
+        assert np.array_equal(p0[key], want) and np.array_equal(p1[key], want), key
+    assert not np.array_equal(shards[0]["tokens"], shards[1]["tokens"])  # (disjoint documents)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)  # for configs/ (longctx itself is installed)
     from longctx.parallel import devices
@@ -228,5 +312,7 @@ if __name__ == "__main__":
         args = args[len(job) + 1:]
         if job[0] == "resume":
             resume_worker(*job[1:6])
+        elif job[0] == "mixture":
+            mixture_worker(job[1], job[2], int(job[3]), int(job[4]))
         else:
             worker(job[1], job[2], int(job[3]), int(job[4]))
