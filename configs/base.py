@@ -90,6 +90,14 @@ def _base() -> ml_collections.ConfigDict:
             norm_eps=1e-5,
             tie_embeddings=False,
             final_logits_soft_cap=_optional_float(),
+            # The model families' block choices (longctx/model/block_options.py), Llama's by default:
+            qk_norm="none",  # none | per_head (Qwen3, Gemma 3) | whole: over the whole projection (OLMo 2/3)
+            qkv_bias=False,  # bias on the q/k/v projections (Qwen2 / 2.5)
+            norm_position="pre",  # pre (Llama) | post: x + norm(f(x)) (OLMo 2/3) | sandwich: both (Gemma 2/3)
+            norm_plus_one=False,  # RMSNorm scales by (1 + w) (Gemma)
+            mlp_activation="silu",  # silu: SwiGLU (Llama) | gelu_tanh: GeGLU (Gemma)
+            scale_embeddings=False,  # embeddings times sqrt(d_model) (Gemma)
+            query_pre_attn_scalar=_optional_float(),  # logits scaled by it ** -0.5, not head_dim's (Gemma 2/3)
             dtype="bfloat16",  # compute dtype
             param_dtype="float32",
             scan_layers=True,

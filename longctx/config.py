@@ -15,7 +15,7 @@ import ml_collections
 from longctx import ops
 from longctx.data import mixture, packing
 from longctx.errors import ConfigError  # noqa: F401  (re-exported: callers use config.ConfigError)
-from longctx.model import attention, decoder, rope
+from longctx.model import attention, block_options, decoder, rope
 from longctx.model import layer_types as layer_types_lib
 from longctx.ops import blocks, context_parallel
 from longctx.parallel import layout
@@ -211,6 +211,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
              f"{'optimizer state is' if over_dp else 'parameters are'} split.")
 
     _check_rope_scaling(m.get("rope_scaling"))  # (absent from configs saved before it existed)
+    _check_block_options(m)
 
     _check_mask(a)
     _check_context_parallel(a, m.num_heads, sp)
@@ -272,6 +273,22 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
              f"checkpoint.keep_period={c.keep_period} must be positive.")
     _check_init_from_allow(config)
     return {mesh_lib.DP: dp, mesh_lib.FSDP: fsdp, mesh_lib.SP: sp}
+
+
+def _check_block_options(m) -> None:
+    """The families' block choices (longctx/model/block_options.py; absent from configs saved
+    before them: their defaults)."""
+    o = block_options.options(m)
+    for key, value, choices in (("qk_norm", o.qk_norm, block_options.QK_NORMS),
+                                ("norm_position", o.norm_position, block_options.NORM_POSITIONS),
+                                ("mlp_activation", o.mlp_activation, block_options.MLP_ACTIVATIONS)):
+        _one_of_values(f"model.{key}", value, choices)
+    for key in ("qkv_bias", "norm_plus_one", "scale_embeddings"):
+        _require(isinstance(getattr(o, key), bool), f"model.{key}={getattr(o, key)!r} must be True or False.")
+    scalar = o.query_pre_attn_scalar
+    _require(scalar is None or (isinstance(scalar, numbers.Real) and math.isfinite(scalar) and scalar > 0),
+             f"model.query_pre_attn_scalar={scalar!r} must be a positive number (attention logits are "
+             "scaled by its inverse square root), or None for model.head_dim.")
 
 
 def _check_init_from_allow(config) -> None:
@@ -372,7 +389,8 @@ def num_params_estimate(config) -> int:
     m = config.model
     attn = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
     mlp = 3 * m.d_model * m.mlp_dim
-    per_layer = attn + mlp + 2 * m.d_model
+    norms = 2 * m.d_model if block_options.options(m).pre_norms else 0
+    per_layer = attn + mlp + norms + sum(math.prod(shape) for shape, _, _ in block_options.extra_params(m).values())
     embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
     types = layer_types_lib.period(config)
     layers_with_sinks = sum(count for layer_type, count in

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from longctx.model import attention as attention_lib
+from longctx.model import block_options
 from longctx.model import layer_types as layer_types_lib
 from longctx.model import rope as rope_lib
 from longctx.parallel import layout as layout_lib
@@ -94,10 +95,7 @@ def _gathered(value, logical_axes, dtype=None):
     return jax.lax.with_sharding_constraint(value, mesh_lib.gathered_spec(logical_axes))
 
 
-def rms_norm(x, scale, eps):
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return (x32 * scale).astype(x.dtype)
+rms_norm = block_options.rms_norm
 
 
 def apply_rope(x, positions, rotary: rope_lib.Rotary | None):
@@ -119,9 +117,17 @@ def apply_rope(x, positions, rotary: rope_lib.Rotary | None):
 
 
 # One layer's parameters read before the ring (project_qkv's `weights`) and after it
-# (output_and_mlp's); the sinks go to the ring itself.
-_QKV_PARAMS = ("attn_norm", "wq", "wk", "wv")
-_FINISH_PARAMS = ("wo", "mlp_norm", "w_gate", "w_up", "w_down")
+# (output_and_mlp's), those a block has of them (the block options', block_options.py, only where
+# chosen); the sinks go to the ring itself.
+_QKV_PARAMS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm")
+_FINISH_PARAMS = ("wo", "post_attn_norm", "mlp_norm", "w_gate", "w_up", "w_down", "post_mlp_norm")
+
+
+def _layer_weights(weights, logical_axes, dtype):
+    """One layer's weights as it computes with them: gathered, cast to the compute dtype but for
+    the norm gains (float32, as the norm computes)."""
+    return {name: _gathered(value, logical_axes[name], None if block_options.is_norm(name) else dtype)
+            for name, value in weights.items()}
 
 
 def temperature_scale(positions, temperature: tuple[int, float]):
@@ -134,18 +140,28 @@ def temperature_scale(positions, temperature: tuple[int, float]):
 
 
 def project_qkv(x, weights, positions, *, logical_axes, config, rotary, temperature=None):
-    """RMSNorm, then the q/k/v projections and RoPE (`rotary`, the layer type's; None: none), and
-    the type's query temperature where it has one: [b, t, d] -> q [b, t, n, h], k, v [b, t, kvh, h].
-    A pure function of its array arguments (`weights`: one layer's _QKV_PARAMS), so that the
-    layer's VJP can run it again in the backward (attention.residuals, longctx/model/attention.py)."""
+    """RMSNorm (unless the norms come after the sublayers), then the q/k/v projections (+ their
+    bias, QK-norm: block_options.py), RoPE (`rotary`, the layer type's; None: none), the query
+    scale and the type's query temperature where it has one: [b, t, d] -> q [b, t, n, h],
+    k, v [b, t, kvh, h]. A pure function of its array arguments (`weights`: the layer's
+    _QKV_PARAMS), so that the layer's VJP can run it again in the backward (attention.residuals,
+    longctx/model/attention.py)."""
     m = config.model
-    w = {name: _gathered(value, logical_axes[name], None if name == "attn_norm" else jnp.dtype(m.dtype))
-         for name, value in weights.items()}
-    y = rms_norm(x, w["attn_norm"], m.norm_eps)
+    o = block_options.options(m)
+    w = _layer_weights(weights, logical_axes, jnp.dtype(m.dtype))
+    y = rms_norm(x, w["attn_norm"], m.norm_eps, o.norm_plus_one) if "attn_norm" in w else x
     q = jnp.einsum("btd,dnh->btnh", y, w["wq"])
     k = jnp.einsum("btd,dkh->btkh", y, w["wk"])
     v = jnp.einsum("btd,dkh->btkh", y, w["wv"])
+    if "bq" in w:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    if "q_norm" in w:
+        q = block_options.norm_heads(q, w["q_norm"], m.norm_eps, o.qk_norm, o.norm_plus_one)
+        k = block_options.norm_heads(k, w["k_norm"], m.norm_eps, o.qk_norm, o.norm_plus_one)
     q = apply_rope(q, positions, rotary)
+    factor = block_options.query_factor(m)
+    if factor is not None:
+        q = (q.astype(jnp.float32) * factor).astype(q.dtype)
     if temperature is not None:
         q = (q.astype(jnp.float32) * temperature_scale(positions, temperature)).astype(q.dtype)
     q = _constrain(q, attention_lib.ATTN_ACTIVATION)
@@ -154,24 +170,32 @@ def project_qkv(x, weights, positions, *, logical_axes, config, rotary, temperat
 
 
 def output_and_mlp(x, attention_out, weights, *, logical_axes, config):
-    """x + o-projection(attention_out), then + SwiGLU(RMSNorm(.)): the rest of the layer, a pure
-    function of its arrays (`weights`: one layer's _FINISH_PARAMS) for the same reason."""
+    """x + o-projection(attention_out), then + the gated MLP of RMSNorm(.), each sublayer's output
+    normed too where model.norm_position says (block_options.py): the rest of the layer, a pure
+    function of its arrays (`weights`: the layer's _FINISH_PARAMS) for the same reason."""
     m = config.model
-    w = {name: _gathered(value, logical_axes[name], None if name == "mlp_norm" else jnp.dtype(m.dtype))
-         for name, value in weights.items()}
-    x = x + _constrain(jnp.einsum("btnh,nhd->btd", attention_out, w["wo"]), _EMBED_ACTIVATION)
-    y = rms_norm(x, w["mlp_norm"], m.norm_eps)
-    return x + _constrain(_mlp_in_chunks(y, w, m.get("mlp_chunk_size")), _EMBED_ACTIVATION)
+    o = block_options.options(m)
+    w = _layer_weights(weights, logical_axes, jnp.dtype(m.dtype))
+    attended = jnp.einsum("btnh,nhd->btd", attention_out, w["wo"])
+    if "post_attn_norm" in w:
+        attended = rms_norm(attended, w["post_attn_norm"], m.norm_eps, o.norm_plus_one)
+    x = x + _constrain(attended, _EMBED_ACTIVATION)
+    y = rms_norm(x, w["mlp_norm"], m.norm_eps, o.norm_plus_one) if "mlp_norm" in w else x
+    mlp = _mlp_in_chunks(y, w, m.get("mlp_chunk_size"), o.mlp_activation)
+    if "post_mlp_norm" in w:
+        mlp = rms_norm(mlp, w["post_mlp_norm"], m.norm_eps, o.norm_plus_one)
+    return x + _constrain(mlp, _EMBED_ACTIVATION)
 
 
-def _swiglu(y, w):
-    gate = jax.nn.silu(jnp.einsum("...d,df->...f", y, w["w_gate"]))
+def _swiglu(y, w, activation: str = "silu"):
+    """The gated MLP: SwiGLU, or GeGLU with activation="gelu_tanh" (block_options.py)."""
+    gate = block_options.activation(activation)(jnp.einsum("...d,df->...f", y, w["w_gate"]))
     up = jnp.einsum("...d,df->...f", y, w["w_up"])
     return jnp.einsum("...f,fd->...d", gate * up, w["w_down"])
 
 
-def _mlp_in_chunks(y, w, chunk_size: int | None):
-    """SwiGLU over [b, S, d], `chunk_size` tokens of every sequence shard at a time.
+def _mlp_in_chunks(y, w, chunk_size: int | None, activation: str = "silu"):
+    """The gated MLP (SwiGLU, or GeGLU) over [b, S, d], `chunk_size` tokens of every sequence shard at a time.
 
     Its [tokens, mlp_dim] intermediates are the largest arrays of a long-sequence step (8B at
     131,072 tokens per chip: 3.5 GiB each in bf16); in chunks, each chunk's are made, used and,
@@ -180,7 +204,7 @@ def _mlp_in_chunks(y, w, chunk_size: int | None):
     b, seq_len, d = y.shape
     sp = jax.sharding.get_abstract_mesh().shape.get(mesh_lib.SP, 1)
     if not chunk_size or seq_len // sp <= chunk_size:
-        return _swiglu(y, w)
+        return _swiglu(y, w, activation)
     n_chunks = seq_len // sp // chunk_size
     chunks = jnp.moveaxis(y.reshape(b, sp, n_chunks, chunk_size, d), 2, 0)
     spec = mesh_lib.logical_to_spec((None, "activation_batch", "activation_length", None, None))
@@ -193,7 +217,7 @@ def _mlp_in_chunks(y, w, chunk_size: int | None):
     w32 = {name: value.astype(jnp.float32) for name, value in mlp.items()}
 
     def chunk_swiglu(c):
-        return _swiglu(c, {name: value.astype(mlp[name].dtype) for name, value in w32.items()})
+        return _swiglu(c, {name: value.astype(mlp[name].dtype) for name, value in w32.items()}, activation)
 
     out = jax.lax.map(jax.checkpoint(chunk_swiglu), chunks)
     return jnp.moveaxis(jax.lax.with_sharding_constraint(out, spec), 0, 2).reshape(b, seq_len, d)
@@ -201,24 +225,29 @@ def _mlp_in_chunks(y, w, chunk_size: int | None):
 
 class DecoderBlock(nnx.Module):
     """Pre-norm block: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)), attending as its
-    layer type says (default: the one type of a model without a pattern)."""
+    layer type says (default: the one type of a model without a pattern), with the families' block
+    options where config.model chooses them (longctx/model/block_options.py)."""
 
     def __init__(self, config, layer_type: layer_types_lib.LayerType | None = None, *, rngs: nnx.Rngs):
         m = config.model
         self.layer_type = layer_type or layer_types_lib.resolve(config, layer_types_lib.UNIFORM)
         d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
         param = functools.partial(_param, rngs, dtype=jnp.dtype(m.param_dtype))
-        self.attn_norm = param((d,), ("norm",), init="ones", weight_decay=False)
+        pre_norms = block_options.options(m).pre_norms
+        self.attn_norm = param((d,), ("norm",), init="ones", weight_decay=False) if pre_norms else None
         self.wq = param((d, n, h), ("embed", "heads", "head_dim"), d ** -0.5)
         self.wk = param((d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
         self.wv = param((d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
         self.wo = param((n, h, d), ("heads", "head_dim", "embed"), (n * h) ** -0.5)
         self.sinks = (param((n,), ("heads",), init="zeros", weight_decay=False)
                       if self.layer_type.attention.attention_sinks else None)
-        self.mlp_norm = param((d,), ("norm",), init="ones", weight_decay=False)
+        self.mlp_norm = param((d,), ("norm",), init="ones", weight_decay=False) if pre_norms else None
         self.w_gate = param((d, f), ("embed", "mlp"), d ** -0.5)
         self.w_up = param((d, f), ("embed", "mlp"), d ** -0.5)
         self.w_down = param((f, d), ("mlp", "embed"), f ** -0.5)
+        # (set after Llama's, none drawn at random: a Llama block's parameters are drawn as before)
+        for name, (shape, axes, init) in block_options.extra_params(m).items():
+            setattr(self, name, param(shape, axes, init=init, weight_decay=False))
 
     def __call__(self, x, positions, segment_ids, *, config, layout):
         """What the backward keeps is `config.attention.residuals` (longctx/model/attention.py). Under
@@ -234,14 +263,16 @@ class DecoderBlock(nnx.Module):
         remat = ((lambda f: f) if m.remat_policy == "none"
                  else (lambda f: jax.checkpoint(f, policy=policy, prevent_cse=not m.scan_layers)))
         sinks = None if self.sinks is None else self.sinks[...]
-        weights = {name: getattr(self, name)[...] for name in _QKV_PARAMS + _FINISH_PARAMS}
+        weights = {name: getattr(self, name)[...] for name in _QKV_PARAMS + _FINISH_PARAMS
+                   if getattr(self, name, None) is not None}
         axes = {name: _layer_axes(getattr(self, name)) for name in weights}
         project = functools.partial(project_qkv, logical_axes=axes, config=config,
                                     rotary=self.layer_type.rotary, temperature=self.layer_type.temperature)
         finish = functools.partial(output_and_mlp, logical_axes=axes, config=config)
         return attention_lib.decoder_layer(
             project, finish, x,
-            {name: weights[name] for name in _QKV_PARAMS}, {name: weights[name] for name in _FINISH_PARAMS},
+            {name: weights[name] for name in _QKV_PARAMS if name in weights},
+            {name: weights[name] for name in _FINISH_PARAMS if name in weights},
             positions, segment_ids, sinks, self.layer_type.attention, layout, remat=remat)
 
 
@@ -271,7 +302,8 @@ class Decoder(nnx.Module):
             self.period_blocks = nnx.List(stacks)
         else:
             self.blocks = stacks[0]
-        self.final_norm = param((m.d_model,), ("norm",), init="ones", weight_decay=False)
+        self.final_norm = param((m.d_model,), ("norm",), init="zeros" if block_options.options(m).norm_plus_one
+                                else "ones", weight_decay=False)
         self.unembed = (None if m.tie_embeddings
                         else param((m.d_model, m.vocab_size), ("embed", "vocab"), m.d_model ** -0.5))
 
@@ -298,7 +330,9 @@ class Decoder(nnx.Module):
         # Look up in the stored (float32) table, then cast the rows: the lookup's backward
         # scatter-adds every occurrence of a token into that token's row, and a low-precision copy
         # of the table would make that sum a bf16 one (a frequent token's row lost most of it).
-        x = self.embed[...][tokens].astype(jnp.dtype(m.dtype))
+        x = self.embed[...][tokens]
+        scale = block_options.embed_factor(m)  # (Gemma's sqrt(d_model), in float32)
+        x = (x if scale is None else x * scale).astype(jnp.dtype(m.dtype))
         for spec in mesh_lib.embedding_lookup_reshards():  # ends at _EMBED_ACTIVATION
             x = jax.lax.with_sharding_constraint(x, spec)
         if not config.attention.use_segment_ids:
@@ -345,7 +379,7 @@ class Decoder(nnx.Module):
             extra = run.in_remainder(m.num_layers, period_length)
             if extra:
                 x = run_layers(x, r, jax.tree.map(lambda p: p[whole * run.length:][:extra], state))
-        return rms_norm(x, self.final_norm[...], m.norm_eps)
+        return rms_norm(x, self.final_norm[...], m.norm_eps, block_options.options(m).norm_plus_one)
 
 
 def _stacked_blocks(config, layer_type, count: int, rngs: nnx.Rngs):
