@@ -410,29 +410,45 @@ class TypeTraffic:
     per_strategy: dict  # label -> {"forward", "backward"} bytes
 
 
+def type_layers(config) -> list[tuple[layer_types.LayerType, int]]:
+    """[(resolved layer type, how many of the model's layers have it)], in the period's order of
+    first appearance (one ("default", num_layers) without a pattern, whose attention is
+    config.attention itself: a plan prices thousands of candidates, and resolving copies)."""
+    if not layer_types.is_hybrid(config):
+        return [(layer_types.LayerType(layer_types.UNIFORM, config.attention, None), config.model.num_layers)]
+    types = layer_types.period(config)
+    counts: dict = {}
+    for layer_type, count in zip(types, layer_types.layer_counts(config.model.num_layers, len(types))):
+        counts[layer_type.name] = (layer_type, counts.get(layer_type.name, (None, 0))[1] + count)
+    return list(counts.values())
+
+
+def type_mask(attention, layout: str, seq_len: int, sp: int) -> dict:
+    """The mask keywords `ring_run_steps`, `usp_group_steps` and `halo_exchanges` take for a
+    type's attention config: with documents a chunk is the window of chunk - 1 keys it spans
+    statically, as the kernels are given it; the block no longer than a shard."""
+    a = attention
+    spec = masks.make_mask_spec(a.causal, None if a.sliding_window is None else (a.sliding_window, 0),
+                                a.chunk_size)
+    if spec.chunk is not None and a.use_segment_ids:
+        spec = masks.within_chunk_window(spec)
+    return dict(causal=spec.causal, sliding_window=spec.window, chunk_size=spec.chunk, layout=layout,
+                block=min(int(a.block_size), seq_len // sp))
+
+
 def layer_type_traffic(config, *, sp: int, rows: int, layout: str) -> dict[str, TypeTraffic]:
     """{layer type name: TypeTraffic} of a model (one type, "default", without a pattern): every
     strategy the heads and sp allow, priced by `formula` on the type's mask in the run's `layout`
-    (the ring's run steps, usp's group steps, halo's exchanges; with documents a chunk is the
-    window of chunk - 1 keys it spans statically, as the kernels are given it), `rows` sequences
+    (the ring's run steps, usp's group steps, halo's exchanges; `type_mask`), `rows` sequences
     per device, K/V in the compute dtype and, with documents, their segment ids."""
     m = config.model
-    types = layer_types.period(config)
-    counts = {}
-    for layer_type, count in zip(types, layer_types.layer_counts(m.num_layers, len(types))):
-        counts[layer_type.name] = (layer_type, counts.get(layer_type.name, (None, 0))[1] + count)
     out = {}
-    for name, (layer_type, count) in counts.items():
+    for layer_type, count in type_layers(config):
         a = layer_type.attention
         shape = Shape(batch=max(1, rows), seq_len=config.data.seq_len, sp=sp, heads=m.num_heads,
                       kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                       dtype_bytes=jnp.dtype(m.dtype).itemsize, documents=bool(a.use_segment_ids))
-        spec = masks.make_mask_spec(a.causal, None if a.sliding_window is None else (a.sliding_window, 0),
-                                    a.chunk_size)
-        if spec.chunk is not None and a.use_segment_ids:
-            spec = masks.within_chunk_window(spec)
-        mask = dict(causal=spec.causal, sliding_window=spec.window, chunk_size=spec.chunk, layout=layout,
-                    block=min(int(a.block_size), shape.seq_len // sp))
+        mask = type_mask(a, layout, shape.seq_len, sp)
         per = {"ring": formula("ring", shape, steps=ring_run_steps(shape, **mask)),
                "all_gather": formula("all_gather", shape),
                "halo": formula("halo", shape, exchanges=halo_exchanges(shape, **mask))}
@@ -442,7 +458,7 @@ def layer_type_traffic(config, *, sp: int, rows: int, layout: str) -> dict[str, 
             if sp % u == 0 and m.num_heads % u == 0:
                 per[f"usp U={u}"] = formula("usp", shape, degree=u, steps=usp_group_steps(shape, u, **mask))
         cp = a.get("cp", "ring")
-        out[name] = TypeTraffic(count, f"usp U={a.get('cp_ulysses')}" if cp == "usp" else cp, per)
+        out[layer_type.name] = TypeTraffic(count, f"usp U={a.get('cp_ulysses')}" if cp == "usp" else cp, per)
     return out
 
 

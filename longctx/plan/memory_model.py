@@ -18,6 +18,7 @@ import dataclasses
 
 from longctx import config as config_lib
 from longctx.ops import ulysses
+from longctx.plan import collectives
 
 # Fitted on the AOT compiles of docs/fit_*.json and docs/fit_strategies.json
 # (benchmarks/calibrate_planner.py).
@@ -55,9 +56,10 @@ def _saved_per_token(config) -> float:
     return carry + qkv + attention_out + (4 * m.d_model + 4 * m.mlp_dim) * e
 
 
-def _attention_working(config, mesh_sizes, rows: int) -> float:
-    """The strategy's largest attention arrays on one device, one layer (forward + backward)."""
-    m, a, d = config.model, config.attention, config.data
+def _attention_working(config, attention, mesh_sizes, rows: int) -> float:
+    """The strategy's largest attention arrays on one device, one layer (forward + backward), for
+    a layer type's resolved `attention` config."""
+    m, a, d = config.model, attention, config.data
     e = 2 if m.dtype == "bfloat16" else 4
     sp = mesh_sizes["sp"]
     L = d.seq_len // sp
@@ -98,5 +100,7 @@ def per_device_bytes(config, mesh_sizes: dict[str, int]) -> MemoryEstimate:
     logits = rows * min(t.loss_chunk_size, d.seq_len // sp) * m.vocab_size * 4 * 2
     layer = tokens * (m.d_model * e * 6 + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * e * 2)
     gathered = config_lib.num_params_estimate(config) / m.num_layers * e * 2  # this layer and the next
-    working = max(mlp, logits) + layer + _attention_working(config, mesh_sizes, rows) + gathered
+    working = max(mlp, logits) + layer + max(
+        _attention_working(config, t.attention, mesh_sizes, rows)
+        for t, _ in collectives.type_layers(config)) + gathered
     return MemoryEstimate(int(state), int(gradients), int(saved), int(working))

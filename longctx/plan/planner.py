@@ -6,7 +6,9 @@ block) priced by the step-time model, pruned by the memory model, ranked.
 A candidate is valid when `config.validate` accepts it (heads against the Ulysses degree, sp
 against seq_len, blocks against shards, batch against dp x fsdp: the rules a run would meet), so
 the planner proposes nothing a run would refuse. What it does not enumerate stays as the config
-has it (model, data, optimizer). Ties in predicted time go to less memory, then to the order of
+has it (model, data, optimizer). A hybrid model (attention.pattern) gets a strategy per layer
+type (PerType: every combination the heads allow, halo added for window and chunked types), the
+step priced per type (plan/step_time.py), one layout and block for the whole step. Ties in predicted time go to less memory, then to the order of
 the enumeration: the ranking is a pure function of the config and the topology, the same on
 every host and at every restart.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import keyword
 import time
 from typing import Callable
 
@@ -25,11 +28,12 @@ from longctx import config as config_lib
 from longctx.errors import ConfigError
 from longctx.model import attention as attention_lib
 from longctx.model import decoder
+from longctx.model import layer_types as layer_types_lib
 from longctx.ops import blocks as blocks_lib
 from longctx.ops import masks, strategy_schedule, tables
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
-from longctx.plan import attention_work, hardware, memory_model, step_time
+from longctx.plan import attention_work, collectives, hardware, memory_model, step_time
 
 # The blocks a plan tries (the ring's tables and the splash kernel's blocks, on TPU).
 BLOCK_SIZES = (512, 1024, 2048)
@@ -46,6 +50,66 @@ class Strategy:
 
     def __str__(self) -> str:
         return self.name if self.degree is None else f"{self.name} x{self.degree}"
+
+
+# The group of a hybrid model's layer types that take attention.cp: those that set no cp of their
+# own ("what a type does not set comes from attention.*").
+SHARED = "attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class PerType:
+    """A hybrid model's strategies: ((group, Strategy), ...), a group being one layer type that
+    sets its own cp (attention.layer_types.<name>.cp) or SHARED, every type that takes
+    attention.cp; `types` names the layer types of each group, for the table."""
+    groups: tuple[tuple[str, Strategy], ...]
+    types: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @property
+    def name(self) -> str:
+        return "per_type"
+
+    degree = None
+
+    def by_type(self) -> dict[str, Strategy]:
+        members = dict(self.types)
+        return {t: strategy for group, strategy in self.groups for t in members[group]}
+
+    def __str__(self) -> str:
+        return ", ".join(f"{t} {s}" for t, s in self.by_type().items())
+
+
+def _group_of(config, name: str) -> str:
+    """The group a layer type's strategy is chosen in (PerType): its own where it sets cp."""
+    return name if "cp" in _own_settings(config, name) else SHARED
+
+
+def _own_settings(config, name: str) -> dict:
+    types = config.attention.get("layer_types") or {}
+    return dict(types[name]) if name in types else {}
+
+
+def _groups(config) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """((group, (type names...)), ...) of a hybrid model, SHARED first where any type is in it."""
+    out: dict[str, list[str]] = {}
+    for layer_type, _ in collectives.type_layers(config):
+        out.setdefault(_group_of(config, layer_type.name), []).append(layer_type.name)
+    return tuple(sorted(((g, tuple(t)) for g, t in out.items()), key=lambda x: x[0] != SHARED))
+
+
+def _configured(config):
+    """The strategy the config itself sets: a Strategy, or a PerType for a hybrid model."""
+    a = config.attention
+    shared = Strategy(a.get("cp", "ring"), a.get("cp_ulysses"))
+    if not layer_types_lib.is_hybrid(config):
+        return shared
+    groups = _groups(config)
+    chosen = []
+    for group, _ in groups:
+        own = _own_settings(config, group) if group != SHARED else {}
+        chosen.append((group, shared if group == SHARED else
+                       Strategy(own["cp"], own.get("cp_ulysses", a.get("cp_ulysses")))))
+    return PerType(tuple(chosen), groups)
 
 
 @dataclasses.dataclass
@@ -68,9 +132,13 @@ class Row:
     def overrides(self) -> list[str]:
         """The command-line overrides that make the config this row."""
         out = [f"--config.mesh.{a}={n}" for a, n in self.mesh.items()]
-        out += [f"--config.attention.cp={self.strategy.name}"]
-        if self.strategy.degree is not None:
-            out += [f"--config.attention.cp_ulysses={self.strategy.degree}"]
+        for group, strategy in (self.strategy.groups if isinstance(self.strategy, PerType)
+                                else ((SHARED, self.strategy),)):
+            prefix = "attention" if group == SHARED else f"attention.layer_types.{group}"
+            out += [f"--config.{prefix}.cp={strategy.name}"]
+            if strategy.degree is not None or (group != SHARED and "cp_ulysses" in
+                                               _own_settings(self.config, group)):
+                out += [f"--config.{prefix}.cp_ulysses={strategy.degree}"]
         out += [f"--config.attention.layout={self.layout}",
                 f"--config.attention.block_size={self.block}",
                 f"--config.attention.residuals={self.residuals}",
@@ -78,8 +146,10 @@ class Row:
         return out
 
     def as_dict(self) -> dict:
+        per_type = ({t: str(s) for t, s in self.strategy.by_type().items()}
+                    if isinstance(self.strategy, PerType) else None)
         return {"mesh": self.mesh, "cp": self.strategy.name, "cp_ulysses": self.strategy.degree,
-                "layout": self.layout, "residuals": self.residuals, "remat_policy": self.remat,
+                "cp_per_layer_type": per_type, "layout": self.layout, "residuals": self.residuals, "remat_policy": self.remat,
                 "block_size": self.block, "predicted": self.step.as_dict(),
                 "memory_model_bytes": self.memory.total_bytes, "hbm_bytes": self.hbm_bytes,
                 "fits_by_model": self.fits, "overrides": self.overrides()}
@@ -112,17 +182,58 @@ def strategies(config, sp: int) -> list[Strategy]:
     return out if sp > 1 else [Strategy("ring")]
 
 
-def _layouts(strategy: Strategy) -> tuple[str, ...]:
-    # Ulysses computes the whole sequence on every device: the layout changes nothing.
-    return ("contiguous",) if strategy.name == "ulysses" else layout_lib.LAYOUTS
+def _layouts(strategy) -> tuple[str, ...]:
+    # Ulysses computes the whole sequence on every device: the layout changes nothing. The layout
+    # is one for all layers: a hybrid's is chosen for the whole step.
+    names = ({s.name for _, s in strategy.groups} if isinstance(strategy, PerType)
+             else {strategy.name})
+    return ("contiguous",) if names == {"ulysses"} else layout_lib.LAYOUTS
+
+
+def _local(attention) -> bool:
+    """A type whose mask reaches only near keys (a window or chunks): the halo may pay for it."""
+    return attention.get("sliding_window") is not None or attention.get("chunk_size") is not None
+
+
+def per_type_strategies(config, sp: int, open_groups=None) -> list[PerType]:
+    """A hybrid model's candidate strategies: every combination of one per group (PerType), each
+    group's from `strategies` plus halo where one of its types is local, those in `open_groups`
+    (None: all) chosen and the rest as the config sets them. A row must be one a command line
+    can give (scripts/plan.py compiles it with its overrides): a type named like a Python keyword
+    (`global`) cannot be named on one, so its own cp stays; usp needs a cp_ulysses key to set,
+    in the type's settings for a type of its own, and in every type that sets its own cp for
+    SHARED (else that type would inherit the degree)."""
+    groups = _groups(config)
+    configured = dict(_configured(config).groups)
+    resolved = {t.name: t.attention for t, _ in collectives.type_layers(config)}
+    own_degree = {g: "cp_ulysses" in _own_settings(config, g) for g, _ in groups if g != SHARED}
+    options = []
+    for group, members in groups:
+        if (open_groups is not None and group not in open_groups) or keyword.iskeyword(group):
+            options.append([configured[group]])
+            continue
+        usp_ok = all(own_degree.values()) if group == SHARED else own_degree[group]
+        choices = [s for s in strategies(config, sp) if s.name != "usp" or usp_ok]
+        if sp > 1 and any(_local(resolved[t]) for t in members):
+            choices.append(Strategy("halo"))
+        options.append(choices)
+    return [PerType(tuple(zip((g for g, _ in groups), combo)), groups)
+            for combo in itertools.product(*options)]
 
 
 def candidate_config(config, mesh, strategy, layout, residuals, remat, block):
     c = copy.deepcopy(config)
     c.unlock()
     c.mesh.update(dp=mesh["dp"], fsdp=mesh["fsdp"], sp=mesh["sp"])
-    c.attention.update(cp=strategy.name, cp_ulysses=strategy.degree, layout=layout,
-                       block_size=block, residuals=residuals)
+    c.attention.update(layout=layout, block_size=block, residuals=residuals)
+    for group, s in (strategy.groups if isinstance(strategy, PerType) else ((SHARED, strategy),)):
+        if group == SHARED:
+            c.attention.update(cp=s.name, cp_ulysses=s.degree)
+        else:
+            own = c.attention.layer_types[group]
+            own.cp = s.name
+            if "cp_ulysses" in own or s.degree is not None:
+                own.cp_ulysses = s.degree
     c.model.remat_policy = remat
     c.lock()
     return c
@@ -140,7 +251,8 @@ def auto_keys(config) -> tuple[str, ...]:
     so is attention.layout=auto, which a candidate must fix to be priced, so a run that asks the
     planner for its block also runs the planner's layout."""
     a = config.attention
-    keys = ("attention.cp",) if a.get("cp", "ring") == AUTO else ()
+    own = [dict(t).get("cp") for t in (a.get("layer_types") or {}).values()]
+    keys = ("attention.cp",) if AUTO in [a.get("cp", "ring"), *own] else ()
     if keys and a.layout == AUTO:
         keys += ("attention.layout",)
     if a.block_size == AUTO:
@@ -162,7 +274,6 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
     them in the ring's tables on the documents (one per layout, sp and block, which every strategy
     shares), so the caller can say how far it is in both."""
     a, m = config.attention, config.model
-    spec = masks.make_mask_spec(**attention_lib.mask_kwargs(a))
     chips = topology.num_chips
     opened = lambda key, values, current: tuple(values) if key in open_keys else (current,)  # noqa: E731
     residual_choices = opened("attention.residuals", _residual_policies(topology), a.residuals)
@@ -172,13 +283,17 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
              in _combinations(config, chips, open_keys)
              if _valid(candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy,
                                         block), chips)]
-    tables = 0 if segment_ids is None else len({(layout, mesh["sp"], block)
-                                                for mesh, _, layout, block in valid})
+    kinds = len({str(masks.make_mask_spec(**attention_lib.mask_kwargs(t.attention)))
+                 for t, _ in collectives.type_layers(config)})
+    tables = 0 if segment_ids is None else kinds * len({(layout, mesh["sp"], block)
+                                                        for mesh, _, layout, block in valid})
     rows = []
-    ring_schedules = {}  # with documents: _schedule's ring schedule per (layout, sp, block)
+    ring_schedules = {}  # with documents: _schedule's ring schedule per (mask, layout, sp, block)
+    schedules = {}  # each layer type's: per (strategy, mask, layout, sp, block)
     for done, (mesh, strategy, layout, block) in enumerate(valid, 1):
-        schedule = _schedule(strategy, spec, layout, config.data.seq_len, mesh["sp"], block,
-                             segment_ids, ring_schedules)
+        schedule = _type_schedules(candidate_config(config, mesh, strategy, layout, a.residuals,
+                                                    m.remat_policy, block),
+                                   segment_ids, ring_schedules, schedules)
         for residuals, remat in itertools.product(residual_choices, remat_choices):
             cc = candidate_config(config, mesh, strategy, layout, residuals, remat, block)
             rows.append(Row(cc, mesh, strategy, layout, residuals, remat, block,
@@ -207,11 +322,15 @@ def _combinations(config, chips: int, open_keys) -> list[tuple]:
     """(mesh, strategy, layout, block) of every candidate before validation, in the order the
     ranking breaks ties by."""
     a = config.attention
+    hybrid = layer_types_lib.is_hybrid(config)
     out = []
     for mesh in meshes(config, chips, open_mesh="mesh" in open_keys):
-        candidates = strategies(config, mesh["sp"])
         if "attention.cp" not in open_keys:
-            candidates = [Strategy(a.get("cp", "ring"), a.get("cp_ulysses"))]
+            candidates = [_configured(config)]
+        elif hybrid:
+            candidates = per_type_strategies(config, mesh["sp"], _open_groups(config))
+        else:
+            candidates = strategies(config, mesh["sp"])
         for strategy in candidates:
             layouts = (_layouts(strategy) if "attention.layout" in open_keys or a.layout == AUTO
                        else (a.layout,))
@@ -220,6 +339,15 @@ def _combinations(config, chips: int, open_keys) -> list[tuple]:
                           if "attention.block_size" in open_keys else (a.block_size,))
                 out += [(mesh, strategy, layout, block) for block in blocks]
     return out
+
+
+def _open_groups(config):
+    """The PerType groups a plan chooses: all (None) for scripts/plan.py; under attention.cp=auto
+    SHARED and the types that set cp=auto themselves (a type's own strategy is the user's)."""
+    if config.attention.get("cp", "ring") != AUTO:
+        return None
+    return {SHARED} | {g for g, _ in _groups(config)
+                       if g != SHARED and _own_settings(config, g).get("cp") == AUTO}
 
 
 def smallest_memory(config, topology: hardware.Topology, open_keys=SEARCHABLE) -> int | None:
@@ -326,14 +454,31 @@ def _schedule_rows(segment_ids) -> int:
     return 1 if segment_ids is None else int(segment_ids.shape[0])
 
 
+def _type_schedules(candidate, segment_ids, ring_schedules: dict, schedules: dict) -> dict:
+    """{layer type: its strategy's schedule} of a candidate config, each type with its own mask,
+    strategy and block, made once per (strategy, mask, layout, sp, block) into `schedules`."""
+    a, sp = candidate.attention, int(candidate.mesh.sp)
+    out = {}
+    for layer_type, _ in collectives.type_layers(candidate):
+        t = layer_type.attention
+        strategy = Strategy(t.get("cp", "ring"), t.get("cp_ulysses"))
+        spec = masks.make_mask_spec(**attention_lib.mask_kwargs(t))
+        key = (strategy, spec, a.layout, sp, int(t.block_size))
+        if key not in schedules:
+            schedules[key] = _schedule(strategy, spec, a.layout, candidate.data.seq_len, sp,
+                                       int(t.block_size), segment_ids, ring_schedules)
+        out[layer_type.name] = schedules[key]
+    return out
+
+
 def _schedule(strategy, spec, layout, seq_len, sp, block, segment_ids, ring_schedules: dict):
     """The strategy's schedule. With documents, from the ring's on the rows, which every strategy
-    and every mesh with this layout, sp and block shares (computed once into `ring_schedules`),
-    without the element-wise count of kept blocks, which a plan does not read."""
+    and every mesh with this mask, layout, sp and block shares (computed once into
+    `ring_schedules`), without the element-wise count of kept blocks, which a plan does not read."""
     if segment_ids is None:
         return attention_work.static_schedule(strategy.name, strategy.degree, spec, layout,
                                               seq_len, sp, block)
-    key = (layout, sp, block)
+    key = (spec, layout, sp, block)
     if key not in ring_schedules:
         ring_schedules[key] = tables.document_schedule(spec, layout, seq_len, sp, block,
                                                        segment_ids, count_kept=False)

@@ -8,12 +8,18 @@ the device computes on the strategy's critical path (plan/attention_work.py: the
 documents included where the caller sampled them); the optimizer update at HBM speed; and every
 collective as bytes over the links the mesh puts it on (hardware.py).
 
+A hybrid model (attention.pattern, model/layer_types.py) is priced per layer type: each type's
+attention blocks, collectives and exposed FSDP traffic with its own mask, strategy and block,
+times its layer count (`per_type` says what each adds); the matmuls, the optimizer and dp are one
+for the step.
+
 What overlaps what (the model's assumptions, all here):
   - FSDP weight all-gathers (forward, and again in the backward) and gradient reduce-scatters
     overlap the layer's own compute (XLA's async collectives); a layer waits only for what its
     compute cannot hide: max(0, collective - compute), per layer.
   - The ring's K/V pass overlaps the step's blocks (ops/ring.py sends before it computes); a
-    ring step takes max(blocks, transfer).
+    ring step takes max(blocks, transfer). The halo's permutes need no compute before them
+    (ops/halo.py): they hide behind the pass's blocks the same way.
   - all_gather's K/V gather and dK/dV reduce-scatter do not overlap (the TPU compiler runs them
     before and after the kernel: ops/all_gather.py).
   - Ulysses' all-to-alls do not overlap: the kernel needs their result, and they need its.
@@ -77,6 +83,9 @@ class StepEstimate:
     num_chips: int
     peak_flops: float
     hbm_bound_matmul: bool   # the matmuls are limited by HBM, not the MXU
+    # per layer type: layers, cp, block_size, and the seconds of its attention and of what its
+    # collectives and its layers' FSDP traffic leave exposed (estimate)
+    per_type: dict = dataclasses.field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -111,7 +120,8 @@ class StepEstimate:
                 "fsdp_exposed_seconds": self.fsdp_exposed, "cp_exposed_seconds": self.cp_exposed,
                 "dp_exposed_seconds": self.dp_exposed,
                 "communication_seconds": dict(self.communication),
-                "model_flops": self.model_flops, "device_flops": self.device_flops}
+                "model_flops": self.model_flops, "device_flops": self.device_flops,
+                "per_layer_type": dict(self.per_type)}
 
 
 def _collective_seconds(kind: str, sent_bytes: float, group: int, span: float, wrap: bool,
@@ -171,17 +181,20 @@ def model_flops_per_step(config, pairs_per_row: float | None = None) -> float:
     return flops_lib.dense_flops_per_step(config) + attention
 
 
-def estimate(config, topology: hardware.Topology, schedule: strategy_schedule.StrategySchedule,
-             mesh_sizes: dict[str, int], *, rows_in_schedule: int = 1,
-             pairs_per_row: float | None = None, constants: dict | None = None) -> StepEstimate:
-    """One train step of `config` on `topology` with the mesh `mesh_sizes` ({dp, fsdp, sp}) and
-    the attention `schedule` of its strategy (plan/attention_work.py) for `rows_in_schedule`
-    rows. config.attention.block_size is the schedule's block. `pairs_per_row`: the pairs the
-    schedule's documents keep (document_pairs of the same rows), for MFU; None: rows of one
-    document."""
+def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str, int], *,
+             rows_in_schedule: int = 1, pairs_per_row: float | None = None,
+             constants: dict | None = None) -> StepEstimate:
+    """One train step of `config` on `topology` with the mesh `mesh_sizes` ({dp, fsdp, sp}).
+
+    schedule: the attention schedule of each layer type's strategy (plan/attention_work.py) for
+    `rows_in_schedule` rows, {type name: StrategySchedule} (collectives.type_layers names the
+    types; "default" without a pattern), or one StrategySchedule for every type. Each type is
+    priced with its own mask, strategy and block (its resolved attention config) and its layer
+    count. `pairs_per_row`: the pairs the schedule's documents keep (document_pairs of the same
+    rows), for MFU; None: rows of one document."""
     eff = dict(CONSTANTS, **(constants or {}))
     chip = topology.chip
-    m, a, d = config.model, config.attention, config.data
+    m, d = config.model, config.data
     dp, fsdp, sp = mesh_sizes["dp"], mesh_sizes["fsdp"], mesh_sizes["sp"]
     chips = dp * fsdp * sp
     rows = d.global_batch_size // (dp * fsdp)  # sequences each sp group holds
@@ -201,14 +214,6 @@ def estimate(config, topology: hardware.Topology, schedule: strategy_schedule.St
     compute_matmul = dense_hw / (chip.peak_flops * eff["matmul"])
     matmul = max(compute_matmul, hbm_matmul)
 
-    # Attention: the blocks on the critical path, every row this device's sp group holds.
-    block = a.block_size
-    blocks = schedule.critical_path * rows / rows_in_schedule
-    block_flops = 4.0 * block * block * m.head_dim * m.num_heads  # forward, all heads
-    attention_pass = {p: m.num_layers * blocks * block_flops * w / (chip.peak_flops * eff["attention"])
-                      for p, w in ATTENTION_PASSES.items()}
-    attention = sum(attention_pass.values())
-
     # AdamW on this device's shard: read parameter, gradient, two moments; write three (float32).
     params = config_lib.num_params_estimate(config)
     param_ways = fsdp * sp
@@ -224,8 +229,37 @@ def estimate(config, topology: hardware.Topology, schedule: strategy_schedule.St
                                  param_wrap, link)
     scatter = _collective_seconds("reduce_scatter", share * layer_params * 4, param_ways, param_span,
                                   param_wrap, link)
-    layer_compute = (matmul + attention) / m.num_layers
-    fsdp_exposed = m.num_layers * max(0.0, gather + scatter - layer_compute)
+
+    # Per layer type: the attention blocks on the critical path of its strategy, every row this
+    # device's sp group holds; its context-parallel collectives; the FSDP traffic its layers'
+    # compute does not hide.
+    attention = fsdp_exposed = cp_exposed = attention_hw_flops = 0.0
+    cp_seconds: dict = {}
+    per_type = {}
+    for layer_type, count in collectives.type_layers(config):
+        a = layer_type.attention
+        sched = schedule[layer_type.name] if isinstance(schedule, dict) else schedule
+        block = int(a.block_size)
+        blocks = sched.critical_path * rows / rows_in_schedule
+        block_flops = 4.0 * block * block * m.head_dim * m.num_heads  # forward, all heads
+        attention_pass = {p: count * blocks * block_flops * w / (chip.peak_flops * eff["attention"])
+                          for p, w in ATTENTION_PASSES.items()}
+        type_attention = sum(attention_pass.values())
+        seconds, exposed = _cp_seconds(config, a, count, topology, sched, mesh_sizes, spans, rows,
+                                       attention_pass, eff["collective_latency"])
+        for kind, t in seconds.items():
+            cp_seconds[kind] = cp_seconds.get(kind, 0.0) + t
+        layer_compute = matmul / m.num_layers + type_attention / count
+        type_fsdp = count * max(0.0, gather + scatter - layer_compute)
+        attention += type_attention
+        cp_exposed += exposed
+        fsdp_exposed += type_fsdp
+        attention_hw_flops += count * blocks * block_flops * sum(ATTENTION_PASSES.values())
+        cp = a.get("cp", "ring")
+        per_type[layer_type.name] = {
+            "layers": count, "cp": cp if cp != "usp" else f"usp x{sched.degree}", "block_size": block,
+            "attention_seconds": type_attention, "cp_exposed_seconds": exposed,
+            "fsdp_exposed_seconds": type_fsdp}
 
     # dp: the gradient shard all-reduced, hidden behind the backward.
     allreduce = _collective_seconds("all_reduce", 2 * (dp - 1) / dp * params / param_ways * 4, dp,
@@ -233,24 +267,24 @@ def estimate(config, topology: hardware.Topology, schedule: strategy_schedule.St
     backward = (matmul + attention) * 2.0 / 3.0
     dp_exposed = max(0.0, allreduce - backward)
 
-    # Context parallelism: per layer, per pass, by kind.
-    cp_seconds, cp_exposed = _cp_seconds(config, topology, schedule, mesh_sizes, spans, rows,
-                                         attention_pass, eff["collective_latency"])
-
     return StepEstimate(
         matmul=matmul, attention=attention, optimizer=optimizer, fsdp_exposed=fsdp_exposed,
         cp_exposed=cp_exposed, dp_exposed=dp_exposed,
         communication={"fsdp_gather": m.num_layers * gather, "fsdp_reduce_scatter": m.num_layers * scatter,
                        "dp_all_reduce": allreduce, **cp_seconds},
         model_flops=model_flops_per_step(config, pairs_per_row),
-        device_flops=dense_hw + m.num_layers * blocks * block_flops * sum(ATTENTION_PASSES.values()),
+        device_flops=dense_hw + attention_hw_flops,
         tokens=d.global_batch_size * d.seq_len,
-        num_chips=chips, peak_flops=chip.peak_flops, hbm_bound_matmul=hbm_matmul > compute_matmul)
+        num_chips=chips, peak_flops=chip.peak_flops, hbm_bound_matmul=hbm_matmul > compute_matmul,
+        per_type=per_type)
 
 
-def _cp_seconds(config, topology, schedule, mesh_sizes, spans, rows, attention_pass, latency):
-    """({"cp_<kind>": seconds on the links}, exposed seconds) of the strategy, all layers."""
-    m, a = config.model, config.attention
+def _cp_seconds(config, attention, layers, topology, schedule, mesh_sizes, spans, rows,
+                attention_pass, latency):
+    """({"cp_<kind>": seconds on the links}, exposed seconds) of one layer type's strategy
+    (`attention`: its resolved config) over its `layers` layers; `attention_pass`: those layers'
+    attention seconds per pass, which the permutes hide behind."""
+    m, a = config.model, attention
     sp = mesh_sizes["sp"]
     if sp == 1:
         return {}, 0.0
@@ -261,7 +295,10 @@ def _cp_seconds(config, topology, schedule, mesh_sizes, spans, rows, attention_p
                               dtype_bytes=2 if m.dtype == "bfloat16" else 4,
                               documents=bool(a.use_segment_ids))
     steps = range(schedule.steps)  # the steps K/V travel (the ring's or the ring of groups')
-    parts = collectives.formula_parts(strategy, shape, degree=degree, steps=steps)
+    exchanges = None
+    if strategy == "halo":
+        exchanges = _halo_exchanges(shape, a, config.attention.layout)
+    parts = collectives.formula_parts(strategy, shape, degree=degree, steps=steps, exchanges=exchanges)
     link = topology.chip.ici_link_bandwidth
     u = sp if strategy == "ulysses" else (degree or 1)
     # The Ulysses group is the inner part of sp (mesh.ring_cycle): its links are sp's first.
@@ -270,17 +307,30 @@ def _cp_seconds(config, topology, schedule, mesh_sizes, spans, rows, attention_p
               "all_gather": (u if strategy in ("ulysses", "usp") else sp,
                              u_span if strategy in ("ulysses", "usp") else spans["sp"]),
               "reduce_scatter": (sp, spans["sp"])}
+    # Calls of the permute per pass: the ring's steps, or halo's exchanges.
+    permutes = len(exchanges) if exchanges is not None else max(1, schedule.steps)
     seconds, exposed = {}, 0.0
     for p, kinds in parts.items():
         for kind, sent in kinds.items():
             group, span = groups[kind]
-            t = m.num_layers * _collective_seconds(kind, sent, group, span,
-                                                   hardware.has_wraparound(topology, group), link)
+            t = layers * _collective_seconds(kind, sent, group, span,
+                                             hardware.has_wraparound(topology, group), link)
             seconds[f"cp_{kind}"] = seconds.get(f"cp_{kind}", 0.0) + t
             if kind == "permute":
-                # Each ring step's pass hides behind that step's blocks.
-                n = max(1, schedule.steps)
-                exposed += max(0.0, t - attention_pass[p]) + m.num_layers * n * latency
+                # Each ring step's pass (halo: each exchange, which needs no compute before it)
+                # hides behind the pass's blocks.
+                exposed += max(0.0, t - attention_pass[p]) + layers * permutes * latency
             else:
-                exposed += t + m.num_layers * latency
+                exposed += t + layers * latency
     return seconds, exposed
+
+
+@functools.lru_cache(maxsize=256)
+def _halo_exchanges_cached(shape, mask_items):
+    return collectives.halo_exchanges(shape, **dict(mask_items))
+
+
+def _halo_exchanges(shape, attention, layout: str):
+    """What halo sends at each ring offset for a type's mask in `layout` (collectives.type_mask)."""
+    mask = collectives.type_mask(attention, layout, shape.seq_len, shape.sp)
+    return _halo_exchanges_cached(shape, tuple(sorted(mask.items())))
