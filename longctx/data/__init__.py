@@ -7,6 +7,7 @@ The train loop's interface:
   layout_sample(config, data_dir) -> segment ids of the rows attention.layout='auto' is chosen on
   make_batch_iterator(config, mesh, *, split, layout, data_dir, seed_offset=0, source=None)
   validation_sources(config), achieved_shares(config, sp), describe_shares(shares): mixtures
+  check_sources(config, mesh): --validate_only's check of every source (writes nothing)
 These read data.path (pipeline.py) or the mixture of data.sources (mixture.py). See pipeline.py for the batch format and the Orbax checkpoint recipe for the iterator.
 
 Names are imported lazily so that `longctx.data.prepare` (the data-preparation CLI) starts
@@ -20,7 +21,7 @@ _EXPORTS = {
     "BatchIterator": "pipeline", "check_splits": "mixture", "load_metadata": "pipeline",
     "make_batch_iterator": "mixture", "layout_sample": "mixture", "packed_rows": "pipeline",
     "resolve_dataset": "mixture", "validation_sources": "mixture", "achieved_shares": "mixture",
-    "describe_shares": "mixture",
+    "describe_shares": "mixture", "check_sources": "mixture",
     "DataShard": "sharding", "data_shard": "sharding",
     "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
 }

@@ -49,7 +49,7 @@ from longctx.data import pipeline
 from longctx.data import prepare as prepare_lib
 from longctx.data import shard_counts
 from longctx.data import sharding as sharding_lib
-from longctx.errors import ConfigError
+from longctx.errors import ConfigError, MissingFileError
 
 # The keys one source may set, with their defaults.
 SOURCE_DEFAULTS = {"path": "", "weight": 1.0, "min_length": 0, "max_length": 0,
@@ -96,10 +96,26 @@ def _cache_dir(config) -> str:
     return config.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "longctx")
 
 
-def source_dir(config, source: Source) -> str:
-    """The prepared directory of one source (the embedded ones prepared on first use)."""
+def source_dir(config, source: Source, *, prepare: bool = True) -> str | None:
+    """The prepared directory of one source, its files checked (pipeline.resolve_dataset); the
+    embedded ones are prepared on first use, or with `prepare=False` are None until they are."""
+    if source.path in (EMBEDDED_FILES, EMBEDDED_PACKAGES) and not prepare:
+        where = (prepare_lib.stdlib_dir if source.path == EMBEDDED_FILES else prepare_lib.stdlib_packages_dir)
+        if not os.path.isfile(os.path.join(where(_cache_dir(config)), prepare_lib.METADATA)):
+            return None
     if source.path == EMBEDDED_PACKAGES:
         return prepare_lib.prepare_stdlib_packages(_cache_dir(config))
+    key, path = f"data.sources.{source.name}.path={source.path}", source.path
+    prepare_it = f"prepare it with scripts/prepare_data.py --output {path} (docs/data.md, \"Mixtures\")"
+    if source.path != EMBEDDED_FILES:
+        if os.path.isfile(path):
+            raise ConfigError(f"{key} is a file, not a directory: point it at the directory "
+                              "scripts/prepare_data.py wrote (its --output).")
+        if not os.path.isdir(path):
+            raise MissingFileError(f"{key} does not exist: {prepare_it}.")
+        if not os.path.isfile(os.path.join(path, prepare_lib.METADATA)):
+            raise MissingFileError(f"{key} holds no {prepare_lib.METADATA}, so it is not a prepared "
+                                   f"dataset: {prepare_it}.")
     one = config.copy_and_resolve_references()
     one.data.path = "" if source.path == EMBEDDED_FILES else source.path
     try:
@@ -111,6 +127,11 @@ def source_dir(config, source: Source) -> str:
 def source_dirs(config) -> dict[str, str]:
     """`{name: prepared directory}`; ConfigError unless every source has the same tokenizer."""
     dirs = {s.name: source_dir(config, s) for s in sources(config)}
+    _check_one_tokenizer(dirs)
+    return dirs
+
+
+def _check_one_tokenizer(dirs: dict[str, str]) -> None:
     first = None
     for name, d in dirs.items():
         meta = pipeline.load_metadata(d)
@@ -121,8 +142,34 @@ def source_dirs(config) -> dict[str, str]:
             key = next(k for k in _TOKENIZER_KEYS if ids[k] != first[1][k])
             raise ConfigError(f"data.sources.{name} ({d}) has {key}={ids[key]!r} and data.sources."
                               f"{first[0]} has {first[1][key]!r}: every source of a mixture must be "
-                              "prepared with the same tokenizer.")
-    return dirs
+                              f"prepared with the same tokenizer, so prepare {name} again with "
+                              f"--tokenizer {first[1]['tokenizer']}.")
+
+
+def check_sources(config, mesh) -> tuple[str | None, str]:
+    """`--validate_only`'s check of a mixture, writing nothing: every source's directory exists
+    and is a whole prepared dataset, all share one tokenizer, each keeps train documents for
+    every data shard after its filters and (when the run evaluates) has validation documents;
+    an embedded source not prepared yet is left to its first use. ConfigError, one sentence
+    naming the source, for the first that fails. Returns a prepared directory whose metadata
+    stands for all (None when none is prepared yet) and what was checked, in words."""
+    dirs, names = {}, []
+    for source in sources(config):
+        d = source_dir(config, source, prepare=False)
+        names.append(source.name if d else f"{source.name} (embedded, prepared on first use)")
+        if d is None:
+            continue
+        dirs[source.name] = d
+        meta = pipeline.load_metadata(d)
+        try:
+            pipeline.check_splits(config, meta, d, mesh)
+        except ConfigError as e:
+            raise ConfigError(f"data.sources.{source.name}: {e}") from None
+        if source.selects:
+            count = sharding_lib.data_shard(mesh, config.data.global_batch_size, config.data.seq_len).count
+            _selected(source, d, meta, count)
+    _check_one_tokenizer(dirs)
+    return next(iter(dirs.values()), None), f"data sources {', '.join(names)}"
 
 
 def resolve_dataset(config) -> str:
@@ -181,6 +228,18 @@ def selected_documents(source: Source, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(index, copies[keep])
 
 
+def _selected(source: Source, data_dir: str, meta: dict, shard_count: int) -> tuple[np.ndarray, int]:
+    """The documents one epoch of a filtering or upsampling source reads, and their (input,
+    target) pairs per data shard; ConfigError when they are fewer than the data shards."""
+    lengths = split_lengths(data_dir, meta)
+    documents = selected_documents(source, lengths)
+    if len(documents) < shard_count:
+        raise ConfigError(f"data.sources.{source.name}: its filters keep {len(documents)} train "
+                          f"documents, fewer than the {shard_count} data shards that read them: "
+                          "widen its min_length/max_length.")
+    return documents, -(-int((lengths[documents] - 1).sum()) // shard_count)
+
+
 @dataclasses.dataclass(frozen=True)
 class SourceRows:
     """One source's packed rows for one data shard, and what its iterator state means."""
@@ -195,12 +254,7 @@ def source_rows(config, source: Source, data_dir: str, *, shard: sharding_lib.Da
     seed = source_seed(config, source.name, seed_offset)
     documents = pairs = None
     if source.selects:
-        lengths = split_lengths(data_dir, meta)
-        documents = selected_documents(source, lengths)
-        if len(documents) < shard.count:
-            raise ConfigError(f"data.sources.{source.name}: its filters keep {len(documents)} train "
-                              f"documents, fewer than the {shard.count} data shards that read them.")
-        pairs = -(-int((lengths[documents] - 1).sum()) // shard.count)
+        documents, pairs = _selected(source, data_dir, meta, shard.count)
     else:
         pairs = pipeline.pairs_per_shard_epoch(meta, "train", shard.count)
     rows = pipeline.packed_rows(data_dir, "train", seq_len=d.seq_len, packer=d.packer, seed=seed,

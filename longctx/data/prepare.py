@@ -491,10 +491,20 @@ def stdlib_cache_name() -> str:
     return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-byte-{tag}"
 
 
+def stdlib_dir(cache_dir: str) -> str:
+    """Where `prepare_stdlib` prepares the per-file corpus (whether or not it has yet)."""
+    return os.path.join(os.path.abspath(cache_dir), stdlib_cache_name())
+
+
+def stdlib_packages_dir(cache_dir: str) -> str:
+    """Where `prepare_stdlib_packages` prepares the per-package corpus (whether or not it has yet)."""
+    return os.path.join(os.path.abspath(cache_dir), stdlib_cache_name().replace("stdlib-", "stdlib-packages-", 1))
+
+
 def prepare_stdlib(cache_dir: str, progress: bool = False) -> str:
     """Prepares the standard-library corpus (one document per file) under `cache_dir` once;
     returns its directory."""
-    final = os.path.join(os.path.abspath(cache_dir), stdlib_cache_name())
+    final = stdlib_dir(cache_dir)
 
     def write(tmp: str) -> None:
         write_dataset([stdlib_root()], tmp, glob="*.py", val_fraction=0.01, progress=progress,
@@ -527,7 +537,7 @@ def stdlib_packages(root: str | None = None) -> dict[str, bytes]:
 def prepare_stdlib_packages(cache_dir: str, progress: bool = False) -> str:
     """Prepares the long-document corpus (`stdlib_packages`: one document per top-level package,
     a tenth of them for validation) under `cache_dir` once; returns its directory."""
-    final = os.path.join(os.path.abspath(cache_dir), stdlib_cache_name().replace("stdlib-", "stdlib-packages-", 1))
+    final = stdlib_packages_dir(cache_dir)
 
     def write(tmp: str) -> None:
         with tempfile.TemporaryDirectory(prefix="stdlib-packages-", dir=os.path.dirname(tmp)) as texts:

@@ -194,12 +194,16 @@ def check_inputs(config, workdir: str, sizes: dict) -> str:
     """`--validate_only`'s checks past `config_lib.validate`, none of which leaves anything written:
     the workdir and its checkpoints and lease directories can be written (`check_workdir`, the run's
     own check, with probe files that come and go and no directory made) and no live run on this
-    machine holds its lease, the dataset (data.path, or
+    machine holds its lease, the dataset (data.path, every source of data.sources, or
     the embedded corpus when it is prepared already) is whole and fits model.vocab_size. Returns what
     was checked, in words."""
     check_workdir(workdir, create=False)
     lease_lib.check_free(workdir)  # (not held by a live run here)
-    if config.data.path:
+    if config.data.get("sources"):  # every source, each failure naming it (data/mixture.py)
+        data_dir, data = data_lib.check_sources(config, mesh_lib.make_mesh(config.mesh))
+        if data_dir is not None:
+            check_vocab(config, data_dir, data_lib.load_metadata(data_dir))
+    elif config.data.path:
         try:
             data_dir = data_lib.resolve_dataset(config)
             check_vocab(config, data_dir, data_lib.load_metadata(data_dir))
