@@ -285,10 +285,11 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
                                         block), chips)]
     kinds = len({str(masks.make_mask_spec(**attention_lib.mask_kwargs(t.attention)))
                  for t, _ in collectives.type_layers(config)})
-    tables = 0 if segment_ids is None else kinds * len({(layout, mesh["sp"], block)
-                                                        for mesh, _, layout, block in valid})
+    tables = 0 if segment_ids is None else kinds * len({
+        (layout, mesh["sp"], block, batch_rows(config, mesh, segment_ids))
+        for mesh, _, layout, block in valid})
     rows = []
-    ring_schedules = {}  # with documents: _schedule's ring schedule per (mask, layout, sp, block)
+    ring_schedules = {}  # with documents: _schedule's ring schedules per (mask, layout, sp, block, batch)
     schedules = {}  # each layer type's: per (strategy, mask, layout, sp, block)
     for done, (mesh, strategy, layout, block) in enumerate(valid, 1):
         schedule = _type_schedules(candidate_config(config, mesh, strategy, layout, a.residuals,
@@ -298,7 +299,7 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
             cc = candidate_config(config, mesh, strategy, layout, residuals, remat, block)
             rows.append(Row(cc, mesh, strategy, layout, residuals, remat, block,
                             step_time.estimate(cc, topology, schedule, mesh,
-                                               rows_in_schedule=_schedule_rows(segment_ids),
+                                               rows_in_schedule=batch_rows(config, mesh, segment_ids),
                                                pairs_per_row=pairs),
                             memory_model.per_device_bytes(cc, mesh),
                             topology.chip.hbm_bytes))
@@ -450,37 +451,53 @@ def _residual_policies(topology: hardware.Topology) -> tuple[str, ...]:
     return attention_lib.RESIDUAL_POLICIES
 
 
-def _schedule_rows(segment_ids) -> int:
-    return 1 if segment_ids is None else int(segment_ids.shape[0])
+def batch_rows(config, mesh: dict[str, int], segment_ids) -> int:
+    """How many sampled rows one priced batch holds: the rows one sp group holds
+    (global_batch / (dp x fsdp)), at most the sample; 1 without documents (rows of one document
+    are all alike)."""
+    if segment_ids is None:
+        return 1
+    held = max(1, config.data.global_batch_size // (mesh["dp"] * mesh["fsdp"]))
+    return min(held, int(segment_ids.shape[0]))
 
 
 def _type_schedules(candidate, segment_ids, ring_schedules: dict, schedules: dict) -> dict:
     """{layer type: its strategy's schedule} of a candidate config, each type with its own mask,
-    strategy and block, made once per (strategy, mask, layout, sp, block) into `schedules`."""
+    strategy and block, made once per (strategy, mask, layout, sp, block, batch) into
+    `schedules`. With documents, a step_time.BatchMean of the sample's batches of the rows one
+    sp group holds (batch_rows)."""
     a, sp = candidate.attention, int(candidate.mesh.sp)
+    rows = batch_rows(candidate, dict(candidate.mesh), segment_ids)
     out = {}
     for layer_type, _ in collectives.type_layers(candidate):
         t = layer_type.attention
         strategy = Strategy(t.get("cp", "ring"), t.get("cp_ulysses"))
         spec = masks.make_mask_spec(**attention_lib.mask_kwargs(t))
-        key = (strategy, spec, a.layout, sp, int(t.block_size))
+        key = (strategy, spec, a.layout, sp, int(t.block_size), rows)
         if key not in schedules:
             schedules[key] = _schedule(strategy, spec, a.layout, candidate.data.seq_len, sp,
-                                       int(t.block_size), segment_ids, ring_schedules)
+                                       int(t.block_size), segment_ids, rows, ring_schedules)
         out[layer_type.name] = schedules[key]
     return out
 
 
-def _schedule(strategy, spec, layout, seq_len, sp, block, segment_ids, ring_schedules: dict):
-    """The strategy's schedule. With documents, from the ring's on the rows, which every strategy
-    and every mesh with this mask, layout, sp and block shares (computed once into
-    `ring_schedules`), without the element-wise count of kept blocks, which a plan does not read."""
+def _schedule(strategy, spec, layout, seq_len, sp, block, segment_ids, rows: int,
+              ring_schedules: dict):
+    """The strategy's schedule. With documents, the mean over the sample's batches of `rows`
+    rows (what one sp group holds: each batch waits for its own busiest device at every ring
+    step and stops where its own documents do), each from the ring's on that batch, which every
+    strategy and every mesh with this mask, layout, sp, block and batch shares (computed once
+    into `ring_schedules`), without the element-wise count of kept blocks, which a plan does not
+    read."""
     if segment_ids is None:
         return attention_work.static_schedule(strategy.name, strategy.degree, spec, layout,
                                               seq_len, sp, block)
-    key = (spec, layout, sp, block)
+    key = (spec, layout, sp, block, rows)
     if key not in ring_schedules:
-        ring_schedules[key] = tables.document_schedule(spec, layout, seq_len, sp, block,
-                                                       segment_ids, count_kept=False)
-    return strategy_schedule.from_ring_schedule(strategy.name, strategy.degree, ring_schedules[key],
-                                                spec, layout, seq_len, sp, block)
+        ring_schedules[key] = [tables.document_schedule(spec, layout, seq_len, sp, block,
+                                                        segment_ids[i:i + rows], count_kept=False)
+                               for i in range(0, len(segment_ids) - rows + 1, rows)]
+    return step_time.BatchMean(tuple(
+        strategy_schedule.from_ring_schedule(strategy.name, strategy.degree, ring, spec, layout,
+                                             seq_len, sp, block)
+        for ring in ring_schedules[key]))

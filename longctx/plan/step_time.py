@@ -124,6 +124,36 @@ class StepEstimate:
                 "per_layer_type": dict(self.per_type)}
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchMean:
+    """Several batches' schedules of one strategy (each batch the sampled rows one sp group holds,
+    planner.batch_rows), priced as their mean: the blocks on each batch's own critical path, and
+    the ring steps each batch's K/V travel, averaged over the batches."""
+    batches: tuple  # of StrategySchedule
+
+    @property
+    def critical_path(self) -> float:
+        return float(np.mean([b.critical_path for b in self.batches]))
+
+    @property
+    def degree(self) -> int:
+        return self.batches[0].degree
+
+    @property
+    def steps(self) -> float:
+        return float(np.mean([b.steps for b in self.batches]))
+
+
+def _step_weights(schedule) -> dict[int, float]:
+    """{ring steps K/V travel: share of the batches that travel them} of a schedule."""
+    if not isinstance(schedule, BatchMean):
+        return {int(schedule.steps): 1.0}
+    out: dict[int, float] = {}
+    for b in schedule.batches:
+        out[int(b.steps)] = out.get(int(b.steps), 0.0) + 1.0 / len(schedule.batches)
+    return out
+
+
 def _collective_seconds(kind: str, sent_bytes: float, group: int, span: float, wrap: bool,
                         link: float) -> float:
     """Seconds to move `sent_bytes` (per device, as plan/collectives.py counts them) in a
@@ -294,11 +324,25 @@ def _cp_seconds(config, attention, layers, topology, schedule, mesh_sizes, spans
                               kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                               dtype_bytes=2 if m.dtype == "bfloat16" else 4,
                               documents=bool(a.use_segment_ids))
-    steps = range(schedule.steps)  # the steps K/V travel (the ring's or the ring of groups')
     exchanges = None
     if strategy == "halo":
         exchanges = _halo_exchanges(shape, a, config.attention.layout)
-    parts = collectives.formula_parts(strategy, shape, degree=degree, steps=steps, exchanges=exchanges)
+    seconds, exposed = {}, 0.0
+    for steps, weight in _step_weights(schedule).items():
+        part_seconds, part_exposed = _cp_seconds_of(strategy, degree, shape, steps, exchanges,
+                                                    layers, topology, spans, attention_pass, latency)
+        for kind, t in part_seconds.items():
+            seconds[kind] = seconds.get(kind, 0.0) + weight * t
+        exposed += weight * part_exposed
+    return seconds, exposed
+
+
+def _cp_seconds_of(strategy, degree, shape, steps: int, exchanges, layers, topology, spans,
+                   attention_pass, latency):
+    """_cp_seconds for K/V travelling `steps` ring steps (the ring's or the ring of groups')."""
+    sp = shape.sp
+    parts = collectives.formula_parts(strategy, shape, degree=degree, steps=range(steps),
+                                      exchanges=exchanges)
     link = topology.chip.ici_link_bandwidth
     u = sp if strategy == "ulysses" else (degree or 1)
     # The Ulysses group is the inner part of sp (mesh.ring_cycle): its links are sp's first.
@@ -308,7 +352,7 @@ def _cp_seconds(config, attention, layers, topology, schedule, mesh_sizes, spans
                              u_span if strategy in ("ulysses", "usp") else spans["sp"]),
               "reduce_scatter": (sp, spans["sp"])}
     # Calls of the permute per pass: the ring's steps, or halo's exchanges.
-    permutes = len(exchanges) if exchanges is not None else max(1, schedule.steps)
+    permutes = len(exchanges) if exchanges is not None else max(1, steps)
     seconds, exposed = {}, 0.0
     for p, kinds in parts.items():
         for kind, sent in kinds.items():
