@@ -24,6 +24,9 @@ Presets:
     .venv/bin/python scripts/prepare_data.py --input long_docs.jsonl --tokenizer hf:Meta-Llama-3-8B \
         --output data/llama3_long
     .venv/bin/python scripts/train.py --config=configs/base.py:llama3_8b_extend_128k --workdir=runs/llama3_8b_extend
+  llama3_8b_prolong_64k   ProLong's first stage: Llama-3-8B at 65,536 tokens on a mixture of four
+                   prepared sources by ProLong's weights (docs/data.md, "A ProLong-style run"):
+    .venv/bin/python scripts/estimate.py --config=configs/base.py:llama3_8b_prolong_64k --topology=v5p:4x4x4
 """
 
 import ml_collections
@@ -313,6 +316,31 @@ def _llama3_8b_extend_128k(c):
     return c
 
 
+def _llama3_8b_prolong_64k(c):
+    """ProLong's first stage (Gao et al. 2024) on Llama-3-8B converted from Hugging Face (init_from):
+    65,536 tokens, RoPE theta raised from 500,000 to 8,000,000, learning rate 1e-5, and their mix of
+    sources by tokens: 30% code repositories and 30% books (whole repositories and books, long),
+    3% textbooks, 37% short high-quality data, each prepared by the user (docs/data.md, "A
+    ProLong-style run", has the commands). One sequence per fsdp rank on v5p:4x4x4 (sp=8, fsdp=8:
+    8 x 65,536 = 524,288 tokens a step, 8,192 per chip as llama3_8b_128k; ProLong's batch is 4M
+    tokens: raise data.global_batch_size with more chips). 5,000 steps = 2.6B tokens."""
+    c = _llama3_8b_128k(c)
+    c.mesh.update(dp=1, fsdp=-1, sp=8)
+    c.model.update(rope_theta=8_000_000.0)
+    c.data.update(seq_len=65_536, global_batch_size=8, packer="best_fit")
+    c.data.sources = ml_collections.ConfigDict({
+        "code_repos": dict(path="data/prolong/code_repos", weight=0.30),
+        "books": dict(path="data/prolong/books", weight=0.30),
+        "textbooks": dict(path="data/prolong/textbooks", weight=0.03),
+        "short": dict(path="data/prolong/short", weight=0.37),
+    })
+    c.optimizer.update(learning_rate=1e-5, min_learning_rate_ratio=0.1, warmup_steps=500, weight_decay=0.1)
+    c.train.update(num_steps=5000, log_every=10, eval_every=500, eval_steps=4)
+    c.checkpoint.update(every_steps=500, keep_period=2500, init_from="runs/llama3_8b_hf",
+                        init_from_allow="model.rope_theta")
+    return c
+
+
 def _hybrid_at_scale(c, *, layers, d_model, heads, kv_heads, head_dim, mlp_dim, vocab, seq_len,
                      pattern, types, theta):
     """A hybrid model's shape for the fit check and the planner (no weights needed), on v5p-128
@@ -368,7 +396,8 @@ def _llama4_scout_256k(c):
 PRESETS = {"": lambda c: c, "base": lambda c: c, "tiny": _tiny, "tiny_hybrid": _tiny_hybrid, "long_cpu": _long_cpu,
            "long_mix_cpu": _long_mix_cpu,
            "llama3_8b_128k": _llama3_8b_128k, "llama3_70b_128k": _llama3_70b_128k,
-           "llama3_8b_extend_128k": _llama3_8b_extend_128k, "gemma3_12b_128k": _gemma3_12b_128k,
+           "llama3_8b_extend_128k": _llama3_8b_extend_128k, "llama3_8b_prolong_64k": _llama3_8b_prolong_64k,
+           "gemma3_12b_128k": _gemma3_12b_128k,
            "gpt_oss_20b_128k": _gpt_oss_20b_128k, "llama4_scout_256k": _llama4_scout_256k}
 
 
