@@ -36,6 +36,18 @@ strategy computes on those rows (longctx.ops.strategy_schedule; `usp:U` names us
 degree): computed and kept blocks, the critical path (blocks, of all heads, on the slowest path,
 with the strategy's waits), the ring steps K/V travel and the efficiency.
 
+With `--config FILE:PRESET` the report is per layer type of that model (attention.pattern and
+attention.layer_types; one type without a pattern), each on its own mask, block and strategy:
+the layers of the type, the ring steps its mask runs (and halo's exchanges), the blocks its strategy
+computes and the critical path, and the K/V bytes one device sends per layer, forward and backward,
+for every strategy by the closed form (longctx/plan/collectives.py), with the type's own strategy
+marked. `--topology` also reads its own strategy's bytes from the lowered TPU program (abstract
+devices, nothing runs; needs libtpu). --seq-len and --sp default to the config's, --doc-lengths to
+one document per row; `--md` writes the tables with this command (docs/hybrid_traffic.md):
+
+  .venv/bin/python scripts/ring_report.py --config configs/base.py:gemma3_12b_128k --sp 16 \\
+      --doc-lengths 16384 --topology v5p:2x2x4 --md docs/hybrid_traffic.md
+
 With `--data DIR` (a prepared directory's train split) or `--mix long_tail|uniform` (seeded
 synthetic document lengths, longctx/data/length_mixes.py) the report compares packers instead:
 each packs one epoch of the same documents (`--packer`, a comma list; every packer by default),
@@ -49,6 +61,7 @@ against the ideal (kept blocks / sp), the ring steps visited per row and the K/V
       --packer best_fit,shard_balanced --png docs/mine_packers.png   # per-device work of 3 rows
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -359,8 +372,15 @@ def _describe(mask_kw) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The flags, each integer one with its range (a value outside it is one line naming the flag)."""
     p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", type=cli.int_at_least(1), required=True)
-    p.add_argument("--sp", type=cli.int_at_least(1), required=True, help="ring size (devices on the sp axis)")
+    p.add_argument("--seq-len", type=cli.int_at_least(1), default=None,
+                   help="tokens per row (required, except with --config: its data.seq_len)")
+    p.add_argument("--sp", type=cli.int_at_least(1), default=None,
+                   help="ring size, devices on the sp axis (required, except with --config: its mesh.sp)")
+    p.add_argument("--config", default=None, help="FILE:PRESET: the report per layer type of that model")
+    p.add_argument("--topology", default=None,
+                   help="with --config: also read each type's bytes from the lowered program for this "
+                   "TPU topology (abstract devices; at least --sp of them)")
+    p.add_argument("--md", default=None, help="with --config: write the tables and the command here")
     p.add_argument("--block", type=cli.int_at_least(1), default=512, help="q and kv block size")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--sliding-window", type=_window, default=None,
@@ -394,8 +414,72 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _config_of(a):
+    """--config's model on --sp devices of the sp axis (--batch-size rows each) at --seq-len."""
+    from longctx import config as config_lib  # lazily, as every --config import: the model and
+    # the planner load in seconds that the other reports need not wait
+    config = cli.load_config_file(a.config)
+    config.unlock()
+    if a.seq_len:
+        config.data.seq_len = a.seq_len
+    a.seq_len = config.data.seq_len
+    a.sp = a.sp or config.mesh.sp
+    if a.sp < 1:
+        raise ConfigError(f"--sp: {a.config} leaves mesh.sp to the devices ({a.sp}); give --sp.")
+    config.mesh.update(dp=1, fsdp=1, sp=a.sp)
+    config.data.global_batch_size = a.batch_size
+    config_lib.validate(config, num_devices=a.sp)
+    return config
+
+
+def _mesh_of(a):
+    """An sp mesh of --sp abstract devices of --topology, or None without it."""
+    if not a.topology:
+        return None
+    from longctx.plan import aot  # lazily (--config)
+
+    devices = aot.topology_devices(a.topology)
+    if len(devices) < a.sp:
+        raise ConfigError(f"--topology={a.topology} has {len(devices)} devices, fewer than --sp {a.sp}.")
+    import jax  # lazily: the other reports need no jax mesh
+
+    return jax.sharding.Mesh(np.array(devices[:a.sp]), ("sp",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _layer_types_report(a) -> int:
+    from longctx import reports  # lazily (--config)
+    from longctx.plan import layer_type_report
+    from longctx.train import state as train_state
+
+    config = _config_of(a)
+    ids = _doc_rows(a) if a.doc_lengths else np.ones((1, a.seq_len), np.int32)
+    layout = a.layout if a.layout not in (None, "auto") else train_state.resolve_layout(config, a.sp, ids)
+    if cli.validate_only():
+        _mesh_of(a)
+        cli.validated(f"the per-layer-type report of {a.config} over sp={a.sp} at {a.seq_len:,} tokens")
+    found = layer_type_report.type_reports(config, sp=a.sp, layout=layout, segment_ids=ids,
+                                           rows=a.batch_size, mesh=_mesh_of(a))
+    if a.json:
+        print(json.dumps({"layout": layout, "types": [dataclasses.asdict(r) for r in found]}))
+        return 0
+    docs = f"documents of {a.doc_lengths} tokens" if a.doc_lengths else "one document per row"
+    text = (f"{a.config} at {a.seq_len:,} tokens over sp = {a.sp} ({layout} layout, {docs}, "
+            f"{a.batch_size} row(s) per device)\n\n" + layer_type_report.markdown(found, a.topology))
+    print(text)
+    if a.md:
+        reports.write_markdown(a.md, "# K/V traffic per layer type\n\nWritten by `"
+                               + reports.command_line() + "`.\n\n" + text)
+        print(f"written: {a.md}")
+    return 0
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    if a.config:
+        return _layer_types_report(a)
+    if a.seq_len is None or a.sp is None:
+        raise ConfigError("--seq-len and --sp are required (or --config FILE:PRESET, which has them).")
     mask_kw = dict(causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
     if cli.validate_only():
         cli.validated(_check_arguments(a))
