@@ -57,6 +57,10 @@ NEEDS_A_FILE = {
     "Meta-Llama-3-8B": "the released model the reader downloads",
     "runs/llama3_8b_hf": "written by step 1 of 'Extend a released model'",
     "data/llama3_long": "written by step 2 of 'Extend a released model'",
+    "code_repos.jsonl.zst": "the reader's own code repositories (docs/data.md, 'A ProLong-style run')",
+    "books.parquet": "the reader's own books (docs/data.md, 'A ProLong-style run')",
+    "textbooks.jsonl.gz": "the reader's own textbooks (docs/data.md, 'A ProLong-style run')",
+    "short_mix/": "the reader's own short data (docs/data.md, 'A ProLong-style run')",
     "runs/llama3_8b_extend": "written by step 3 of 'Extend a released model'",
     "ids.npz": "the reader's token ids and transformers' logits",
     "my_config.py": "the reader's own config file, as docs/configs.md shows it (tests/test_user_config.py runs it)",
@@ -64,10 +68,13 @@ NEEDS_A_FILE = {
     "/tmp/peers": "where the reader pip-installed the peer rings (--peers DIR)",
 }
 # The same for a file a preset names (its data.path), in commands that read the data.
-PRESET_FILES = {"configs/base.py:llama3_8b_extend_128k": "data/llama3_long"}
+PRESET_FILES = {"configs/base.py:llama3_8b_extend_128k": "data/llama3_long",
+                # (its first source, sorted: the prepare_data commands above it write each)
+                "configs/base.py:llama3_8b_prolong_64k": "data/prolong/books"}
 READS_DATA = ("scripts/train.py",)
 # Presets for hardware this machine lacks: validated against that many (virtual CPU) devices.
-DEVICES_OF = {"configs/base.py:llama3_8b_extend_128k": (64, "a v5p:4x4x4 pod (64 chips), as the README says")}
+DEVICES_OF = {"configs/base.py:llama3_8b_extend_128k": (64, "a v5p:4x4x4 pod (64 chips), as the README says"),
+              "configs/base.py:llama3_8b_prolong_64k": (64, "a v5p:4x4x4 pod (64 chips), as docs/data.md says")}
 # Text that looks like a command but stands for several (a table header, "...").
 NOT_A_COMMAND = {
     "--config.attention.impl=xla ...": "a table header: the rows below complete it",
