@@ -102,6 +102,15 @@ def markdown(result) -> str:
              f"{t['summary']['held_out_points']} held-out points** (largest "
              f"{apct(t['summary']['held_out_max_abs_error'])}); "
              f"{apct(t['summary']['fit_mean_abs_error'])} on the fitted ones.\n"]
+    if t.get("by_length"):
+        lines.append("Mean absolute error by sequence length, fitted and held-out points apart "
+                     "(a range with no published point says so):\n")
+        lines.append(bc.table(["tokens", "fitted points", "fitted error", "held-out points",
+                               "held-out error"],
+                              [[g["range"], g["fit_points"], apct(g["fit_mean_abs_error"]),
+                                g["held_out_points"], apct(g["held_out_mean_abs_error"])]
+                               for g in t["by_length"]]))
+        lines.append("")
     header = ["run", "slice", "mesh dp,fsdp,sp", "published s", "predicted s", "error",
               "predicted MFU", "fit", "source"]
     body = [[r["label"], r["topology"], ",".join(str(v) for v in r["mesh"].values()),
@@ -169,6 +178,7 @@ def main():
     result = {"command": bc.command_line(),
               "step_time": {"constants": constants, "in_step_time_py": step_time.CONSTANTS,
                             "rows": rows, "summary": _error_summary(rows),
+                            "by_length": calibration.by_length(rows),
                             "rank_agreement": rank_agreement(rows)},
               "memory": {"activation_scale": scale,
                          "in_memory_model_py": memory_model.ACTIVATION_SCALE,

@@ -8,18 +8,21 @@ from longctx's in their kernels (tokamax's ring, MaxText's all-gather), their re
 (block sizes where not stated: 512, MaxText's default). So the error below is the model's error
 on other programs of the same shapes: what a user planning a run from published figures gets.
 
-Fitted (`fit`): step_time.CONSTANTS' three numbers, on the three points with fit=True only: one
-dense run at 8,192 tokens (the matmuls), and two all-gather runs, 16-way at 32K and 64-way at
-128K (the attention kernel, the per-collective latency). Every other point is held out and its
-error reported apart.
+Fitted (`fit`): step_time.CONSTANTS' five numbers, on the points with fit=True only (FIT): one
+dense run at 8,192 tokens (the matmuls), and CP runs that span short and long shards and every
+kind of strategy (the attention kernel's efficiency as a function of the work per call, and the
+per-collective latency). Every other point is held out and its error reported apart, by range
+of sequence length (LENGTH_RANGES).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import math
+
+import numpy as np
+from scipy import optimize
 
 from longctx.plan import attention_work, hardware, memory_model, step_time
 from longctx.model import attention as attention_lib
@@ -60,7 +63,7 @@ class Point:
         return f"{self.model} {self.seq_len // 1024}K {cp} ({self.layout})"
 
 
-def _usp_points(source, layout, times, fit_all_gather=False):
+def _usp_points(source, layout, times):
     """PR #4836 / #4893: llama3-8b, 64 v5p chips, CP64, global batch 1; usp RxU = ring R x Ulysses U."""
     out = []
     for (label, cp, degree), row in zip(
@@ -68,8 +71,7 @@ def _usp_points(source, layout, times, fit_all_gather=False):
              ("usp 8x8", "usp", 8), ("usp 32x2", "usp", 2)], times):
         for seq, seconds in zip((65_536, 131_072, 262_144), row):
             out.append(Point(source, "v5p:4x4x4", "llama3-8b", seq, 1, (1, 1, 64), cp, degree,
-                             layout, 512, "nothing_saveable", seconds,
-                             fit=fit_all_gather and cp == "all_gather" and seq == 131_072))
+                             layout, 512, "nothing_saveable", seconds))
     return out
 
 
@@ -79,23 +81,40 @@ POINTS = [
     Point(PR4687, "v5p:4x4x4", "llama2-7b", 32_768, 64, (1, 4, 16), "ulysses", None, "contiguous",
           2048, "nothing_saveable", 8.90),
     Point(PR4687, "v5p:4x4x4", "llama2-7b", 32_768, 64, (1, 4, 16), "all_gather", None, "zigzag",
-          1024, "nothing_saveable", 8.83, fit=True),
+          1024, "nothing_saveable", 8.83),
     Point(PR4687, "v5p:4x4x4", "llama2-7b", 32_768, 64, (1, 4, 16), "ring", None, "zigzag",
           1024, "nothing_saveable", 16.38),
     *_usp_points(PR4836, "contiguous", [(1.31, 4.03, 14.33), (1.68, 4.63, 15.35),
                                         (1.31, 4.02, 13.92), (1.44, 4.05, 13.65),
                                         (1.65, 4.52, 14.72)]),
     *_usp_points(PR4893, "zigzag", [(1.09, 2.98, 9.71), (1.42, 3.71, 10.78), (1.04, 2.88, 9.50),
-                                    (1.20, 2.93, 9.34), (1.38, 3.49, 10.24)], fit_all_gather=True),
+                                    (1.20, 2.93, 9.34), (1.38, 3.49, 10.24)]),
     # Dense runs at 8,192 tokens, no context parallelism; remat custom with q/k/v and the layer
     # input offloaded: the matmuls are not recomputed, as dots_saveable.
     Point(RECIPES + "trillium/Llama3.1-8B-MaxText/v6e-256", "v6e:16x16", "llama3-8b", 8192, 1024,
-          (1, 256, 1), "ring", None, "contiguous", 512, "dots_saveable", 4.546, fit=True),
+          (1, 256, 1), "ring", None, "contiguous", 512, "dots_saveable", 4.546),
     Point(RECIPES + "trillium/Llama3.1-70B-MaxText/v6e-256", "v6e:16x16", "llama3-70b", 8192, 1280,
           (1, 256, 1), "ring", None, "contiguous", 512, "dots_saveable", 42.656),
     Point(RECIPES + "v5p/Llama3.1-405B-MaxText", "v5p:8x8x8", "llama3-405b", 8192, 1024,
           (1, 512, 1), "ring", None, "contiguous", 512, "dots_saveable", 131.474),
 ]
+
+
+# The points the constants are fitted on (source, label): the dense 8B run (the matmuls); the CP
+# runs span 2K to 4K tokens per device, each strategy, both layouts and blocks of 512 to 2,048.
+FIT = {(RECIPES + "trillium/Llama3.1-8B-MaxText/v6e-256", "llama3-8b 8K ring (contiguous)"),
+       (PR4687, "llama2-7b 32K all_gather (zigzag)"),
+       (PR4687, "llama2-7b 32K ulysses (contiguous)"),
+       (PR4893, "llama3-8b 128K all_gather (zigzag)"),
+       (PR4893, "llama3-8b 64K ring (zigzag)"),
+       (PR4836, "llama3-8b 256K ring (contiguous)"),
+       (PR4893, "llama3-8b 256K usp 8x8 (zigzag)")}
+POINTS = [dataclasses.replace(p, fit=(p.source, p.label) in FIT) for p in POINTS]
+
+# Sequence lengths the error is reported by (tokens, inclusive); a range without a published
+# point says so.
+LENGTH_RANGES = {"<= 128K": (0, 131_072), "256K-512K": (262_144, 524_288),
+                 ">= 1M": (1_048_576, 1 << 40)}
 
 
 def point_config(base, point: Point):
@@ -137,30 +156,54 @@ def log_error(predicted: float, published: float) -> float:
     return math.log(predicted / published)
 
 
-# The grid `fit` searches: matmul and attention efficiency in steps of 0.01, the latency on a
-# log scale.
-GRID = {"matmul": [x / 100 for x in range(20, 96)], "attention": [x / 100 for x in range(10, 96)],
-        "collective_latency": [0.0, 1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4]}
+# The grid `fit` searches for the matmuls' efficiency, in steps of 0.01.
+GRID = {"matmul": [x / 100 for x in range(20, 96)]}
+# Where the attention constants' search starts: e, seconds per grid step, per call, per collective.
+START = {"attention": 0.5, "block_overhead": 2e-7, "call_overhead": 1e-5, "collective_latency": 3e-4}
+ATTENTION_KEYS = tuple(START)
 
 
-def fit(base, points=POINTS) -> dict:
-    """The constants minimising the mean squared log error on the points with fit=True: a
-    coarse pass over GRID (every 5th value), then every value within 0.05 of the best."""
-    chosen = [p for p in points if p.fit]
+def _rounded(constants: dict) -> dict:
+    """Two decimals for the efficiencies, two significant digits for the seconds: the fit's
+    result as longctx holds it (step_time.CONSTANTS)."""
+    out = {}
+    for k, v in constants.items():
+        out[k] = round(v, 2) if k in ("matmul", "attention") else float(f"{v:.2g}")
+    return out
+
+
+def fit(base, points=None) -> dict:
+    """The constants minimising the mean squared log error on the points with fit=True: the
+    matmuls' efficiency on the dense ones (sp = 1) over GRID, then the attention kernel's three
+    constants and the latency on the context-parallel ones (Nelder-Mead from START, in
+    coordinates that keep the efficiency in (0, 1) and the seconds positive), once more the
+    matmuls, rounded."""
+    points = POINTS if points is None else points
+    dense = [p for p in points if p.fit and p.mesh[2] == 1]
+    cp = [p for p in points if p.fit and p.mesh[2] > 1]
     cache: dict = {}
 
-    def loss(constants):
+    def loss(chosen, constants):
         return sum(log_error(predict(base, p, constants, cache).seconds, p.published_seconds) ** 2
-                   for p in chosen)
+                   for p in chosen) / max(1, len(chosen))
 
-    def best_of(grid):
-        options = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-        return min(options, key=loss)
+    def to_constants(x):
+        return {"attention": 1.0 / (1.0 + math.exp(-x[0])), "block_overhead": math.exp(x[1]),
+                "call_overhead": math.exp(x[2]), "collective_latency": math.exp(x[3])}
 
-    coarse = best_of({k: v[::5] if k != "collective_latency" else v for k, v in GRID.items()})
-    near = {k: [x for x in v if abs(x - coarse[k]) <= 0.05] if k != "collective_latency"
-            else [coarse[k]] for k, v in GRID.items()}
-    return best_of(near)
+    def matmul(constants):
+        return min(GRID["matmul"], key=lambda v: loss(dense, {**constants, "matmul": v}))
+
+    constants = {"matmul": step_time.CONSTANTS["matmul"], **START}
+    for _ in range(2):
+        constants["matmul"] = matmul(constants)
+        x0 = np.array([math.log(constants["attention"] / (1 - constants["attention"])),
+                       *(math.log(max(constants[k], 1e-9)) for k in ATTENTION_KEYS[1:])])
+        found = optimize.minimize(lambda x: loss(cp, {**constants, **to_constants(x)}), x0,
+                                  method="Nelder-Mead", options={"xatol": 1e-3, "fatol": 1e-6,
+                                                                 "maxiter": 600})
+        constants.update(to_constants(found.x))
+    return _rounded(constants)
 
 
 def compare(base, points=POINTS, constants: dict | None = None) -> list[dict]:
@@ -168,6 +211,7 @@ def compare(base, points=POINTS, constants: dict | None = None) -> list[dict]:
     for p in points:
         e = predict(base, p, constants, cache)
         rows.append({"label": p.label, "source": p.source, "topology": p.topology,
+                     "seq_len": p.seq_len,
                      "mesh": dict(zip(("dp", "fsdp", "sp"), p.mesh)), "fit": p.fit,
                      "published_seconds": p.published_seconds, "predicted_seconds": e.seconds,
                      "error": e.seconds / p.published_seconds - 1.0, "predicted_mfu": e.mfu,
@@ -184,6 +228,21 @@ def summary(rows: list[dict]) -> dict:
     return {"fit_points": len(fitted), "fit_mean_abs_error": mean_abs(fitted),
             "held_out_points": len(held), "held_out_mean_abs_error": mean_abs(held),
             "held_out_max_abs_error": max((abs(r["error"]) for r in held), default=float("nan"))}
+
+
+def by_length(rows: list[dict]) -> list[dict]:
+    """Mean absolute relative error per LENGTH_RANGES range, fitted and held-out points apart
+    (None where a range has none)."""
+    out = []
+    for name, (lo, hi) in LENGTH_RANGES.items():
+        inside = [r for r in rows if lo <= r["seq_len"] <= hi]
+        errors = lambda fit: [abs(r["error"]) for r in inside if r["fit"] == fit]  # noqa: E731
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        out.append({"range": name, "fit_points": len(errors(True)),
+                    "fit_mean_abs_error": mean(errors(True)),
+                    "held_out_points": len(errors(False)),
+                    "held_out_mean_abs_error": mean(errors(False))})
+    return out
 
 
 # ----------------------------------------------------------------------------- memory

@@ -32,10 +32,11 @@ What overlaps what (the model's assumptions, all here):
     hides (its launch and synchronisation), once per call: once per ring step and pass, once per
     gather, all-to-all or reduce-scatter.
 
-Three constants, fitted on published step times (plan/calibration.py, docs/planner.md): the
-fraction of peak the matmuls reach (CONSTANTS["matmul"]), the fraction the attention kernel
-reaches on the blocks it computes (CONSTANTS["attention"]), and the latency above. Everything
-else is counted.
+Five constants, fitted on published step times (plan/calibration.py, docs/planner.md): the
+fraction of peak the matmuls reach (CONSTANTS["matmul"]); the attention kernel's efficiency as a
+function of the work of each call (kernel_efficiency: the fraction of peak its block matmuls
+reach, a fixed cost per grid step and one per call); and the latency above. Everything else is
+counted.
 
 MFU's numerator is the model FLOPs the step's documents need: the matmuls, and attention over the
 (query, key) pairs the mask keeps inside each document (`document_pairs`), the same documents the
@@ -59,12 +60,55 @@ from longctx.plan import collectives, hardware
 
 # Fitted by plan/calibration.py on the points docs/planner.md marks "fit" (the others are held
 # out): `benchmarks/calibrate_planner.py` refits them and tests/plan/test_planner.py checks
-# these are its result.
-CONSTANTS = {"matmul": 0.6, "attention": 0.32, "collective_latency": 3e-4}
+# these are its result. "attention" is the fraction of peak the kernel's block matmuls reach
+# once its fixed costs are paid; "block_overhead" (seconds per grid step: one q block x kv block
+# x head) and "call_overhead" (seconds per kernel call) are those costs (kernel_efficiency).
+CONSTANTS = {"matmul": 0.56, "attention": 1.0, "block_overhead": 8.9e-07, "call_overhead": 1e-09,
+             "collective_latency": 0.00017}
 
 # The splash kernel's backward computes 5 block matmuls to the forward's 2 (it recomputes the
 # scores): hardware work is 3.5x the forward's, where model FLOPs count 3x.
 ATTENTION_PASSES = {"forward": 1.0, "backward": 2.5}
+# Kernels each pass launches per call: the forward one, the backward two (dK/dV, and dQ).
+KERNELS_PER_PASS = {"forward": 1, "backward": 2}
+
+
+def kernel_efficiency(peak_flops: float, call_flops: float, grid_steps: float, kernels: int = 1,
+                      constants: dict | None = None) -> float:
+    """The fraction of peak one attention call reaches: `call_flops` of block matmuls over
+    `grid_steps` (q block, kv block, head) steps in `kernels` kernel launches.
+
+    What the kernel does (the splash kernel, ops/): every grid step pays a fixed cost besides its
+    matmuls (the step's DMA issue and wait, the online softmax's vector work on a block row, the
+    mask and segment compare), and every launch a pipeline fill and drain; the matmuls themselves
+    run at a fraction of peak (the MXU's tiles, the exp on the VPU between the two matmuls). So
+    a call takes F / (peak x e) + steps x c_block + launches x c_call, and its efficiency
+
+        e(F) = e * F / (F + peak * e * (steps * c_block + launches * c_call))
+
+    grows with the work per call (longer shards: the launch cost spread over more steps; larger
+    blocks: the step cost over more FLOPs) and is bounded by e <= 1."""
+    c = dict(CONSTANTS, **(constants or {}))
+    overhead = grid_steps * c["block_overhead"] + kernels * c["call_overhead"]
+    if call_flops <= 0:
+        return c["attention"]
+    return c["attention"] * call_flops / (call_flops + peak_flops * c["attention"] * overhead)
+
+
+def _kernel_calls(attention, schedule, config, mesh_sizes, rows) -> float:
+    """Kernel calls per pass of one layer on one device: one per ring step the K/V travel (ring,
+    usp), one per exchange and the own shard (halo), one (all-gather, Ulysses)."""
+    strategy = attention.get("cp", "ring")
+    if mesh_sizes["sp"] == 1 or strategy in ("all_gather", "ulysses"):
+        return 1.0
+    if strategy == "halo":
+        m = config.model
+        shape = collectives.Shape(batch=rows, seq_len=config.data.seq_len, sp=mesh_sizes["sp"],
+                                  heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                  dtype_bytes=2 if m.dtype == "bfloat16" else 4,
+                                  documents=bool(attention.use_segment_ids))
+        return 1.0 + len(_halo_exchanges(shape, attention, config.attention.layout))
+    return max(1.0, float(schedule.steps))
 
 
 @dataclasses.dataclass
@@ -272,8 +316,16 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
         block = int(a.block_size)
         blocks = sched.critical_path * rows / rows_in_schedule
         block_flops = 4.0 * block * block * m.head_dim * m.num_heads  # forward, all heads
-        attention_pass = {p: count * blocks * block_flops * w / (chip.peak_flops * eff["attention"])
-                          for p, w in ATTENTION_PASSES.items()}
+        calls = _kernel_calls(a, sched, config, mesh_sizes, rows)
+        attention_pass = {}
+        for p, w in ATTENTION_PASSES.items():
+            # One call's work: its share of the critical path's blocks, each a grid step per head
+            # (a Ulysses block counts 1/U, for n/U heads) in each kernel of the pass.
+            kernels = KERNELS_PER_PASS[p]
+            flops = blocks * block_flops * w / calls
+            e = kernel_efficiency(chip.peak_flops, flops, kernels * blocks * m.num_heads / calls,
+                                  kernels, eff)
+            attention_pass[p] = count * calls * flops / (chip.peak_flops * e)
         type_attention = sum(attention_pass.values())
         seconds, exposed = _cp_seconds(config, a, count, topology, sched, mesh_sizes, spans, rows,
                                        attention_pass, eff["collective_latency"])

@@ -1,0 +1,78 @@
+"""The attention kernel's efficiency as a function of the work per call (plan/step_time.py,
+kernel_efficiency), and what the calibration reports by sequence length (issue 51, item 1)."""
+
+import copy
+
+import pytest
+
+from configs import base
+from longctx.plan import calibration, hardware, planner, step_time
+
+V5P = hardware.parse_topology("v5p:4x4x4").chip
+
+
+def _call(shard: int, block: int, heads: int = 32, head_dim: int = 128, kv: int | None = None):
+    """(FLOPs, grid steps) of one forward call: a query shard against a K/V shard, all blocks."""
+    kv = shard if kv is None else kv
+    blocks = (shard // block) * (kv // block)
+    return 4.0 * block * block * head_dim * heads * blocks, blocks * heads
+
+
+def test_efficiency_grows_with_the_work_per_call_and_is_bounded():
+    c = step_time.CONSTANTS
+    previous = 0.0
+    for shard in (1024, 2048, 8192, 32_768, 131_072):  # longer shards, the block fixed
+        e = step_time.kernel_efficiency(V5P.peak_flops, *_call(shard, 512))
+        assert previous <= e <= c["attention"] <= 1.0
+        previous = e
+    previous = 0.0
+    for block in (128, 256, 512, 1024, 2048):  # larger blocks: the step's fixed cost over more FLOPs
+        e = step_time.kernel_efficiency(V5P.peak_flops, *_call(8192, block))
+        assert previous < e <= c["attention"]
+        previous = e
+    # fixed costs paid, the block matmuls' own efficiency; none of them, none of the work
+    assert step_time.kernel_efficiency(V5P.peak_flops, 1e30, 1.0) == pytest.approx(c["attention"])
+    assert step_time.kernel_efficiency(V5P.peak_flops, 1e9, 1e6, constants={
+        "block_overhead": 1e-3}) < 1e-3
+
+
+def test_the_step_prices_attention_by_the_efficiency_of_its_calls():
+    """The 8B preset's ring at 131,072 tokens over sp=16: per FLOP its kernels compute, a larger
+    block's attention is cheaper (the grid steps' fixed cost spread over more FLOPs), and the
+    seconds are those of kernel_efficiency over the ring's calls."""
+    c = base.get_config("llama3_8b_128k")
+    topology = hardware.parse_topology("v5p:4x4x4")
+    mesh = {"dp": 1, "fsdp": 4, "sp": 16}
+    m = c.model
+    per_flop = {}
+    for block in (512, 1024, 2048):
+        cc = planner.candidate_config(c, mesh, planner.Strategy("ring"), "zigzag", c.attention.residuals,
+                                      m.remat_policy, block)
+        schedule = planner._type_schedules(cc, None, {}, {})["default"]
+        s = step_time.estimate(cc, topology, schedule, mesh)
+        rows = c.data.global_batch_size // 4
+        flops = schedule.critical_path * rows * 4.0 * block * block * m.head_dim * m.num_heads
+        want = 0.0
+        for p, w in step_time.ATTENTION_PASSES.items():
+            k = step_time.KERNELS_PER_PASS[p]
+            call = flops * w / schedule.steps
+            e = step_time.kernel_efficiency(topology.chip.peak_flops, call,
+                                            k * flops / schedule.steps / (4.0 * block * block * m.head_dim),
+                                            k)
+            want += m.num_layers * schedule.steps * call / (topology.chip.peak_flops * e)
+        assert s.attention == pytest.approx(want, rel=1e-9)
+        per_flop[block] = s.attention / (flops * sum(step_time.ATTENTION_PASSES.values()))
+    assert per_flop[2048] < per_flop[1024] < per_flop[512]
+
+
+def test_the_calibration_reports_every_length_range_with_held_out_points():
+    """Each range of sequence length with published points has held-out points among them (the
+    error the docs report there is not the fit's), and the ranges cover every point."""
+    ranges = calibration.LENGTH_RANGES
+    for p in calibration.POINTS:
+        assert sum(lo <= p.seq_len <= hi for lo, hi in ranges.values()) <= 1
+    for name, (lo, hi) in ranges.items():
+        inside = [p for p in calibration.POINTS if lo <= p.seq_len <= hi]
+        if inside:
+            assert any(not p.fit for p in inside), name
+    assert sum(p.fit for p in calibration.POINTS) == len(calibration.FIT)
