@@ -24,7 +24,8 @@ import numpy as np
 
 from longctx.model import layer_types
 
-# Dense bf16 peak per chip, TFLOP/s (vendor figures).
+# Dense bf16 peak per jax device, TFLOP/s (vendor figures): a chip, except on TPU7x, whose two
+# TensorCores are two devices.
 PEAK_TFLOPS_BY_CHIP = {
     "TPU v4": 275.0,
     "TPU v5 lite": 197.0,  # v5e
@@ -33,6 +34,7 @@ PEAK_TFLOPS_BY_CHIP = {
     "TPU v5p": 459.0,
     "TPU v6 lite": 918.0,  # v6e (Trillium)
     "TPU v6e": 918.0,
+    "TPU7x": 1153.5,  # Ironwood: one TensorCore, each a device (2,307 per chip of two)
     "NVIDIA H100 80GB HBM3": 989.0,
     "NVIDIA H200": 989.0,
 }

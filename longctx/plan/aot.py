@@ -101,7 +101,8 @@ def libtpu_available() -> bool:
 
 
 def topology_devices(topology: str) -> list:
-    """Abstract TPU devices for e.g. "v5p:2x2x2" (libtpu names: v4, v5e, v5p, v6e)."""
+    """Abstract TPU devices for e.g. "v5p:2x2x2" (libtpu names: v4, v5e, v5p, v6e, tpu7x; tpu7x
+    gives two devices per chip, its TensorCores)."""
     try:
         return list(_topology(topology).devices)
     except Exception as e:  # noqa: BLE001

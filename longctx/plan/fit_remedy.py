@@ -16,8 +16,8 @@ import copy
 from longctx.plan import hardware, planner
 
 # The largest slice of each chip (cloud.google.com/tpu/docs, each version's system architecture
-# page: v4 4,096 chips, v5e and v6e 256, v5p 8,960); GPUs: as many as the search goes.
-MAX_CHIPS = {"v4": 4096, "v5e": 256, "v5p": 8960, "v6e": 256}
+# page: v4 4,096 chips, v5e and v6e 256, v5p 8,960, TPU7x 9,216); GPUs: as many as the search goes.
+MAX_CHIPS = {"v4": 4096, "v5e": 256, "v5p": 8960, "v6e": 256, "tpu7x": 9216}
 MAX_GPUS = 16_384
 # The shortest sequence the search tries.
 MIN_SEQ_LEN = 1024

@@ -10,6 +10,12 @@ Sources:
         tpus): bf16 FLOP/s, HBM capacity and bandwidth, ICI bandwidth per link, DCN per chip.
   [GCP] cloud.google.com/tpu/docs/system-architecture-tpu-vm (v4, v5e, v5p, v6e pages): peak,
         HBM, topology.
+  [7X]  cloud.google.com/tpu/docs/tpu7x ("TPU7x (Ironwood)", system architecture): per chip 2,307
+        dense bf16 TFLOP/s, 192 GiB HBM at 7,380 GB/s, two TensorCores, 1,200 GB/s bidirectional ICI
+        (the same as v5p's, so v5p's per-link figure), 100 Gb/s DCN; 3-D torus in 4x4x4 cubes
+        joined by optical switches, as v5p. Its programming model shows each TensorCore as its own
+        device (no megacore): libtpu's "tpu7x:2x2x1" is 8 devices "TPU7x" on 4 chips, two per
+        chip coordinate (core_on_chip 0 and 1).
   [NV]  NVIDIA H100 and H200 datasheets (SXM): dense bf16, HBM, NVLink 900 GB/s both ways;
         InfiniBand NDR 400 Gb/s per GPU.
 """
@@ -37,6 +43,19 @@ class Chip:
     wraparound_at: int         # a torus axis of at least this many chips has its wrap-around link
     dcn_bandwidth: float       # bytes/s per chip, one direction, across slices (GPU: InfiniBand)
     source: str
+    devices_per_chip: int = 1  # jax devices on one chip: TPU7x shows its two TensorCores apart
+
+    def per_device(self) -> "Chip":
+        """The chip as one of its jax devices sees it: compute, HBM and its bandwidth, and the
+        chip's links and DCN split evenly between its devices (a mesh axis is laid over devices).
+        The chip itself where it is one device (every chip but TPU7x)."""
+        n = self.devices_per_chip
+        if n == 1:
+            return self
+        return dataclasses.replace(self, peak_flops=self.peak_flops / n, hbm_bytes=self.hbm_bytes // n,
+                                   hbm_bandwidth=self.hbm_bandwidth / n,
+                                   ici_link_bandwidth=self.ici_link_bandwidth / n,
+                                   dcn_bandwidth=self.dcn_bandwidth / n, devices_per_chip=1)
 
 
 def _peak(device_kind: str) -> float:
@@ -52,6 +71,8 @@ CHIPS = {
                 "[SB] [GCP]"),
     "v6e": Chip("v6e", ("TPU v6 lite", "TPU v6e"), _peak("TPU v6e"), 32 * GIB, 1.64e12, 9e10, 2, 16,
                 3.125e9, "[SB] [GCP]"),
+    "tpu7x": Chip("tpu7x", ("TPU7x",), 2 * _peak("TPU7x"), 192 * GIB, 7.38e12, 9e10, 3, 4, 1.25e10,
+                  "[7X]", devices_per_chip=2),
     "h100": Chip("h100", ("NVIDIA H100 80GB HBM3",), _peak("NVIDIA H100 80GB HBM3"), 80 * GB, 3.35e12,
                  4.5e11, 0, 0, 5e10, "[NV]"),
     "h200": Chip("h200", ("NVIDIA H200",), _peak("NVIDIA H200"), 141 * GB, 4.8e12, 4.5e11, 0, 0, 5e10,
@@ -76,6 +97,16 @@ class Topology:
     @property
     def num_chips(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def num_devices(self) -> int:
+        """The jax devices of the slice: a mesh's size (tpu7x:4x4x4: 64 chips, 128 devices)."""
+        return self.num_chips * self.chip.devices_per_chip
+
+    @property
+    def device(self) -> Chip:
+        """What one of those devices has (Chip.per_device)."""
+        return self.chip.per_device()
 
 
 def parse_topology(name: str) -> Topology:

@@ -1,5 +1,5 @@
 """Each context-parallel strategy (forward + backward, Mosaic kernels) compiles for v5p:2x2x2 at
-65,536 tokens and fits, as the ring does (tests/ops/test_ring_tpu_aot.py: the same shapes, 8
+65,536 tokens and fits (the ring also for TPU7x, tpu7x:2x2x1), as the ring does (tests/ops/test_ring_tpu_aot.py: the same shapes, 8
 chips on sp, bf16, block 512, GQA 8/2 heads of 128, causal with documents and sinks).
 Ulysses over 8 chips sends each of the 2 KV heads to 4 of them."""
 import time
@@ -23,8 +23,8 @@ pytestmark = [
 SEQ_LEN, HEADS, KV_HEADS, HEAD_DIM = 65536, 8, 2, 128
 
 
-def _compile(strategy, degree):
-    devices = aot.topology_devices("v5p:2x2x2")
+def _compile(strategy, degree, topology="v5p:2x2x2"):
+    devices = aot.topology_devices(topology)
     mesh = jax.sharding.Mesh(np.array(devices).reshape(1, 1, 8), ("dp", "fsdp", "sp"),
                              axis_types=(AxisType.Auto,) * 3)
     data = P(("dp", "fsdp"), "sp")
@@ -48,7 +48,8 @@ def _compile(strategy, degree):
             sds((HEADS,), jnp.float32, P()))
     start = time.perf_counter()
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4))).lower(*args).compile()
-    return compiled, time.perf_counter() - start, aot.HBM_BYTES_BY_CHIP[devices[0].device_kind]
+    hbm = aot.HBM_BYTES_BY_CHIP[devices[0].device_kind] // aot.cores_per_chip(devices)
+    return compiled, time.perf_counter() - start, hbm
 
 
 @pytest.mark.parametrize("strategy,degree", [("all_gather", None), ("ulysses", None), ("usp", 2)])
@@ -62,3 +63,14 @@ def test_strategy_fwd_bwd_compiles_and_fits_on_v5p_2x2x2(strategy, degree):
     print(f"v5p:2x2x2 {strategy} fwd+bwd: compile {seconds:.1f}s, {total / 2**20:.0f} MiB per chip "
           f"of {hbm / 2**30:.0f} GiB")
     assert 0 < total <= hbm
+
+
+def test_the_ring_fwd_bwd_compiles_and_fits_on_tpu7x_2x2x1():
+    """Ironwood: 8 devices on 4 chips (a TensorCore each, 96 GiB of the chip's 192), the same shapes."""
+    compiled, seconds, hbm = _compile("ring", None, "tpu7x:2x2x1")
+    assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()
+    memory = compiled.memory_analysis()
+    total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+             - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+    print(f"tpu7x:2x2x1 ring fwd+bwd: compile {seconds:.1f}s, {total / 2**20:.0f} MiB per device")
+    assert hbm == 96 * 2 ** 30 and 0 < total <= hbm
