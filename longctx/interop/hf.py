@@ -1,9 +1,11 @@
-"""Hugging Face Llama-family checkpoints <-> longctx parameters.
+"""Hugging Face checkpoints <-> longctx parameters.
 
-Supported: `LlamaForCausalLM` (Llama 2, 3, 3.1) and `MistralForCausalLM`, float32 / bfloat16 /
-float16 weights, tied or untied embeddings, GQA, RoPE plain / linear / llama3 / YaRN, Mistral's
-sliding window. Anything else (another architecture, biases, another activation, another rope
-type) is refused with one sentence naming the file and key.
+Supported: `LlamaForCausalLM` (Llama 2, 3, 3.1), `MistralForCausalLM`, `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM`, `Gemma3ForCausalLM` (text) and `Olmo3ForCausalLM` (longctx/interop/families.py:
+each family's block options, layer types and RoPE per type), float32 / bfloat16 / float16 weights,
+tied or untied embeddings, GQA, RoPE plain / linear / llama3 / YaRN, sliding windows. Anything
+else (another architecture, biases, another activation, another rope type, experts, vision
+towers) is refused with one sentence naming the file and key.
 
 Tensor layout. Hugging Face stores every projection as a torch Linear weight [out, in]; longctx
 stores [in, out...] with the heads split out, and the layers stacked on a leading axis:
@@ -18,6 +20,15 @@ stores [in, out...] with the heads split out, and the layers stacked on a leadin
   input_layernorm / post_attention_layernorm    blocks/attn_norm, mlp_norm [L, d]
   model.norm.weight                [d]          final_norm   [d]
   lm_head.weight                   [v, d]       unembed      [d, v]       transpose (absent if tied)
+
+The block options add (`per_layer_tensors`): q/k/v_proj.bias [n*h] -> bq, bk, bv [L, n, h];
+self_attn.q_norm / k_norm.weight [h] (per head) or [n*h] (OLMo's whole projection) -> q_norm,
+k_norm; and the norms by model.norm_position: post (OLMo) post_attention_layernorm and
+post_feedforward_layernorm -> post_attn_norm, post_mlp_norm; sandwich (Gemma) input_layernorm,
+post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm -> attn_norm,
+post_attn_norm, mlp_norm, post_mlp_norm. A hybrid model's layers are in one stack per run of its
+period (`period_blocks/<r>`, longctx/model/layer_types.py): layer i is a row of one of them
+(`layer_stacks`).
 
 No q/k permutation is needed: HF's Llama weights already use the rotate-half RoPE convention that
 `longctx.model.apply_rope` uses (Meta's original checkpoints interleave pairs; HF's conversion
@@ -40,6 +51,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 from typing import Any, Callable, Iterator
 
 import jax
@@ -47,10 +59,12 @@ import ml_dtypes
 import numpy as np
 
 from longctx.errors import ConfigError, MissingFileError
-from longctx.interop import staging
+from longctx.interop import families, staging
+from longctx.model import block_options
+from longctx.model import layer_types as layer_types_lib
 from longctx.model import rope as rope_lib
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+ARCHITECTURES = {name: family.model_type for name, family in families.FAMILIES.items()}
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -62,7 +76,9 @@ _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 # longctx parameter -> (HF tensor name, number of leading longctx axes that are HF's "in" axis;
-# 0 = same layout). For layer parameters the name is the suffix after "model.layers.{i}.".
+# 0 = same layout; FLAT: HF holds it as one vector). For layer parameters the name is the suffix
+# after "model.layers.{i}.".
+FLAT = -1
 TOP_LEVEL = {"embed": ("model.embed_tokens.weight", 0), "final_norm": ("model.norm.weight", 0),
              "unembed": ("lm_head.weight", 1)}
 PER_LAYER = {
@@ -76,6 +92,41 @@ PER_LAYER = {
     "w_up": ("mlp.up_proj.weight", 1),
     "w_down": ("mlp.down_proj.weight", 1),
 }
+_NORMS_AFTER = {"post": {"post_attn_norm": ("post_attention_layernorm.weight", 0),
+                         "post_mlp_norm": ("post_feedforward_layernorm.weight", 0)},
+                "sandwich": {"attn_norm": ("input_layernorm.weight", 0),
+                             "post_attn_norm": ("post_attention_layernorm.weight", 0),
+                             "mlp_norm": ("pre_feedforward_layernorm.weight", 0),
+                             "post_mlp_norm": ("post_feedforward_layernorm.weight", 0)}}
+
+
+def per_layer_tensors(model_config) -> dict[str, tuple[str, int]]:
+    """{longctx block parameter: (HF suffix, in_axes)} for the block options of `model_config`."""
+    o = block_options.options(model_config)
+    out = {k: v for k, v in PER_LAYER.items() if k not in ("attn_norm", "mlp_norm")}
+    out.update(_NORMS_AFTER.get(o.norm_position, {k: PER_LAYER[k] for k in ("attn_norm", "mlp_norm")}))
+    if o.qkv_bias:
+        out.update({f"b{x}": (f"self_attn.{x}_proj.bias", FLAT) for x in "qkv"})
+    if o.qk_norm != "none":
+        out.update({f"{x}_norm": (f"self_attn.{x}_norm.weight", FLAT) for x in "qk"})
+    return out
+
+
+def layer_stacks(config) -> dict[tuple[str, ...], list[int]]:
+    """{parameter path of a layer stack: the model's layers it holds, in its order}: `blocks`
+    holds every layer; a hybrid's `period_blocks/<r>` the layers of run r of each period, then
+    of the remainder (longctx/model/decoder.py)."""
+    num_layers = config.model.num_layers
+    if not layer_types_lib.is_hybrid(config):
+        return {("blocks",): list(range(num_layers))}
+    period = len(layer_types_lib.period(config))
+    whole, _ = layer_types_lib.depth_split(num_layers, period)
+    out = {}
+    for r, run in enumerate(layer_types_lib.runs(config)):
+        layers = [p * period + run.start + j for p in range(whole) for j in range(run.length)]
+        layers += [whole * period + run.start + j for j in range(run.in_remainder(num_layers, period))]
+        out[("period_blocks", str(r))] = layers
+    return out
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -109,53 +160,10 @@ def rope_settings(hf: dict, where: str) -> tuple[float, dict]:
         scaling, hf.get("max_position_embeddings"), where)
 
 
-def _require_key(hf: dict, key: str, where: str):
-    if hf.get(key) is None:
-        raise ConfigError(f"{where} has no {key!r}.")
-    return hf[key]
-
-
 def config_overrides(hf: dict, where: str = CONFIG_FILE) -> dict[str, Any]:
-    """The longctx config values (dotted keys) that describe the model in a HF config.json."""
-    arch = (hf.get("architectures") or [None])[0]
-    model_type = hf.get("model_type")
-    if arch not in ARCHITECTURES or ARCHITECTURES[arch] != model_type:
-        raise ConfigError(f"{where}: architecture {arch!r} (model_type {model_type!r}) is not supported; "
-                          f"longctx converts {' and '.join(ARCHITECTURES)}.")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU with silu only).")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise ConfigError(f"{where}: {key}=true is not supported (longctx's projections have no bias).")
-    heads = _require_key(hf, "num_attention_heads", where)
-    d_model = _require_key(hf, "hidden_size", where)
-    theta, scaling = rope_settings(hf, where)
-    out = {
-        "model.vocab_size": _require_key(hf, "vocab_size", where),
-        "model.d_model": d_model,
-        "model.num_layers": _require_key(hf, "num_hidden_layers", where),
-        "model.num_heads": heads,
-        "model.num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "model.head_dim": hf.get("head_dim") or d_model // heads,
-        "model.mlp_dim": _require_key(hf, "intermediate_size", where),
-        "model.rope_theta": theta,
-        "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "model.final_logits_soft_cap": None,
-        "attention.causal": True,
-        "attention.attention_sinks": False,
-        "attention.logits_soft_cap": None,
-        "attention.chunk_size": None,
-        "attention.sliding_window": None,
-    }
-    out.update({f"model.rope_scaling.{k}": v for k, v in scaling.items()})
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-    if window is not None:
-        if window < 2:
-            raise ConfigError(f"{where}: sliding_window={window} is too small (longctx's window w = "
-                              "sliding_window - 1 must be at least 1).")
-        out["attention.sliding_window"] = int(window) - 1
-    return out
+    """The longctx config values (dotted keys) that describe the model in a HF config.json
+    (longctx/interop/families.py)."""
+    return families.config_overrides(hf, where)
 
 
 def print_overrides(overrides: dict[str, Any], base=None) -> str:
@@ -165,22 +173,14 @@ def print_overrides(overrides: dict[str, Any], base=None) -> str:
         if base is not None:
             node = base
             for part in key.split("."):
-                node = node[part]
-            if node == value:
+                node = node.get(part) if hasattr(node, "get") else None
+            if (node.to_dict() if hasattr(node, "to_dict") else node) == value:
                 continue
-        lines.append(f"--config.{key}={value}")
+        # (a dict, attention.layer_types, as one Python literal the flag parser reads, quoted for the shell)
+        flag = f"--config.{key}={value}"
+        lines.append((f'"{flag}"' if not set('"$`\\') & set(flag) else shlex.quote(flag))
+                     if isinstance(value, dict) else flag)
     return " \\\n".join(lines)
-
-
-def _unsupported_for_export(config) -> str | None:
-    m, a = config.model, config.attention
-    checks = [(not a.causal, "attention.causal=False"), (a.chunk_size is not None, "attention.chunk_size"),
-              (a.logits_soft_cap is not None, "attention.logits_soft_cap"),
-              (a.attention_sinks, "attention.attention_sinks"),
-              (m.final_logits_soft_cap is not None, "model.final_logits_soft_cap"),
-              # (not yet written as Hugging Face's layer_types with per-type RoPE)
-              (bool(a.get("pattern")), "attention.pattern (layer types)")]
-    return next((what for bad, what in checks if bad), None)
 
 
 def _max_position_embeddings(hf_rope: dict | None, template: int | None, seq_len: int) -> int:
@@ -202,37 +202,9 @@ def _max_position_embeddings(hf_rope: dict | None, template: int | None, seq_len
 
 
 def export_config(config, dtype: np.dtype, template: dict | None = None) -> dict:
-    """A HF config.json for the longctx model in `config`. `template` (the source model's
-    config.json) keeps the fields longctx does not know (token ids, max_position_embeddings)."""
-    unsupported = _unsupported_for_export(config)
-    if unsupported:
-        raise ConfigError(f"{unsupported} has no Hugging Face Llama/Mistral equivalent; this model cannot be exported.")
-    m, a = config.model, config.attention
-    out = {k: v for k, v in (template or {}).items()
-           if k not in ("rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "dtype",
-                        "sliding_window", "transformers_version")}
-    # HF's Llama has no sliding window: a windowed model is a Mistral.
-    arch = "MistralForCausalLM" if a.sliding_window is not None else (
-        (out.get("architectures") or ["LlamaForCausalLM"])[0])
-    if arch not in ARCHITECTURES:
-        arch = "LlamaForCausalLM"
-    hf_rope = rope_lib.to_hf(m.get("rope_scaling"))
-    out.update({
-        "architectures": [arch], "model_type": ARCHITECTURES[arch],
-        "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.mlp_dim,
-        "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-        "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
-        "rms_norm_eps": m.norm_eps, "tie_word_embeddings": bool(m.tie_embeddings),
-        "attention_bias": False, "mlp_bias": False,
-        "max_position_embeddings": _max_position_embeddings(hf_rope, out.get("max_position_embeddings"),
-                                                            config.data.seq_len),
-        # The spelling of released Llama-3.1 checkpoints: transformers 4.x reads only this, 5.x both.
-        "rope_theta": float(m.rope_theta), "rope_scaling": hf_rope,
-        "torch_dtype": _DTYPE_NAMES[np.dtype(dtype)],
-    })
-    if arch == "MistralForCausalLM":
-        out["sliding_window"] = None if a.sliding_window is None else int(a.sliding_window) + 1
-    return out
+    """A HF config.json for the longctx model in `config` (longctx/interop/families.py). `template`
+    (the source model's config.json) keeps the fields longctx does not know (token ids, ...)."""
+    return families.export_config(config, _DTYPE_NAMES[np.dtype(dtype)], _max_position_embeddings, template)
 
 
 # ----------------------------------------------------------------------------- safetensors files
@@ -313,17 +285,23 @@ def _hf_shape(shape: tuple[int, ...], in_axes: int) -> tuple[int, ...]:
     """HF's [out, in] shape of a longctx parameter whose first `in_axes` axes are the input."""
     if in_axes == 0:
         return tuple(shape)
+    if in_axes == FLAT:
+        return (math.prod(shape),)
     return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes]))
 
 
 def _to_longctx(hf_tensor: np.ndarray, shape: tuple[int, ...], in_axes: int) -> np.ndarray:
     """A view of a HF tensor in longctx's layout (transpose and reshape of a view copy nothing)."""
+    if in_axes == FLAT:
+        return hf_tensor.reshape(shape)
     return hf_tensor if in_axes == 0 else hf_tensor.T.reshape(shape)
 
 
 def _from_longctx(value: np.ndarray, in_axes: int) -> np.ndarray:
     if in_axes == 0:
         return value
+    if in_axes == FLAT:
+        return value.reshape(-1)
     return np.ascontiguousarray(value.reshape(math.prod(value.shape[:in_axes]), -1).T)
 
 
@@ -337,14 +315,16 @@ def _param_name(path) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _tensor_plan(names: tuple[str, ...], num_layers: int):
-    """[(HF name, layer or None)] and in_axes for one longctx parameter."""
-    if names[0] == "blocks":
-        if names[1] not in PER_LAYER:
+def _tensor_plan(names: tuple[str, ...], config):
+    """[(HF name, row of the layer stack or None)] and in_axes for one longctx parameter."""
+    stacks = layer_stacks(config)
+    if names[:-1] in stacks:
+        tensors = per_layer_tensors(config.model)
+        if names[-1] not in tensors:
             raise ConfigError(f"longctx parameter {'/'.join(names)} has no Hugging Face equivalent "
                               "(attention sinks cannot be converted).")
-        suffix, in_axes = PER_LAYER[names[1]]
-        return [(f"model.layers.{i}.{suffix}", i) for i in range(num_layers)], in_axes
+        suffix, in_axes = tensors[names[-1]]
+        return [(f"model.layers.{layer}.{suffix}", row) for row, layer in enumerate(stacks[names[:-1]])], in_axes
     hf_name, in_axes = TOP_LEVEL[names[0]]
     return [(hf_name, None)], in_axes
 
@@ -353,7 +333,7 @@ def _check_tensors(files: SafetensorsFiles, abstract_params, config, where: str)
     """Every tensor the model needs exists with the shape config.json implies, and nothing else is there."""
     expected: dict[str, tuple[int, ...]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
-        plan, in_axes = _tensor_plan(_param_name(path), config.model.num_layers)
+        plan, in_axes = _tensor_plan(_param_name(path), config)
         shape = leaf.shape[1:] if plan[0][1] is not None else leaf.shape
         for name, _ in plan:
             expected[name] = _hf_shape(shape, in_axes)
@@ -369,8 +349,8 @@ def _check_tensors(files: SafetensorsFiles, abstract_params, config, where: str)
     extra = [n for n in files.names() if n not in expected and n not in ignorable
              and not n.endswith(_IGNORED_SUFFIXES)]
     if extra:
-        raise ConfigError(f"{where} holds tensor {extra[0]}, which a {'/'.join(ARCHITECTURES)} model "
-                          f"described by config.json does not have ({len(extra)} such tensor(s)).")
+        raise ConfigError(f"{where} holds tensor {extra[0]}, which the model described by config.json "
+                          f"does not have ({len(extra)} such tensor(s)).")
 
 
 def load_params(hf_directory: str, config, abstract_params, shardings):
@@ -380,7 +360,7 @@ def load_params(hf_directory: str, config, abstract_params, shardings):
     _check_tensors(files, abstract_params, config, hf_directory)
 
     def build(path, leaf, sharding):
-        plan, in_axes = _tensor_plan(_param_name(path), config.model.num_layers)
+        plan, in_axes = _tensor_plan(_param_name(path), config)
         stacked = plan[0][1] is not None
         shape = leaf.shape[1:] if stacked else leaf.shape
 
@@ -412,9 +392,11 @@ def exported_tensors(params, config) -> list[tuple[str, tuple[int, ...], Callabl
         out.append((hf_name, _hf_shape(shape, in_axes), read))
 
     add(("embed",), TOP_LEVEL["embed"][0], None, 0)
+    where = {layer: (stack, row) for stack, layers in layer_stacks(config).items() for row, layer in enumerate(layers)}
     for i in range(config.model.num_layers):
-        for key, (suffix, in_axes) in PER_LAYER.items():
-            add(("blocks", key), f"model.layers.{i}.{suffix}", i, in_axes)
+        stack, row = where[i]
+        for key, (suffix, in_axes) in per_layer_tensors(config.model).items():
+            add(stack + (key,), f"model.layers.{i}.{suffix}", row, in_axes)
     add(("final_norm",), TOP_LEVEL["final_norm"][0], None, 0)
     if not config.model.tie_embeddings:
         add(("unembed",), TOP_LEVEL["unembed"][0], None, 1)

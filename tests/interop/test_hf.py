@@ -543,7 +543,7 @@ def test_mistral_window_maps_exactly():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "architecture 'Qwen2ForCausalLM'"),
+    ({"architectures": ["PhiForCausalLM"], "model_type": "phi"}, "architecture 'PhiForCausalLM'"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic' is not supported"),
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),

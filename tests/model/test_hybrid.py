@@ -184,8 +184,10 @@ def test_validate_accepts_the_hybrid_config():
     config_lib.validate(hybrid_config(), num_devices=8)
 
 
-def test_a_hybrid_is_refused_for_hugging_face_export_in_one_sentence():
-    with pytest.raises(ConfigError, match=r"^attention.pattern \(layer types\) has no Hugging Face"):
+def test_a_hybrid_hugging_face_cannot_express_is_refused_for_export_in_one_sentence():
+    """(Sinks on a layer type; Gemma 3 and OLMo 3 patterns export: tests/interop/test_families.py.)"""
+    with pytest.raises(ConfigError, match=r"^attention.layer_types.local.attention_sinks has no Hugging Face "
+                       r"equivalent; this model cannot be exported\.$"):
         hf.export_config(hybrid_config(), np.float32)
 
 

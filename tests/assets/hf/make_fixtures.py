@@ -8,7 +8,8 @@ The tests read what it writes with numpy and longctx only (no torch, no transfor
 
   <model>/config.json, <model>/model.safetensors   tiny random models saved by `save_pretrained`
                                                    (2 layers, d_model 64, 4 query / 2 KV heads,
-                                                   vocab 512, float32)
+                                                   vocab 512, float32; the Qwen2, Gemma 3 and
+                                                   OLMo 3 ones 3-4 layers with both layer types)
   inputs.npz          two rows of 512 token ids: row 0 one document, row 1 three packed documents
                       (`segment_ids` 1..3, `positions` restarting at 0 in each)
   golden_logits.npz   per model, transformers' float32 logits of those rows at every
@@ -41,7 +42,9 @@ import numpy as np
 import safetensors
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Olmo3Config, Olmo3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,6 +68,35 @@ MODELS = {
     # A window shorter than the documents, so the window's exact width shows in the logits.
     "mistral_window": (MistralConfig, MistralForCausalLM, dict(
         rope_theta=10_000.0, tie_word_embeddings=False, sliding_window=100)),
+    # The families of tests/interop/test_families.py, each with the block options it needs
+    # (longctx/model/block_options.py); head_dim 16 given, as their configs do.
+    # Qwen3: QK-norm per head, RoPE theta 1,000,000, tied embeddings (the small sizes' choice).
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(
+        head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0),
+        tie_word_embeddings=True)),
+    # Qwen2: q/k/v biases; layers from max_window_layers on slide (the older spelling, no
+    # layer_types given): full, full, sliding, sliding.
+    "qwen2_window": (Qwen2Config, Qwen2ForCausalLM, dict(
+        num_hidden_layers=4, rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0),
+        tie_word_embeddings=False, use_sliding_window=True, sliding_window=100, max_window_layers=2)),
+    # Gemma 3 (text): sandwich norms with (1 + w) gains, GeGLU, embeddings x sqrt(d), a query
+    # scale of query_pre_attn_scalar (24, not head_dim), QK-norm, and two layer types with their
+    # own RoPE: sliding (window 100, theta 10,000) and full (theta 1,000,000, linear x8); 4 layers
+    # of a period of 3, so the last is the remainder's.
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=100, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        num_hidden_layers=4, rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10_000.0),
+            full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1_000_000.0)))),
+    # OLMo 3: norms after the sublayers, QK-norm over the whole projection, 3 sliding (window
+    # 100) to 1 full layer, YaRN on the full layers only.
+    "olmo3": (Olmo3Config, Olmo3ForCausalLM, dict(
+        num_hidden_layers=4, sliding_window=100, tie_word_embeddings=False, eos_token_id=1, pad_token_id=0,
+        max_position_embeddings=1024, rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=500_000.0),
+            full_attention=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256,
+                                rope_theta=500_000.0)))),
 }
 
 # config.json excerpts for the RoPE golden values: released-model spellings and edge cases.
@@ -232,7 +264,7 @@ def main() -> None:
     np.savez(os.path.join(HERE, "inputs.npz"), **inputs)
     golden = {"positions_index": np.arange(0, SEQ_LEN, LOGIT_STRIDE)}
     for seed, (name, (config_cls, model_cls, extra)) in enumerate(MODELS.items()):
-        config = config_cls(**TINY, **extra)
+        config = config_cls(**{**TINY, **extra})
         config._attn_implementation = "eager"  # the plain softmax(QK^T)V reference
         model = model_cls(config).float().eval()
         randomise(model, seed)
