@@ -393,12 +393,43 @@ def _llama4_scout_256k(c):
                "global": dict(rope=False, temperature_floor=8192, temperature_scale=0.1)})
 
 
+def _qwen3_8b_128k(c):
+    """Qwen3-8B (36 layers, GQA 32/8, head_dim 128, QK-norm per head, RoPE theta 1,000,000, untied
+    embeddings) at 131,072 tokens, on v5p-128 as llama3_8b_128k: YaRN x4 over its native 32,768
+    tokens, the extension its model card gives. A model converted from its config.json with that
+    rope_scaling (scripts/convert_hf.py to-longctx) is this model (tests/test_presets.py)."""
+    c = _llama3_8b_128k(c)
+    c.model.update(vocab_size=151_936, d_model=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                   mlp_dim=12_288, rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=False, qk_norm="per_head")
+    c.model.rope_scaling.update(type="yarn", factor=4.0, original_max_position=32_768)
+    c.data.update(seq_len=131_072, global_batch_size=4)
+    return c
+
+
+def _olmo3_7b_64k(c):
+    """OLMo-3-7B (32 layers, 32 heads without GQA, QK-norm over the whole projection, norms after
+    the sublayers) at 65,536 tokens, the length its long-context stage reached, on v5p-128 as
+    llama3_8b_128k: three sliding-window layers (4,096 keys, RoPE theta 500,000, the halo) to one
+    full layer (YaRN x8 over its 8,192-token pretraining, on the full layers only)."""
+    c = _llama3_8b_128k(c)
+    c.model.update(vocab_size=100_278, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+                   mlp_dim=11_008, rope_theta=500_000.0, norm_eps=1e-6, tie_embeddings=False, qk_norm="whole",
+                   norm_position="post")
+    c.model.rope_scaling.update(type="yarn", factor=8.0, original_max_position=8192)
+    c.data.update(seq_len=65_536, global_batch_size=4)
+    c.attention.pattern = "sliding,sliding,sliding,full"
+    c.attention.layer_types = ml_collections.ConfigDict({
+        "sliding": dict(sliding_window=4095, rope_scaling=dict(type="none"), cp="halo"), "full": {}})
+    return c
+
+
 PRESETS = {"": lambda c: c, "base": lambda c: c, "tiny": _tiny, "tiny_hybrid": _tiny_hybrid, "long_cpu": _long_cpu,
            "long_mix_cpu": _long_mix_cpu,
            "llama3_8b_128k": _llama3_8b_128k, "llama3_70b_128k": _llama3_70b_128k,
            "llama3_8b_extend_128k": _llama3_8b_extend_128k, "llama3_8b_prolong_64k": _llama3_8b_prolong_64k,
            "gemma3_12b_128k": _gemma3_12b_128k,
-           "gpt_oss_20b_128k": _gpt_oss_20b_128k, "llama4_scout_256k": _llama4_scout_256k}
+           "gpt_oss_20b_128k": _gpt_oss_20b_128k, "llama4_scout_256k": _llama4_scout_256k,
+           "qwen3_8b_128k": _qwen3_8b_128k, "olmo3_7b_64k": _olmo3_7b_64k}
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:

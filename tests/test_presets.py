@@ -26,3 +26,44 @@ def test_long_cpu_learning_rates_are_what_they_were():
     updates = np.arange(config.train.num_steps + 1)
     np.testing.assert_array_equal(optimizer.learning_rate_schedule(config)(updates),
                                   optimizer.learning_rate_schedule(before)(updates))
+
+
+# The released config.json of each family preset's model (the fields that define it), with the
+# context extension its preset trains at (Qwen3-8B's model card: YaRN x4 over 32,768 tokens).
+RELEASED = {
+    "qwen3_8b_128k": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
+        "max_window_layers": 36, "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+        "use_sliding_window": False, "vocab_size": 151936,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+    "olmo3_7b_64k": {
+        "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "attention_bias": False, "hidden_act": "silu",
+        "hidden_size": 4096, "intermediate_size": 11008, "max_position_embeddings": 65536,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-06,
+        "rope_theta": 500000, "sliding_window": 4096, "tie_word_embeddings": False, "vocab_size": 100278,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 8,
+        "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(RELEASED))
+def test_a_family_preset_is_the_model_its_config_json_converts_to(preset):
+    """Validated for its v5p-128 slice (64 chips, sp=16), and the model (block options, shapes, each layer's
+    window and RoPE) is what scripts/convert_hf.py makes of the released config.json."""
+    from longctx import config as config_lib
+    from longctx.interop import hf
+    from longctx.model import layer_types
+
+    config = base.get_config(preset)
+    assert config_lib.validate(config, num_devices=64)["sp"] == 16  # v5p-128: 64 chips
+    converted = base.get_config(preset)
+    config_lib.apply_overrides(converted, hf.config_overrides(RELEASED[preset]))
+    assert converted.model.to_dict() == config.model.to_dict()
+
+    def layers(c):
+        return [(t.attention.sliding_window, t.rotary) for t in layer_types.period(c)]
+
+    assert layers(converted) == layers(config)
+    assert layer_types.pattern(converted.attention) == layer_types.pattern(config.attention)
