@@ -50,7 +50,7 @@ from longctx import reports  # noqa: E402
 from longctx.data import length_mixes  # noqa: E402
 from longctx.data import pipeline as data_lib  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
-from longctx.plan import aot, fit_remedy, hardware, planner  # noqa: E402  (aot: the source digest)
+from longctx.plan import aot, fit_remedy, hardware, planner, step_time  # noqa: E402  (aot: the source digest)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:llama3_8b_128k.",
                                           lock_config=True)
@@ -129,8 +129,25 @@ def reasons(rows) -> list[str]:
         if not row.fits:
             text += (f"; does not fit: ~{row.memory.total_bytes / GIB:.0f} GiB by the memory model, "
                      f"{planner.HBM_HEADROOM:.0%} of {row.hbm_bytes / GIB:.0f} allowed")
+        if row.tie:
+            fastest = min(r.step.seconds for r in rows if r.tie)
+            text += (f"; a tie: {s.seconds / fastest - 1:+.1%} of the fastest tied row, within the "
+                     f"model's held-out error ({step_time.HELD_OUT_ERROR:.0%}), so ranked by HBM "
+                     f"headroom ({row.memory.total_bytes / row.hbm_bytes:.0%} of HBM by the memory "
+                     f"model), exposed communication ({s.exposed_communication:.3g} s) and the "
+                     f"simpler strategy ({row.strategy})")
         out.append(text)
     return out
+
+
+def _tie_note(top) -> str:
+    """The heading's words on the tie rule, where the first rows are a tie."""
+    tied = [i + 1 for i, r in enumerate(top) if r.tie]
+    if len(tied) < 2:
+        return ""
+    return (f"; rows {', '.join(f'#{i}' for i in tied)} are a tie (predicted within "
+            f"{step_time.HELD_OUT_ERROR:.0%} of each other, the model's held-out error): ranked by "
+            f"memory headroom, exposed communication and the simpler strategy, not by time")
 
 
 def _cache_path(row, topology: str) -> str:
@@ -266,7 +283,8 @@ def main(argv):
                f"model; the best {len(top)} ways to split attention (sp, strategy, layout: each with "
                f"its best dp x fsdp, block and policies) by predicted step time"
                f"{'' if documents is None else ', attention priced on ' + result['documents']}; "
-               f"MFU counts the model FLOPs {flops_basis}:")
+               f"MFU counts the model FLOPs {flops_basis}"
+               f"{_tie_note(top)}:")
     # The first row the compiler fits, where one was compiled; else the model's first.
     chosen = next((i for i, c in sorted(compiled.items()) if c.get("fits")), 0)
     text = (f"{heading}\n\n{_table(top, compiled, why)}\n\nrun #{chosen + 1}: "

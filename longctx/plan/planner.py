@@ -8,7 +8,9 @@ against seq_len, blocks against shards, batch against dp x fsdp: the rules a run
 the planner proposes nothing a run would refuse. What it does not enumerate stays as the config
 has it (model, data, optimizer). A hybrid model (attention.pattern) gets a strategy per layer
 type (PerType: every combination the heads allow, halo added for window and chunked types), the
-step priced per type (plan/step_time.py), one layout and block for the whole step. Ties in predicted time go to less memory, then to the order of
+step priced per type (plan/step_time.py), one layout and block for the whole step. Rows within
+the model's held-out error of the fastest are a tie (break_ties), ranked by memory headroom,
+exposed collectives and the simpler strategy; exact ties go to less memory, then to the order of
 the enumeration: the ranking is a pure function of the config and the topology, the same on
 every host and at every restart.
 """
@@ -35,8 +37,13 @@ from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from longctx.plan import attention_work, collectives, hardware, memory_model, step_time
 
-# The blocks a plan tries (the ring's tables and the splash kernel's blocks, on TPU).
-BLOCK_SIZES = (512, 1024, 2048)
+# The blocks a plan tries (the ring's tables and the splash kernel's blocks, on TPU): those the
+# kernel compiles in the compiler's 16 MiB of scoped VMEM. Not 2,048: its forward asks for 39 MiB
+# (the partial blocks' mask alone is 2,048 x 2,048 int32); not 1,024: its dK/dV kernel asks for
+# 18 MiB (tests/plan/test_planner.py's TPU compile of the tiny model failed with each, once the
+# fitted cost per grid step made the larger block the plan's choice). A shorter shard takes a
+# smaller block (block_choices).
+BLOCK_SIZES = (512,)
 # The value of a config key that leaves it to the planner (auto_keys; plan/auto.py at start-up).
 AUTO = "auto"
 # Fraction of HBM a candidate may use by the memory model, which only prunes (the compile decides).
@@ -124,6 +131,7 @@ class Row:
     step: step_time.StepEstimate
     memory: memory_model.MemoryEstimate
     hbm_bytes: int
+    tie: bool = False         # within the model's error of the fastest: ranked by break_ties
 
     @property
     def fits(self) -> bool:
@@ -152,7 +160,7 @@ class Row:
                 "cp_per_layer_type": per_type, "layout": self.layout, "residuals": self.residuals, "remat_policy": self.remat,
                 "block_size": self.block, "predicted": self.step.as_dict(),
                 "memory_model_bytes": self.memory.total_bytes, "hbm_bytes": self.hbm_bytes,
-                "fits_by_model": self.fits, "overrides": self.overrides()}
+                "fits_by_model": self.fits, "tie": self.tie, "overrides": self.overrides()}
 
 
 def _divisors(n: int) -> list[int]:
@@ -306,8 +314,44 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
         if progress is not None:
             progress(done, len(valid), len(ring_schedules), tables)
     order = {id(r): i for i, r in enumerate(rows)}
-    return sorted(rows, key=lambda r: (not r.fits, round(r.step.seconds, 9), r.memory.total_bytes,
-                                       order[id(r)]))
+    return break_ties(sorted(rows, key=lambda r: (not r.fits, round(r.step.seconds, 9),
+                                                  r.memory.total_bytes, order[id(r)])))
+
+
+# Strategies by how much their price rests on: the ring's pass hides behind its blocks; all-gather
+# and the halo add gathers or permutes the model prices as exposed; Ulysses and usp add
+# all-to-alls over part of the torus (the tie rule's last key before time).
+SIMPLICITY = {"ring": 0, "all_gather": 1, "halo": 2, "ulysses": 3, "usp": 4}
+# Memory-model bytes under this share of HBM leave room for what the model misses (it errs by up
+# to 22% on the compiles, docs/planner_calibration.md): the tie rule's first key.
+COMFORTABLE_HBM = 0.8
+
+
+def simplicity(strategy) -> int:
+    groups = strategy.groups if isinstance(strategy, PerType) else ((SHARED, strategy),)
+    return max(SIMPLICITY[s.name] for _, s in groups)
+
+
+def break_ties(rows: list[Row], margin: float = step_time.HELD_OUT_ERROR) -> list[Row]:
+    """`rows` (fitting first, fastest first) with the fitting rows whose predicted step is within
+    `margin` (the model's held-out error) of the fastest marked a tie and ranked by what the
+    model knows better than a few percent of time: memory headroom (under COMFORTABLE_HBM of HBM
+    by the memory model first), fewer exposed collective seconds (to 1% of the fastest step),
+    the simpler strategy (SIMPLICITY), then time."""
+    fitting = [r for r in rows if r.fits]
+    if len(fitting) < 2:
+        return rows
+    best = fitting[0].step.seconds
+    tied = [r for r in fitting if r.step.seconds <= best * (1.0 + margin)]
+    if len(tied) < 2:
+        return rows
+    for r in tied:
+        r.tie = True
+    ranked = sorted(tied, key=lambda r: (r.memory.total_bytes > COMFORTABLE_HBM * r.hbm_bytes,
+                                         round(r.step.exposed_communication / best, 2),
+                                         simplicity(r.strategy), r.step.seconds))
+    chosen = {id(r) for r in tied}
+    return ranked + [r for r in rows if id(r) not in chosen]
 
 
 def _valid(candidate, chips: int) -> bool:
