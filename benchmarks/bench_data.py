@@ -1,7 +1,10 @@
-"""Data-pipeline benchmark: packed tokens/s per process and non-padding fraction, per packer.
+"""Data-pipeline benchmark: packed tokens/s per process and non-padding fraction, per packer; and
+with --mixture, a mixture of sources against the long_cpu training step.
 
   .venv/bin/python benchmarks/bench_data.py                      # writes docs/bench_data.{json,md}
   .venv/bin/python benchmarks/bench_data.py --seq-lens 8192 --packers best_fit --workers 0 2 --tokens 3e7
+  .venv/bin/python benchmarks/bench_data.py --mixture            # bench_data.json's "mixture", and its
+                                                                 # section of docs/benchmarks.md
 
 Runs on the embedded standard-library corpus (prepared once, cached) through the real pipeline
 (`longctx.data.pipeline.packed_rows` + `batched`: shuffle, read, split, pack, features, batch,
@@ -10,6 +13,16 @@ numpy batch that BatchIterator hands to `jax.make_array_from_process_local_data`
 repeats without end, so the figures are steady state, not an epoch's ragged tail. Time to the
 first batch (worker start-up, filling the packer's bins) is reported separately and not counted
 in the rate.
+
+--mixture (longctx/data/mixture.py, the long_cpu preset's shape: 65,536-token rows, zigzag over
+sp=8, best_fit) measures, interleaved over --rounds rounds on the machine as it is: the host
+pipeline (make_batch_iterator's process-local batches) on a 3-source mixture of the embedded
+corpus, and on 1 and on 8 sources (copies of one corpus, each its own shuffle, equal weights);
+and the long_cpu training step fed by the 3-source pipeline (one step per round, after one that
+compiles). A source's packer fills its bins, then emits them: over a short window the sources
+not refilled yet look fast, so each window spans --cycles whole fill-and-emit cycles of every
+source (rows = cycles x the largest bins / weight), after each source's first row (its first
+fill, counted apart as the start-up).
 """
 
 import argparse
@@ -20,10 +33,25 @@ import time
 
 from longctx import cli
 
-cli.start(cpu_devices=None)  # numpy batches only: no jax devices
+cli.start(cpu_devices=8)  # before jax: --mixture's training step runs on long_cpu's 8 devices
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 import bench_common as bc  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from longctx.data import packing, pipeline, prepare  # noqa: E402
+from longctx import data as data_lib  # noqa: E402
+from longctx.data import mixture, packing, pipeline, prepare  # noqa: E402
+from longctx.parallel import mesh as mesh_lib  # noqa: E402
+from longctx.train import state as train_state  # noqa: E402
+from longctx.train import steps as train_steps  # noqa: E402
+
+MIXTURE_SECTION = "bench_data_mixture"
+# ProLong's shape from the embedded corpus: whole packages (long), files with the long ones read
+# twice, and short files alone.
+THREE_SOURCES = {"packages": dict(path=mixture.EMBEDDED_PACKAGES, weight=0.5),
+                 "files": dict(path=mixture.EMBEDDED_FILES, weight=0.3, upsample_factor=2.0, upsample_above=8192),
+                 "short": dict(path=mixture.EMBEDDED_FILES, weight=0.2, max_length=4096)}
+TARGET_RATIO, MAX_SLOWDOWN = 5.0, 0.20  # issue 52's: >= 5x the step's tokens/s; 1 -> 8 sources <= 20% slower
 
 
 def bench_one(data_dir, meta, packer, seq_len, workers, batch_size, tokens, sp=4):
@@ -86,6 +114,143 @@ def write_docs(results, info, out_dir):
     bc.write_markdown(os.path.join(out_dir, "bench_data.md"), "\n".join(lines))
 
 
+def mixture_config(sources: dict, cache_dir: str):
+    c = bc.base_config("long_cpu")
+    c.unlock()
+    c.data.sources = sources
+    c.data.cache_dir = cache_dir
+    return c
+
+
+def copies(k: int) -> dict:
+    """`k` sources of one corpus, equal weights (each its own shuffle: seeded by its name)."""
+    return {f"files_{i}": dict(path=mixture.EMBEDDED_FILES, weight=1.0) for i in range(k)}
+
+
+def pipeline_rate(config, mesh, layout: str, cycles: int) -> dict:
+    """Steady packed tokens/s of the process-local batches over `cycles` fill-and-emit cycles of
+    every source, after each source's first row (the start-up, reported apart)."""
+    it = mixture.make_batch_iterator(config, mesh, layout=layout, data_dir="")
+    try:
+        share = {s.name: s.weight for s in mixture.sources(config)}
+        bins = {n: it.sources[n]["packing"][packing.BINS] for n in share}
+        batch = it.shard.local_batch_size
+        rows = int(np.ceil(cycles * max(bins[n] / share[n] for n in share) / batch)) * batch
+        t0 = time.perf_counter()
+        for _ in range(-(-len(share) // batch)):  # one row of each source: the mixer's first rows
+            it.next_local()
+        start_up = time.perf_counter() - t0
+        real, t0 = 0, time.perf_counter()
+        for _ in range(rows // batch):
+            real += int(it.next_local()["loss_mask"].sum())
+        seconds = time.perf_counter() - t0
+    finally:
+        it.close()
+    positions = rows * config.data.seq_len
+    return {"sources": len(share), "rows": rows, "seconds": round(seconds, 3),
+            "tokens_per_s": round(positions / seconds), "non_padding": round(real / positions, 4),
+            "start_up_s": round(start_up, 2)}
+
+
+class TrainStep:
+    """The long_cpu training step, fed by the 3-source pipeline's global batches."""
+
+    def __init__(self, config):
+        self.config = config
+        self.mesh = mesh_lib.make_mesh(config.mesh)
+        documents = data_lib.layout_sample(config, data_lib.resolve_dataset(config))
+        self.layout = train_state.resolve_layout(config, self.mesh.shape["sp"], documents)
+        with jax.set_mesh(self.mesh):
+            self.setup = train_state.make_setup(config, self.mesh, self.layout)
+            self.state = self.setup.init(jax.random.PRNGKey(0))
+            self.step, _ = train_steps.jit_steps(config, self.setup)
+        self.batches = mixture.make_batch_iterator(config, self.mesh, layout=self.layout, data_dir="")
+        self.compile_and_first_s = self.time_one()
+
+    def time_one(self) -> float:
+        batch = next(self.batches)  # (not timed: the pipeline is measured apart)
+        with jax.set_mesh(self.mesh):
+            t0 = time.perf_counter()
+            self.state, metrics = self.step(self.state, batch)
+            jax.block_until_ready((self.state, metrics))
+        return time.perf_counter() - t0
+
+    def close(self):
+        self.batches.close()
+
+
+def bench_mixture(args) -> dict:
+    three = mixture_config(THREE_SOURCES, args.cache_dir)
+    print("compiling the long_cpu step ...", flush=True)
+    train = TrainStep(three)
+    d = three.data
+    step_tokens = d.global_batch_size * d.seq_len
+    configs = {1: mixture_config(copies(1), args.cache_dir), 8: mixture_config(copies(8), args.cache_dir)}
+    rounds = []
+    try:
+        for r in range(args.rounds):
+            got = {}
+            for k in ((1, 8) if r % 2 == 0 else (8, 1)):  # in turn, so drift favours neither
+                got[k] = pipeline_rate(configs[k], train.mesh, train.layout, args.cycles)
+            got[3] = pipeline_rate(three, train.mesh, train.layout, args.cycles)
+            step_s = train.time_one()
+            row = {"round": r + 1, "three_sources": got[3], "one_source": got[1], "eight_sources": got[8],
+                   "train_step_s": round(step_s, 2), "train_tokens_per_s": round(step_tokens / step_s),
+                   "ratio": round(got[3]["tokens_per_s"] * step_s / step_tokens, 1),
+                   "eight_over_one": round(got[8]["tokens_per_s"] / got[1]["tokens_per_s"], 3)}
+            rounds.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        train.close()
+    return {"command": bc.command_line(), "machine": bc.machine(), "load_average": os.getloadavg(),
+            "seq_len": d.seq_len, "global_batch_size": d.global_batch_size, "packer": d.packer,
+            "layout": train.layout, "sp": train.mesh.shape["sp"], "three_sources": THREE_SOURCES,
+            "cycles": args.cycles, "compile_and_first_step_s": round(train.compile_and_first_s, 1),
+            "rounds": rounds, "min_ratio": min(r["ratio"] for r in rounds),
+            "min_eight_over_one": min(r["eight_over_one"] for r in rounds)}
+
+
+def mixture_markdown(result: dict) -> str:
+    rows = [[r["round"], f"{r['three_sources']['tokens_per_s'] / 1e6:.2f}M", f"{r['train_tokens_per_s']:,}",
+             f"{r['train_step_s']:.1f}", f"**{r['ratio']:,.0f}x**", f"{r['one_source']['tokens_per_s'] / 1e6:.2f}M",
+             f"{r['eight_sources']['tokens_per_s'] / 1e6:.2f}M", f"**{r['eight_over_one']:.2f}**",
+             f"{r['one_source']['start_up_s']:.1f} / {r['three_sources']['start_up_s']:.1f} / "
+             f"{r['eight_sources']['start_up_s']:.1f}"] for r in result["rounds"]]
+    m = result["machine"]
+    return "\n".join([
+        "## A mixture's host pipeline against the long_cpu step (`bench_data.py --mixture`)",
+        "",
+        f"`{result['command']}` ({m['date_utc']} UTC, {m['cpu_count']} CPUs, {m['cpu_model']}, load "
+        f"average {result['load_average'][0]:.1f} at the end: the machine shared with other work). "
+        f"The long_cpu preset's rows ({result['seq_len']:,} tokens, {result['packer']}, "
+        f"{result['layout']} over sp={result['sp']}) through make_batch_iterator to the process-local "
+        "batches, measured in turn with the training step it feeds, round by round. The 3-source "
+        "mixture is ProLong's shape from the embedded corpus (whole packages 50%, files 30% with "
+        "those of 8,192+ tokens read twice, files of at most 4,096 tokens 20%); 1 and 8 sources are "
+        "copies of the per-file corpus, each its own shuffle. Each window spans "
+        f"{result['cycles']} fill-and-emit cycles of every source's {result['packer']} bins after its "
+        "first row; tokens/s counts every position of a row, as the step consumes it. Targets "
+        f"(issue 52): the mixture at least {TARGET_RATIO:.0f}x the step's tokens/s, 8 sources at "
+        f"most {MAX_SLOWDOWN:.0%} slower than 1.",
+        "",
+        bc.table(["round", "3 sources, tokens/s", "train step, tokens/s", "step (s)", "ratio",
+                  "1 source", "8 sources", "8 / 1", "start-up 1 / 3 / 8 (s)"], rows),
+        "",
+        f"The step compiled and ran its first step in {result['compile_and_first_step_s']:.0f} s. "
+        f"Lowest ratio {result['min_ratio']:,.0f}x; lowest 8 / 1 {result['min_eight_over_one']:.2f}. "
+        "Start-up (each source's first fill of its bins) grows with the sources, once per run.",
+    ])
+
+
+def run_mixture(args) -> None:
+    result = bench_mixture(args)
+    path = os.path.join(args.out, "bench_data.json")
+    kept = json.load(open(path)) if os.path.exists(path) else {}
+    bc.write_json(path, {**kept, "mixture": result})
+    bc.write_section(MIXTURE_SECTION, mixture_markdown(result), args.md)
+    print(f"wrote {path} ('mixture') and its section of {args.md}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
@@ -95,8 +260,14 @@ def main():
     p.add_argument("--tokens", type=float, default=3e7, help="positions timed per configuration")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "longctx"))
     p.add_argument("--out", default=bc.DOCS)
+    p.add_argument("--mixture", action="store_true", help="the mixture against the long_cpu step instead")
+    p.add_argument("--rounds", type=int, default=2, help="--mixture: rounds measured in turn")
+    p.add_argument("--cycles", type=int, default=2, help="--mixture: fill-and-emit cycles per window")
+    p.add_argument("--md", default=bc.BENCHMARKS_MD, help="--mixture: the page its section goes in")
     args = p.parse_args()
     cli.validated("the flags are fine")
+    if args.mixture:
+        return run_mixture(args)
 
     data_dir = prepare.prepare_stdlib(args.cache_dir, progress=True)
     meta = pipeline.load_metadata(data_dir)
