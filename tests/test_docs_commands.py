@@ -54,6 +54,7 @@ NEEDS_A_FILE = {
     "long_docs.jsonl": "the reader's own long documents",
     "data/mine": "written by the prepare_data command above it",
     "runs/demo": "written by the train.py command above it (docs/ruler.md)",
+    "runs/llama_tiny_hf": "written by the convert_hf.py command above it (docs/ruler.md)",
     "Meta-Llama-3-8B": "the released model the reader downloads",
     "runs/llama3_8b_hf": "written by step 1 of 'Extend a released model'",
     "data/llama3_long": "written by step 2 of 'Extend a released model'",
@@ -150,8 +151,10 @@ def _needed_files(words: list[str]) -> list[str]:
     """The files the command needs that this machine lacks (a fresh clone lacks them all; a
     machine where someone installed the peers in /tmp/peers has that one, and the command must
     then run as any other)."""
-    # (train.py writes its --workdir: that command is the one the others need, not one of them)
-    writes = {w.split("=", 1)[1] for w in words if "scripts/train.py" in words and w.startswith("--workdir=")}
+    # (train.py writes its --workdir, convert_hf.py its --out: that command is the one the others
+    # need, not one of them)
+    writes = {w.split("=", 1)[1] for w in words if ("scripts/train.py" in words and w.startswith("--workdir="))
+              or ("scripts/convert_hf.py" in words and w.startswith("--out="))}
     needed = [path for path in NEEDS_A_FILE if path not in writes
               and (path in words or any(w.endswith(("=" + path, ":" + path)) for w in words))]
     if any(script in words for script in READS_DATA):

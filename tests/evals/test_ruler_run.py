@@ -1,6 +1,7 @@
 """RULER in a run: train.eval_ruler_every logs ruler/ scores per task and length and writes the
-heatmap; scripts/eval_ruler.py evaluates the run's checkpoint (an untrained model: the plumbing,
-not the scores), and refuses a command naming no model or two in one sentence."""
+heatmap; scripts/eval_ruler.py evaluates the run's checkpoint and a Hugging Face Llama converted by
+scripts/convert_hf.py (untrained models: the plumbing, not the scores; tests/evals/test_ruler_learned.py
+has a model that passes), and refuses a command naming no model or two in one sentence."""
 
 import json
 import os
@@ -17,6 +18,8 @@ from tests import ROOT as REPO
 from tests.validate_commands import run_scripts
 
 SCRIPT = os.path.join(REPO, "scripts", "eval_ruler.py")
+CONVERT = os.path.join(REPO, "scripts", "convert_hf.py")
+HF_LLAMA = os.path.join(REPO, "tests", "assets", "hf", "llama_untied")
 
 
 @pytest.mark.slow
@@ -50,6 +53,32 @@ def test_training_hook_and_eval_script(tmp_path):
     assert result["tasks"] == ["niah_single_2", "niah_multikey_2", "vt"] and result["seed"] == 0
     assert result["haystack"] == {"niah_single_2": "documents", "niah_multikey_2": "needle", "vt": "noise"}
     assert result["tokenizer"] == "byte" and result["tokenizer_name"] == "byte"
+    assert os.path.isfile(os.path.join(out, "ruler.png"))
+
+
+@pytest.mark.slow
+def test_eval_script_on_a_converted_hf_llama(tmp_path):
+    """The tiny HF Llama fixture (tests/assets/hf/llama_untied, 512 ids, no tokenizer of its own)
+    through convert_hf.py to-longctx, then eval_ruler.py --checkpoint with the byte tokenizer (its
+    259 ids fit the model's 512) on the ring (1x2x4, xla), as docs/ruler.md prints it."""
+    env = {**os.environ, "LONGCTX_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
+    converted, out = str(tmp_path / "llama_hf"), str(tmp_path / "ruler")
+    done = subprocess.run([sys.executable, CONVERT, "to-longctx", f"--hf={HF_LLAMA}", f"--out={converted}"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([sys.executable, SCRIPT, f"--checkpoint={converted}", "--tokenizer=byte", "--mesh=1,2,4",
+                           "--impl=xla", "--seq-len=512", "--tasks=niah_single_1,niah_multikey_2", "--lengths=512",
+                           "--depths=2", "--samples=1", f"--out={out}"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "eval_ruler: niah_multikey_2 " in done.stdout and "eval_ruler: mean score" in done.stdout
+    result = json.load(open(os.path.join(out, "ruler.json")))
+    assert result["model"] == converted and result["step"] == 0
+    assert result["tokenizer"] == "byte" and result["tokenizer_from"] == "--tokenizer"
+    assert result["mesh"] == {"dp": 1, "fsdp": 2, "sp": 4} and result["attention_impl"] == "xla"
+    assert result["tasks"] == ["niah_single_1", "niah_multikey_2"] and result["lengths"] == [512]
+    assert result["samples_per_cell"] == 2 and result["not_run"] == {}
+    assert all(0.0 <= v <= 1.0 for row in result["score"] for v in row)
     assert os.path.isfile(os.path.join(out, "ruler.png"))
 
 
