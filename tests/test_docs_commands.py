@@ -63,6 +63,10 @@ NEEDS_A_FILE = {
     "textbooks.jsonl.gz": "the reader's own textbooks (docs/data.md, 'A ProLong-style run')",
     "short_mix/": "the reader's own short data (docs/data.md, 'A ProLong-style run')",
     "runs/llama3_8b_extend": "written by step 3 of 'Extend a released model'",
+    "Qwen3-8B": "the released model the reader downloads (docs/extend.md, 'Extending Qwen3-8B')",
+    "runs/qwen3_8b_hf": "written by the to-longctx command of 'Extending Qwen3-8B'",
+    "data/qwen3_long": "written by the prepare_data command of 'Extending Qwen3-8B'",
+    "runs/qwen3_8b_extend": "written by the train.py command of 'Extending Qwen3-8B'",
     "ids.npz": "the reader's token ids and transformers' logits",
     "my_config.py": "the reader's own config file, as docs/configs.md shows it (tests/test_user_config.py runs it)",
     "DIR": "where the reader pip-installed the peer rings (--peers DIR)",
@@ -75,7 +79,8 @@ PRESET_FILES = {"configs/base.py:llama3_8b_extend_128k": "data/llama3_long",
 READS_DATA = ("scripts/train.py",)
 # Presets for hardware this machine lacks: validated against that many (virtual CPU) devices.
 DEVICES_OF = {"configs/base.py:llama3_8b_extend_128k": (64, "a v5p:4x4x4 pod (64 chips), as the README says"),
-              "configs/base.py:llama3_8b_prolong_64k": (64, "a v5p:4x4x4 pod (64 chips), as docs/data.md says")}
+              "configs/base.py:llama3_8b_prolong_64k": (64, "a v5p:4x4x4 pod (64 chips), as docs/data.md says"),
+              "configs/base.py:qwen3_8b_128k": (64, "v5p-128 (64 chips), as docs/extend.md says")}
 # Text that looks like a command but stands for several (a table header, "...").
 NOT_A_COMMAND = {
     "--config.attention.impl=xla ...": "a table header: the rows below complete it",

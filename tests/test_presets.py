@@ -67,3 +67,13 @@ def test_a_family_preset_is_the_model_its_config_json_converts_to(preset):
 
     assert layers(converted) == layers(config)
     assert layer_types.pattern(converted.attention) == layer_types.pattern(config.attention)
+
+
+def test_qwen3_without_its_extension_differs_from_the_preset_by_the_scaling_alone():
+    """docs/extend.md: to-longctx --config=configs/base.py:qwen3_8b_128k on the released
+    Qwen3-8B prints one override, the YaRN scaling the preset adds."""
+    from longctx.interop import hf
+
+    native = {k: v for k, v in RELEASED["qwen3_8b_128k"].items() if k != "rope_scaling"}
+    flags = hf.print_overrides(hf.config_overrides(native), base=base.get_config("qwen3_8b_128k"))
+    assert flags == "--config.model.rope_scaling.type=none"
