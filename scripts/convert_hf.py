@@ -1,4 +1,5 @@
-"""Hugging Face Llama / Mistral checkpoints -> longctx and back, and a logit check on the sharded model.
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text, OLMo 3) -> longctx and back,
+and a logit check on the sharded model.
 
   # HF -> longctx: a directory that --config.checkpoint.init_from accepts; prints the overrides
   .venv/bin/python scripts/convert_hf.py to-longctx --hf=Meta-Llama-3-8B --out=runs/llama3_8b_hf
@@ -18,8 +19,13 @@ with Orbax, so the host never holds a second copy. The output directory holds ch
 (parameters only), hf_config.json (the source config.json, reused by to-hf) and
 config_overrides.txt (the --config.model.* flags that describe the model, as printed).
 
+Each family's block options and layer types are read from config.json (longctx/interop/families.py;
+docs/extend.md, "Qwen, Gemma 3 and OLMo 3"); a model with sliding and full layers prints its
+attention.layer_types as one quoted flag.
+
 to-hf writes config.json (the rope_theta + rope_scaling spelling of released Llama-3.1
-checkpoints, which transformers 4 and 5 both read) and model.safetensors, or shards of at most
+checkpoints, which transformers 4 and 5 both read; with rope_parameters per layer type and
+layer_types for Gemma 3 and OLMo 3; the family is the source config.json's) and model.safetensors, or shards of at most
 --max-shard-mb with model.safetensors.index.json. Fields longctx does not know (token ids, ...)
 come from --hf-config (default: the hf_config.json beside the checkpoint's checkpoints/, which
 to-longctx writes and a training run started from it with checkpoint.init_from carries along).
