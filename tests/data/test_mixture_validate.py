@@ -139,7 +139,3 @@ def test_train_validate_only_refuses_a_bad_source_before_compiling(dirs, tmp_pat
     assert r.stderr.strip() == (f"longctx: data.sources.web.path={bad['web']} does not exist: prepare it with "
                                 f"scripts/prepare_data.py --output {bad['web']} (docs/data.md, \"Mixtures\").")
     assert r.stdout == "" and not (tmp_path / "w").exists()
-    ok = _train(f"--workdir={tmp_path / 'w'}", sources_override(dirs))
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert ok.stdout.strip() == (f"longctx: --validate_only: config, mesh dp=1 x fsdp=2 x sp=4, workdir "
-                                 f"{tmp_path / 'w'} and data sources books, code, web are fine; nothing was run.")
