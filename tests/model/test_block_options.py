@@ -80,6 +80,7 @@ def plain_nll(params, rows, config):
 
 def options_config(**options):
     config = small_config(impl="xla", layout=LAYOUT)
+    config.attention.residuals = options.pop("residuals", "save_qkv")
     config.model.update(**options)
     config.data.seq_len = 256
     config.attention.block_size = 64
@@ -113,6 +114,9 @@ CASES = {
     "gemma3_block": dict(qk_norm="per_head", norm_position="sandwich", norm_plus_one=True,
                          mlp_activation="gelu_tanh", scale_embeddings=True, query_pre_attn_scalar=24.0),
     "olmo3_block": dict(qk_norm="whole", norm_position="post"),
+    # the options' parameters through the layer's own VJP (q, k, v recomputed in the backward)
+    "gemma3_block_recompute_qkv": dict(qk_norm="per_head", norm_position="sandwich", norm_plus_one=True,
+                                       mlp_activation="gelu_tanh", qkv_bias=True, residuals="recompute_qkv"),
 }
 
 
