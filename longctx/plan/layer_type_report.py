@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx import reports
+from longctx.errors import ConfigError
 from longctx.model import attention as attention_lib
 from longctx.model import layer_types
 from longctx.ops import masks, strategy_schedule
@@ -75,14 +76,14 @@ def type_reports(config, *, sp: int, layout: str, segment_ids: np.ndarray, rows:
     with them). `mesh`: an "sp" mesh of `sp` devices to lower each type's attention on (nothing
     compiles; abstract TPU devices read what the TPU program sends)."""
     traffic = collectives.layer_type_traffic(config, sp=sp, rows=rows, layout=layout)
-    m, seq_len = config.model, config.data.seq_len
+    seq_len = config.data.seq_len
     types = collections.OrderedDict((t.name, t) for t in layer_types.period(config))
     out = []
     for name, layer_type in types.items():
         a, t = layer_type.attention, traffic[name]
         strategy, degree = _strategy_and_degree(t.chosen)
         if strategy not in STRATEGIES:
-            raise ValueError(f"attention.layer_types.{name}.cp={strategy!r}: the report needs a "
+            raise ConfigError(f"attention.layer_types.{name}.cp={strategy!r}: the report needs a "
                              "strategy (resolve cp=auto first: scripts/plan.py chooses one).")
         kw = attention_lib.mask_kwargs(a)
         spec = masks.make_mask_spec(**kw)

@@ -90,3 +90,14 @@ def test_the_lowered_tpu_program_sends_what_the_formula_says_for_each_type():
     for r in found:
         assert r.lowered == r.sent, r.name
     assert 0 < sum(found[0].lowered.values()) < sum(found[1].lowered.values())
+
+
+def test_a_type_left_to_cp_auto_is_named_with_the_fix():
+    from longctx.errors import ConfigError
+
+    config = _tiny_hybrid()
+    config.unlock()
+    config.attention.layer_types["global"].cp = "auto"
+    with pytest.raises(ConfigError, match=r"attention.layer_types.global.cp='auto'.*scripts/plan.py"):
+        layer_type_report.type_reports(config, sp=4, layout="contiguous",
+                                       segment_ids=np.ones((1, config.data.seq_len), np.int32))
