@@ -120,6 +120,9 @@ class CompiledStep:
     temp_bytes: int
     alias_bytes: int  # donated state: counted in both arguments and outputs, held once
     compile_seconds: float
+    # the compiling process's CPU time over the same span (all its threads): on a shared machine a
+    # steadier measure of the compiler's work than the wall clock, which waits for other processes
+    compile_cpu_seconds: float | None = None
     cores_per_chip: int = 1  # libtpu's v4 topologies give one device per TensorCore (2 per chip)
     oom_at_compile: bool = False  # the TPU compiler refused it: temporaries alone exceed HBM
     hlo: str | None = dataclasses.field(default=None, repr=False)  # compiled HLO (keep_hlo=True)
@@ -214,7 +217,7 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
         shape = (config.data.global_batch_size, config.data.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=setup.batch_sharding)
                  for k in train_steps.BATCH_KEYS}
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         lowered = train_step.lower(state, batch)
         hlo = None
         try:
@@ -228,9 +231,10 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
             result = CompiledStep(**common, argument_bytes=state_bytes + memory.shard_bytes(batch),
                                   output_bytes=state_bytes, alias_bytes=state_bytes,
                                   temp_bytes=oom[0], compile_seconds=time.perf_counter() - start,
+                                  compile_cpu_seconds=time.process_time() - cpu_start,
                                   oom_at_compile=True)
         else:
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             stats = compiled.memory_analysis()
             hlo = compiled.as_text() if keep_hlo or breakdown else None
             cost = _cost_analysis(compiled)
@@ -238,6 +242,7 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
                 **common, argument_bytes=stats.argument_size_in_bytes,
                 output_bytes=stats.output_size_in_bytes, temp_bytes=stats.temp_size_in_bytes,
                 alias_bytes=stats.alias_size_in_bytes, compile_seconds=seconds,
+                compile_cpu_seconds=cpu_seconds,
                 hlo=hlo if keep_hlo else None, cost_flops=cost.get("flops"),
                 cost_bytes_accessed=cost.get("bytes accessed"))
     say(f"compiled in {result.compile_seconds:.0f} s"
