@@ -26,7 +26,8 @@ What overlaps what (the model's assumptions, all here):
   - The dp all-reduce of gradients overlaps the backward: max(0, all-reduce - backward).
   - Collectives along a mesh axis use 2 link directions per torus axis it spans (a
     bidirectional ring; half that without wrap-around links), the ring's pass one direction of
-    one link; a slice's axes never cross DCN (the planner plans one slice).
+    one link, usp's pass between groups (j to j + U) as many links as the ring's cycle puts
+    between them (plan/links.py); a slice's axes never cross DCN (the planner plans one slice).
 
   - Every context-parallel collective costs CONSTANTS["collective_latency"] seconds that nothing
     hides (its launch and synchronisation), once per call: once per ring step and pass, once per
@@ -56,15 +57,15 @@ import numpy as np
 from longctx import config as config_lib
 from longctx.model import flops as flops_lib
 from longctx.ops import strategy_schedule
-from longctx.plan import collectives, hardware
+from longctx.plan import collectives, hardware, links
 
 # Fitted by plan/calibration.py on the points docs/planner.md marks "fit" (the others are held
 # out): `benchmarks/calibrate_planner.py` refits them and tests/plan/test_planner.py checks
 # these are its result. "attention" is the fraction of peak the kernel's block matmuls reach
 # once its fixed costs are paid; "block_overhead" (seconds per grid step: one q block x kv block
 # x head) and "call_overhead" (seconds per kernel call) are those costs (kernel_efficiency).
-CONSTANTS = {"matmul": 0.56, "attention": 1.0, "block_overhead": 8.9e-07, "call_overhead": 1e-09,
-             "collective_latency": 0.00017}
+CONSTANTS = {"matmul": 0.56, "attention": 1.0, "block_overhead": 8.9e-07, "call_overhead": 0.00011,
+             "collective_latency": 1.1e-09}
 
 # The model's mean absolute error on the published runs held out of the fit (docs/
 # planner_calibration.md, rounded): predicted steps closer than this are a tie (planner.break_ties).
@@ -75,6 +76,21 @@ HELD_OUT_ERROR = 0.13
 ATTENTION_PASSES = {"forward": 1.0, "backward": 2.5}
 # Kernels each pass launches per call: the forward one, the backward two (dK/dV, and dQ).
 KERNELS_PER_PASS = {"forward": 1, "backward": 2}
+
+
+# AdamW's HBM traffic per parameter (float32): the parameter read and written and its gradient
+# read (12), the two moments read and written (16): 28 bytes.
+OPTIMIZER_BYTES = {"parameter": 12, "moments": 16}
+
+
+def recompute_passes(config) -> float:
+    """Forward passes over the layers' matmuls the backward runs again, as model/flops.py counts
+    their FLOPs (the remat policy and attention.residuals): 1 under nothing_saveable or
+    recompute_qkv, 0 under the *_saveable policies with save_qkv, the rest of a layer but its
+    q/k/v under offload_qkv. The matmuls' HBM passes follow it as their compute does."""
+    m, d = config.model, config.data
+    forward = m.num_layers * 2.0 * flops_lib.matmul_params_per_layer(config) * d.global_batch_size * d.seq_len
+    return flops_lib.recomputed_flops_per_step(config) / forward
 
 
 def kernel_efficiency(peak_flops: float, call_flops: float, grid_steps: float, kernels: int = 1,
@@ -284,19 +300,21 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
     # Matmuls: model FLOPs + what remat and the residual policy recompute, split evenly.
     dense_model = flops_lib.dense_flops_per_step(config)
     dense_hw = (dense_model + flops_lib.recomputed_flops_per_step(config)) / chips
-    passes = 3 + (1 if m.remat_policy == "nothing_saveable" else 0)  # fwd, 2 bwd, remat fwd
     layer_params = flops_lib.matmul_params_per_layer(config)
+    passes = 3 + recompute_passes(config)  # fwd, 2 bwd, and what remat and the residuals recompute
     gathered_layer = layer_params * compute_bytes  # the layer's weights in the compute dtype
     hbm_matmul = m.num_layers * passes * (
         gathered_layer + tokens_per_device * _activation_bytes_per_token(config)) / chip.hbm_bandwidth
     compute_matmul = dense_hw / (chip.peak_flops * eff["matmul"])
     matmul = max(compute_matmul, hbm_matmul)
 
-    # AdamW on this device's shard: read parameter, gradient, two moments; write three (float32).
+    # AdamW on this device's shard: read parameter, gradient, two moments; write parameter and
+    # moments (float32): OPTIMIZER_BYTES per parameter, the moments' on their own shard.
     params = config_lib.num_params_estimate(config)
     param_ways = fsdp * sp
     state_ways = param_ways * (dp if config.optimizer.get("shard_state_over_dp", False) else 1)
-    optimizer = (params / param_ways * 8 + params / state_ways * 24) / chip.hbm_bandwidth
+    optimizer = (params / param_ways * OPTIMIZER_BYTES["parameter"]
+                 + params / state_ways * OPTIMIZER_BYTES["moments"]) / chip.hbm_bandwidth
 
     # FSDP: every layer's weights gathered over fsdp x sp twice (forward, backward), gradients
     # reduce-scattered once (float32), each hidden behind that layer's compute.
@@ -415,6 +433,10 @@ def _cp_seconds_of(strategy, degree, shape, steps: int, exchanges, layers, topol
             group, span = groups[kind]
             t = layers * _collective_seconds(kind, sent, group, span,
                                              hardware.has_wraparound(topology, group), link)
+            if kind == "permute" and strategy == "usp":
+                # device j sends to j + U on the ring's cycle, all at once: every link on the
+                # way carries that many sends (links.pass_hops, from mesh.ring_cycle)
+                t *= links.pass_hops(topology, sp, u)
             seconds[f"cp_{kind}"] = seconds.get(f"cp_{kind}", 0.0) + t
             if kind == "permute":
                 # Each ring step's pass (halo: each exchange, which needs no compute before it)

@@ -1,0 +1,65 @@
+"""How many ICI links a pass around the sp ring crosses, on the chips the mesh gives the ring.
+
+The mesh builder gives sp the torus axes innermost first (hardware.axis_links), and
+`mesh.ring_cycle` orders the ring's chips so that each device's neighbour on the ring is one link
+away. Ulysses x ring (usp) passes K/V between groups of U neighbouring devices on that cycle:
+device j sends to device j + U, every device at once, and the pass waits for the farthest, so it
+crosses as many links as the torus distance between positions j and j + U of the cycle (at most
+U; fewer where the torus has a shorter way round), each link carrying that many sends.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import types
+
+from longctx.parallel import mesh as mesh_lib
+from longctx.plan import hardware
+
+
+def sp_box(topology: hardware.Topology, sp: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """(extent of the chips one sp ring spans, whether each of those axes has its wrap-around
+    link), as hardware.axis_links lays sp out: the smallest torus axes first, the last one in part."""
+    remaining = sorted(topology.shape)
+    extent, wrap, n = [], [], sp
+    while n > 1 and remaining:
+        d = remaining.pop(0)
+        take = d if n >= d else n
+        extent.append(take)
+        wrap.append(take == d and hardware.has_wraparound(topology, d))
+        n //= take
+    return tuple(extent) or (1,), tuple(wrap) or (False,)
+
+
+@functools.lru_cache(maxsize=256)
+def _cycle(topology: hardware.Topology, sp: int) -> tuple[tuple[int, ...], ...]:
+    extent, _ = sp_box(topology, sp)
+    cells = itertools.product(*(range(n) for n in extent))  # the builder's row-major order
+    ring = [types.SimpleNamespace(coords=c) for c in cells]
+    return tuple(tuple(d.coords) for d in mesh_lib.ring_cycle(ring))
+
+
+def ring_order(topology: hardware.Topology, sp: int) -> tuple[tuple[int, ...], ...]:
+    """The chip coordinates (within the sp box) of one sp ring in mesh.ring_cycle's order."""
+    return _cycle(topology, sp)
+
+
+def distance(a, b, extent, wrap) -> int:
+    """Links between two chips of the box: per axis the way round where it has wrap-around."""
+    out = 0
+    for x, y, n, w in zip(a, b, extent, wrap):
+        d = abs(x - y)
+        out += min(d, n - d) if w else d
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def pass_hops(topology: hardware.Topology, sp: int, stride: int) -> int:
+    """The most links a send from position j to position j + stride of the sp ring's cycle
+    crosses (1 for the ring's own pass around a cycle; a GPU switch: 1)."""
+    if topology.chip.torus_dims == 0 or sp <= 1 or stride % sp == 0:
+        return 1
+    extent, wrap = sp_box(topology, sp)
+    cycle = _cycle(topology, sp)
+    return max(distance(cycle[j], cycle[(j + stride) % sp], extent, wrap) for j in range(sp))
