@@ -150,13 +150,15 @@ def _read_json(path: str) -> dict:
 def summarize_run(run_dir: str) -> dict:
     """One run's figures: its last train and validation loss, median tokens/s, ring schedule,
     layout, loss curve, validation loss (and tokens) by position bucket and, where the run
-    evaluated passkey retrieval (train.eval_needle_every), its accuracy by needle depth."""
+    evaluated passkey retrieval (train.eval_needle_every), its accuracy by needle depth, and where
+    it evaluated RULER (train.eval_ruler_every), its latest mean score over tasks and lengths."""
     records = read_metrics(run_dir)
     train = [r for r in records if "train/loss" in r]
     val = [r for r in records if "val/loss" in r]
     info = _read_json(os.path.join(run_dir, "run_info.json"))
     speeds = sorted(r["train/tokens_per_s"] for r in train if "train/tokens_per_s" in r)
     needle = _read_json(os.path.join(run_dir, "needle.json"))
+    ruler = _read_json(os.path.join(run_dir, "ruler.json"))  # (the run's latest evaluation)
     return {
         "steps": train[-1]["step"] if train else 0,
         "train_loss": train[-1]["train/loss"] if train else None,
@@ -172,6 +174,7 @@ def summarize_run(run_dir: str) -> dict:
                           val[-1].get("val/tokens_by_position")) if val else None,
         "passkey": (needle["depths"], [sum(col) / len(col) for col in zip(*needle["accuracy"])])
         if needle.get("accuracy") else None,
+        "ruler": ruler.get("mean_score"),
     }
 
 
@@ -210,6 +213,7 @@ def _aggregate(name: str, runs: list[dict], blind: int | None) -> dict:
     past_from = stats.first_bucket_from(blind, starts) if blind is not None else None
     past_loss, past_std = stats.mean_std([_past_loss(r, past_from) for r in runs])
     passkeys = [r["passkey"] for r in runs if r["passkey"]]
+    ruler, ruler_std = stats.mean_std([r.get("ruler") for r in runs])
     curve = stats.mean_curve([r["train_curve"] for r in runs if r["train_curve"]])
     return {
         "variant": name, "runs": runs, "seeds": sum(r["train_loss"] is not None for r in runs),
@@ -223,6 +227,7 @@ def _aggregate(name: str, runs: list[dict], blind: int | None) -> dict:
         "train_band": [(step, low, high) for step, _, low, high in curve],
         "position_loss": (starts, stats.mean_lists([p[1] for p in positions])) if positions else None,
         "passkey": (passkeys[0][0], stats.mean_lists([p[1] for p in passkeys])) if passkeys else None,
+        "ruler": ruler, "ruler_std": ruler_std,
     }
 
 
@@ -251,20 +256,24 @@ def _spread_cell(mean, std, fmt: str) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """The table, and under it what its spread and comparison columns mean. Optional columns:
-    passkey by depth where a run evaluated it, K/V bytes where the caller priced them
+    passkey by depth and the RULER average where a run evaluated them (the grid sets
+    train.eval_needle_every, train.eval_ruler_every), K/V bytes where the caller priced them
     (row["kv_bytes"], scripts/ablate.py)."""
     reference = rows[0]["variant"] if rows else ""
     passkey = next((r["passkey"] for r in rows if r.get("passkey")), None)
+    ruler = any(r.get("ruler") is not None for r in rows)
     priced = any(r.get("kv_bytes") is not None for r in rows)
     header = ["variant", "steps", "seeds", "train loss", "val loss", "val loss within the spread of",
               "first position past the window", "val loss there", f"{reference} there"]
     if passkey:
         header.append("passkey at depth " + " / ".join(f"{d:.0%}" for d in passkey[0]))
+    if ruler:
+        header.append("RULER average")
     header += ["tokens/s", "layout", "ring schedule efficiency", "ring steps"]
     if priced:
         header.append("K/V bytes per step per device")
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * 4 + "---|" + "---:|" * 3
-             + "---:|" * bool(passkey) + "---:|---|---:|---:|" + "---:|" * priced]
+             + "---:|" * bool(passkey) + "---:|" * ruler + "---:|---|---:|---:|" + "---:|" * priced]
     for r in rows:
         cells = [r["variant"], str(r["steps"]), str(r["seeds"]),
                  _spread_cell(r["train_loss"], r["train_loss_std"], ".4f"),
@@ -274,6 +283,8 @@ def markdown_table(rows: list[dict]) -> str:
                  _cell(r.get("reference_past_loss") if r["past_from"] is not None else None, ".4f")]
         if passkey:
             cells.append(" / ".join(f"{a:.2f}" for a in r["passkey"][1]) if r.get("passkey") else "–")
+        if ruler:
+            cells.append(_spread_cell(r.get("ruler"), r.get("ruler_std"), ".2f"))
         cells += [_cell(r["tokens_per_s"], ".0f"), r["layout"] or "–", _cell(r["schedule_efficiency"], ".3f"),
                   _cell(r["ring_steps"], "d")]
         if priced:
@@ -289,6 +300,10 @@ def markdown_table(rows: list[dict]) -> str:
              f"window (or chunk) reaches; \"val loss there\" is the validation loss on those tokens, "
              f"\"{reference} there\" the first variant's on the same tokens. Ring schedule: the run's "
              "(run_info.json), of attention.*; \"–\" for a hybrid model, whose types each have their own."]
+    if ruler:
+        notes.append("RULER average: the mean score over the tasks and lengths of each run's last RULER "
+                     "evaluation (train.eval_ruler_every: its ruler.json, docs/ruler.md), then over the seeds "
+                     "that ran it; \"–\" where none did.")
     return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
 
 

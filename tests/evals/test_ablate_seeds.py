@@ -201,3 +201,33 @@ def test_kv_bytes_per_step_sum_each_layer_types_closed_form():
     assert ablate.kv_bytes_per_step(llama4.config, "contiguous", mesh) == 3 * full + 9 * chunk
     llama4.config.attention.layer_types.local.cp = "something new"
     assert ablate.kv_bytes_per_step(llama4.config, "contiguous", mesh) is None  # not priced: "–"
+
+
+def test_the_table_gives_the_ruler_average_where_the_grid_asks_for_it(tmp_path):
+    """train.eval_ruler_every in a grid makes each run write ruler.json (scripts/train.py hands the
+    loop RULER's evaluator); the table then gives each variant's mean score over its seeds, and
+    without any ruler.json it has no such column."""
+    _, variants = ablation.load_grid(SMOKE)
+    steps = variants[0].config.train.num_steps
+    for name in ("causal", "sliding_window_64", "no_document_mask"):
+        for seed in range(2):
+            write_run(tmp_path / name / f"seed_{seed}", steps=steps, train_loss=2.5, val_loss=2.0)
+    assert "RULER average" not in ablation.markdown_table(ablation.summarize(variants, str(tmp_path), seeds=2))
+    # (causal: 0.2 and 0.4 over its seeds; sliding_window_64: one seed ran it, one run had no cell
+    # that fits (mean_score null); no_document_mask: none)
+    for name, seed, mean in (("causal", 0, 0.2), ("causal", 1, 0.4), ("sliding_window_64", 0, 0.75),
+                             ("sliding_window_64", 1, None)):
+        (tmp_path / name / f"seed_{seed}" / "ruler.json").write_text(
+            json.dumps({"tasks": ["niah_single_1"], "lengths": [512], "score": [[mean]], "mean_score": mean}))
+    rows = {r["variant"]: r for r in ablation.summarize(variants, str(tmp_path), seeds=2)}
+    assert rows["causal"]["ruler"] == pytest.approx(0.3) and rows["causal"]["ruler_std"] == pytest.approx(0.1414, abs=1e-4)
+    assert rows["sliding_window_64"]["ruler"] == 0.75 and rows["sliding_window_64"]["ruler_std"] is None
+    assert rows["no_document_mask"]["ruler"] is None
+    table = ablation.markdown_table(list(rows.values()))
+    header = next(line for line in table.splitlines() if line.startswith("| variant"))
+    column = header.split(" | ").index("RULER average")
+    cells = {line.split(" | ")[0][2:]: line.split(" | ")[column] for line in table.splitlines()[2:5]}
+    assert cells == {"causal": "0.30 ± 0.14", "sliding_window_64": "0.75", "no_document_mask": "–"}
+    assert "RULER average: the mean score over the tasks and lengths" in table
+    # the separator row has as many columns as the header
+    assert table.splitlines()[1].count("|") == header.count("|")
