@@ -127,22 +127,27 @@ SYNTHETIC_OVERRIDES = {
 }
 
 
-def train_synthetic(config, seed: int, compiler_options: dict | None = None):
+def train_synthetic(config, seed: int, compiler_options: dict | None = None, make_rows=None):
     """Trains with the real train_step on synthetic_rows (data and init seeded by `seed`);
     returns a Runner holding the trained parameters. `compiler_options` go to XLA for the train
-    step (the tests' LLVM level 0 compiles faster but runs these 200 steps slower)."""
+    step (the tests' LLVM level 0 compiles faster but runs these 200 steps slower).
+    `make_rows(rng, batch, seq_len)`: another task's natural-order rows (BATCH_KEYS) to train on
+    (benchmarks/ruler_synthetic.py's)."""
     mesh = mesh_lib.make_mesh(config.mesh)
     layout, sp, d = config.attention.layout, int(mesh.shape[mesh_lib.SP]), config.data
     perm = layout_lib.permutation(layout, d.seq_len, sp)
     rng = np.random.default_rng(seed)
+    if make_rows is None:
+        def make_rows(rng, batch, seq_len):
+            return synthetic_rows(rng, batch, seq_len, config.model.vocab_size,
+                                  num_values=SYNTHETIC_NUM_VALUES, sp=sp, layout=layout)
     with jax.set_mesh(mesh):
         setup = train_state.make_setup(config, mesh, layout)
         state = setup.init(jax.random.PRNGKey(seed))
         train_step, _ = train_steps.jit_steps(config, setup)
         compiled = None
         for _ in range(config.train.num_steps):
-            rows = synthetic_rows(rng, d.global_batch_size, d.seq_len, config.model.vocab_size,
-                                  num_values=SYNTHETIC_NUM_VALUES, sp=sp, layout=layout)
+            rows = make_rows(rng, d.global_batch_size, d.seq_len)
             batch = {k: jax.device_put(rows[k][:, perm], setup.batch_sharding)
                      for k in train_steps.BATCH_KEYS}
             if compiled is None:

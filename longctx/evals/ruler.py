@@ -179,15 +179,15 @@ def evaluate(runner, tokenizer, documents, *, tasks: Sequence[str], lengths: Seq
     }
 
 
-def write_results(result: dict, directory: str, title: str = "RULER") -> tuple[str, str]:
-    """`ruler.json` and the task x length heatmap `ruler.png` in `directory` (cells not run grey)."""
+def write_results(result: dict, directory: str, title: str = "RULER", name: str = "ruler") -> tuple[str, str]:
+    """`<name>.json` and the task x length heatmap `<name>.png` in `directory` (cells not run grey)."""
     import matplotlib  # lazily: plotting only where results are written
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     os.makedirs(directory, exist_ok=True)
-    json_path, png_path = os.path.join(directory, "ruler.json"), os.path.join(directory, "ruler.png")
+    json_path, png_path = os.path.join(directory, name + ".json"), os.path.join(directory, name + ".png")
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
     score = np.array([[np.nan if v is None else v for v in row] for row in result["score"]], float)
