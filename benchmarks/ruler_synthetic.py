@@ -10,9 +10,10 @@ The rows pack samples as documents, the loss only on the answer tokens; training
 library's real train_step (needle_synthetic.train_synthetic). The model is then scored by
 longctx.evals.ruler.evaluate, the scoring every run uses, on samples of another seed.
 
-Text is tokenized by WordTokenizer: one token per word of RULER's templates, noise, needle keys
-and digits (bytes for anything else), so a 256-token row holds a whole sample, where bytes would
-need a thousand. Tests import this with benchmarks/ on sys.path.
+Text is tokenized by WordTokenizer: one token per word of RULER's templates, noise and needle keys,
+each digit a token of its place in its number (so copying a number is seven look-ups, not a chain
+through repeated digits), characters for anything else; a sample fits in 96-128 tokens, where bytes
+would need 400 or more. Tests import this with benchmarks/ on sys.path.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _words() -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class WordTokenizer:
     """longctx.data.tokenizer.Tokenizer's interface (what ruler_tasks and ruler call) over a
-    fixed list of pieces: characters, runs of one to three digits, and _words()."""
+    fixed list of pieces: characters, digits by place (PLACES), and _words()."""
 
     pieces: tuple[str, ...]
     name: str = "ruler-words"
@@ -129,8 +130,9 @@ def training_rows(rng: np.random.Generator, hay: ruler_tasks.Haystacks, batch: i
 
 
 # The model and run (configs/base.py:tiny with these; the passkey task's 1x2x4 mesh, ring over
-# sp=4): 128-token rows of 96- and 128-token samples. RoPE theta 10,000 and tied embeddings: with
-# tiny's 500,000 and untied ones, one digit place of seven was still at chance after 1,300 steps.
+# sp=4): 128-token rows of 96- and 128-token samples. RoPE theta 10,000 and tied embeddings: in
+# trial runs, untied ones left one digit place of seven at chance after 1,300 steps, and tiny's
+# theta of 500,000 several after 1,200 (the places are learned one after another).
 LENGTHS = (96, 128)
 RULER_OVERRIDES = {
     **needle_synthetic.SYNTHETIC_OVERRIDES,

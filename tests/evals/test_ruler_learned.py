@@ -69,3 +69,28 @@ def test_ruler_scores_rise_to_one():
     single, multikey = trained["score"]
     assert min(single) >= 0.9
     assert multikey[0] >= 0.9  # at 96 tokens; at 128 (more distractor needles) it is lower
+
+
+def test_the_word_tokenizer_round_trips_and_gives_each_digit_its_place():
+    tok = synthetic.word_tokenizer()
+    text = "One of the special magic numbers for brave-eagle is: 1234567.\nThe grass is green. VAR QXZKW = 70511"
+    assert tok.decode(tok.encode(text.encode())) == text
+    assert [tok.pieces[i] for i in tok.encode(b"is: 31135")] == ["is", ":", " ", "3@0", "1@1", "1@2", "3@3", "5@4"]
+    assert tok.vocab_size == synthetic.RULER_OVERRIDES["model.vocab_size"]
+
+
+def test_training_rows_hold_whole_samples_with_the_loss_on_their_answers():
+    tok = synthetic.word_tokenizer()
+    rows = synthetic.training_rows(np.random.default_rng(0), synthetic.ruler_tasks.Haystacks(tok), 8, 128,
+                                   synthetic.LENGTHS)
+    for r in range(8):
+        seg = rows["segment_ids"][r]
+        assert seg[0] == 1 and np.all(np.diff(seg[seg > 0]) >= 0)
+        for doc in np.unique(seg[seg > 0]):
+            at = np.nonzero(seg == doc)[0]
+            assert len(at) in synthetic.LENGTHS and rows["positions"][r, at].tolist() == list(range(len(at)))
+            text = tok.decode(rows["tokens"][r, at])
+            asked = text.split("The special magic number for ")[-1].split(" mentioned")[0]
+            value = text.split(f"numbers for {asked} is: ")[1].split(".")[0]  # the needle with the asked key
+            answer = rows["targets"][r, at][rows["loss_mask"][r, at] == 1]
+            assert tok.decode(answer) == f" {value}." and text.endswith(f" is {value}.")
