@@ -1,14 +1,16 @@
 """The Hugging Face model families longctx converts: each one's config.json as longctx config keys, and back.
 
-  architecture        model_type   block options (longctx/model/block_options.py)     layer types
-  LlamaForCausalLM    llama        (Llama's)                                          full
-  MistralForCausalLM  mistral      (Llama's)                                          all sliding with a window
-  Qwen2ForCausalLM    qwen2        qkv_bias                                           full, then sliding from max_window_layers
-  Qwen3ForCausalLM    qwen3        qk_norm=per_head                                   (as Qwen2)
-  Gemma3ForCausalLM   gemma3_text  qk_norm=per_head, norm_position=sandwich,          5 sliding : 1 full (sliding_window_pattern),
-                                   norm_plus_one, mlp_activation=gelu_tanh,           RoPE per type (rope_local_base_freq)
+  architecture        model_type   block options (longctx/model/block_options.py)   layer types
+  LlamaForCausalLM    llama        (Llama's)                                        full
+  MistralForCausalLM  mistral      (Llama's)                                        all sliding, with a window
+  Qwen2ForCausalLM    qwen2        qkv_bias                                         full; sliding from
+                                                                                    max_window_layers on
+  Qwen3ForCausalLM    qwen3        qk_norm=per_head                                 (as Qwen2)
+  Gemma3ForCausalLM   gemma3_text  qk_norm=per_head, norm_position=sandwich,        5 sliding : 1 full,
+                                   norm_plus_one, mlp_activation=gelu_tanh,         RoPE per type
                                    scale_embeddings, query_pre_attn_scalar
-  Olmo3ForCausalLM    olmo3        qk_norm=whole, norm_position=post                  3 sliding : 1 full, RoPE scaling on full only
+  Olmo3ForCausalLM    olmo3        qk_norm=whole, norm_position=post                3 sliding : 1 full, RoPE
+                                                                                    scaling on full only
 
 A family is data here, and the only place longctx names one: the model itself only sees block
 options and layer types. `layer_types` (transformers 5) or the older spellings (Qwen's
