@@ -158,13 +158,14 @@ def log_error(predicted: float, published: float) -> float:
 
 # The grid `fit` searches for the matmuls' efficiency, in steps of 0.01.
 GRID = {"matmul": [x / 100 for x in range(20, 96)]}
-# Where the attention constants' search starts: e, seconds per grid step, per call, per collective.
-START = {"attention": 0.5, "block_overhead": 2e-7, "call_overhead": 1e-5, "collective_latency": 3e-4}
+# Where the attention constants' search starts: e, FLOPs at peak per grid step, seconds per call
+# and per collective.
+START = {"attention": 0.5, "block_overhead": 1e8, "call_overhead": 1e-5, "collective_latency": 3e-4}
 ATTENTION_KEYS = tuple(START)
 
 
 def _rounded(constants: dict) -> dict:
-    """Two decimals for the efficiencies, two significant digits for the seconds: the fit's
+    """Two decimals for the efficiencies, two significant digits for the rest: the fit's
     result as longctx holds it (step_time.CONSTANTS)."""
     out = {}
     for k, v in constants.items():

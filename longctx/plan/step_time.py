@@ -62,10 +62,10 @@ from longctx.plan import collectives, hardware, links
 # Fitted by plan/calibration.py on the points docs/planner.md marks "fit" (the others are held
 # out): `benchmarks/calibrate_planner.py` refits them and tests/plan/test_planner.py checks
 # these are its result. "attention" is the fraction of peak the kernel's block matmuls reach
-# once its fixed costs are paid; "block_overhead" (seconds per grid step: one q block x kv block
-# x head) and "call_overhead" (seconds per kernel call) are those costs (kernel_efficiency).
-CONSTANTS = {"matmul": 0.56, "attention": 1.0, "block_overhead": 8.9e-07, "call_overhead": 0.00011,
-             "collective_latency": 1.1e-09}
+# once its fixed costs are paid; "block_overhead" (FLOPs at peak per grid step: one q block x kv
+# block x head) and "call_overhead" (seconds per kernel call) are those costs (kernel_efficiency).
+CONSTANTS = {"matmul": 0.45, "attention": 1.0, "block_overhead": 390000000.0, "call_overhead": 0.00011,
+             "collective_latency": 1.2e-09}
 
 # The model's mean absolute error on the published runs held out of the fit (docs/
 # planner_calibration.md, rounded): predicted steps closer than this are a tie (planner.break_ties).
@@ -102,17 +102,19 @@ def kernel_efficiency(peak_flops: float, call_flops: float, grid_steps: float, k
     matmuls (the step's DMA issue and wait, the online softmax's vector work on a block row, the
     mask and segment compare), and every launch a pipeline fill and drain; the matmuls themselves
     run at a fraction of peak (the MXU's tiles, the exp on the VPU between the two matmuls). So
-    a call takes F / (peak x e) + steps x c_block + launches x c_call, and its efficiency
+    a call takes F / (peak x e) + steps x c_block / peak + launches x c_call, and its efficiency
 
-        e(F) = e * F / (F + peak * e * (steps * c_block + launches * c_call))
+        e(F) = e * F / (F + e * (steps * c_block + peak * launches * c_call))
 
     grows with the work per call (longer shards: the launch cost spread over more steps; larger
-    blocks: the step cost over more FLOPs) and is bounded by e <= 1."""
+    blocks: the step cost over more FLOPs) and is bounded by e <= 1. A grid step's cost c_block
+    is in FLOPs at peak (its vector and DMA work grows with the chip as its MXUs do, so a faster
+    chip does not pay more peak-time per step); a launch's c_call in seconds."""
     c = dict(CONSTANTS, **(constants or {}))
-    overhead = grid_steps * c["block_overhead"] + kernels * c["call_overhead"]
     if call_flops <= 0:
         return c["attention"]
-    return c["attention"] * call_flops / (call_flops + peak_flops * c["attention"] * overhead)
+    overhead = grid_steps * c["block_overhead"] + peak_flops * kernels * c["call_overhead"]
+    return c["attention"] * call_flops / (call_flops + c["attention"] * overhead)
 
 
 def _kernel_calls(attention, schedule, config, mesh_sizes, rows) -> float:

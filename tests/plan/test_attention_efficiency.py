@@ -33,7 +33,11 @@ def test_efficiency_grows_with_the_work_per_call_and_is_bounded():
     # fixed costs paid, the block matmuls' own efficiency; none of them, none of the work
     assert step_time.kernel_efficiency(V5P.peak_flops, 1e30, 1.0) == pytest.approx(c["attention"])
     assert step_time.kernel_efficiency(V5P.peak_flops, 1e9, 1e6, constants={
-        "block_overhead": 1e-3}) < 1e-3
+        "block_overhead": 1e9}) < 1e-3
+    # a grid step's cost is in FLOPs at peak: a chip twice as fast pays the same share
+    flops, steps = _call(8192, 512)
+    assert step_time.kernel_efficiency(2 * V5P.peak_flops, flops, steps, constants={"call_overhead": 0.0}) == \
+        pytest.approx(step_time.kernel_efficiency(V5P.peak_flops, flops, steps, constants={"call_overhead": 0.0}))
 
 
 def test_the_step_prices_attention_by_the_efficiency_of_its_calls():

