@@ -29,10 +29,18 @@ NONFINITE_ACTIONS = ("stop", "skip")
 # started (checkpoint.init_from) from parameters trained with other values trains another
 # function, e.g. a converted Llama read with the wrong rope_theta or without its window. A
 # difference is refused unless checkpoint.init_from_allow names the key (train/checkpoint_compat.py
-# compares them). model.rope_scaling is one key: its type and the values that type reads.
+# compares them). model.rope_scaling is one key: its type and the values that type reads. The
+# block options that add no parameters are here (those that do are shape keys); attention.pattern
+# is the layer types layer by layer (a renamed type computes what it did).
 INIT_FROM_KEYS = ("model.rope_theta", "model.rope_scaling", "model.norm_eps", "model.final_logits_soft_cap",
+                  "model.norm_plus_one", "model.mlp_activation", "model.scale_embeddings",
+                  "model.query_pre_attn_scalar",
                   "attention.causal", "attention.sliding_window", "attention.chunk_size",
-                  "attention.logits_soft_cap")
+                  "attention.logits_soft_cap", "attention.pattern")
+# The keys of a layer type that init_from compares type by type, as
+# attention.layer_types.<name>.<key> (its mask and RoPE; not its strategy or block size).
+INIT_FROM_TYPE_KEYS = ("sliding_window", "chunk_size", "logits_soft_cap", "rope", "rope_theta", "rope_scaling",
+                       "temperature_floor", "temperature_scale")
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> None:
@@ -293,10 +301,13 @@ def _check_block_options(m) -> None:
 
 def _check_init_from_allow(config) -> None:
     """checkpoint.init_from_allow names only keys that init_from compares."""
+    types = tuple(config.attention.get("layer_types") or {})
+    type_keys = {f"attention.layer_types.{name}.{key}" for name in types for key in INIT_FROM_TYPE_KEYS}
     for key in init_from_allowed(config):
-        _require(key in INIT_FROM_KEYS,
+        _require(key in INIT_FROM_KEYS or key in type_keys,
                  f"checkpoint.init_from_allow names {key!r}, which init_from does not compare; it takes "
-                 f"a comma-separated list of {', '.join(INIT_FROM_KEYS)}.")
+                 f"a comma-separated list of {', '.join(INIT_FROM_KEYS)}, or of attention.layer_types."
+                 f"<type>.<key> for a type of this config and a key of {', '.join(INIT_FROM_TYPE_KEYS)}.")
 
 
 def _divisor_below(n: int, limit: int) -> int:

@@ -23,7 +23,8 @@ one is used.
 
 Incompatible, not corrupt. A checkpoint that reads fine but does not fit this run is an error,
 raised before anything is written or moved: a different model shape (the config keys that fix
-parameter shapes, listed with both values) or a different train-state structure (e.g. another
+parameter shapes, listed with both values), another block (checkpoint_compat.BLOCK_KEYS: Gemma's
+(1 + w) norms, GeGLU, ...) or a different train-state structure (e.g. another
 optimizer chain; the differing arrays are listed). Other model keys that changed (rope_theta,
 dtype, remat, ...) are only reported. When the data iterator state cannot carry over (the process
 count, the data stream's config, the process -> data shard map or the dataset changed; metadata/

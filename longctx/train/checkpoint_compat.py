@@ -2,14 +2,17 @@
 
 A checkpoint that reads fine can still belong to another run. Three questions, each answered from
 the small parts of a step (its config JSON and its arrays' shapes), before any array is read:
-  - model shape: the config keys that fix parameter shapes differ -> an error (`ConfigError`);
+  - model shape: the config keys that fix parameter shapes differ -> an error (`ConfigError`); on
+    resume also the block options that add no parameters (norm_plus_one, mlp_activation, ...): a
+    resumed run is the same model, and Gemma's (1 + w) gains read as plain ones are another;
   - train-state structure: the arrays themselves differ (e.g. another optimizer chain) -> an error
     listing them;
   - data stream: the process count, the keys that define the training stream, the process ->
     data shard map, the dataset's fingerprint or the values of the keys the packer's rows depend
     on differ -> the saved iterator state means nothing, and the data restarts (the caller
     decides how; `data_state_mismatch` says why).
-Other differences are only reported. A mixture (data.sources) resumes source by source:
+Other differences are only reported. A key absent from a config saved before it existed reads
+as its default (`ABSENT_MEANS`), so every older checkpoint compares as the model it is. A mixture (data.sources) resumes source by source:
 `mixture_notice` says which sources changed and restart, and which continue.
 """
 
@@ -21,12 +24,20 @@ import numpy as np
 from longctx import config as config_lib
 from longctx.data import packing
 from longctx.errors import ConfigError
-from longctx.model import rope
+from longctx.model import block_options, layer_types, rope
 
 # Config keys that fix the shapes (or presence) of parameters: a difference is an error on resume.
+# (A layer type's attention_sinks too: `layer_type_differences`.)
 SHAPE_KEYS = tuple(f"model.{k}" for k in (
     "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-    "tie_embeddings", "param_dtype")) + ("attention.attention_sinks",)
+    "tie_embeddings", "param_dtype", "qk_norm", "qkv_bias", "norm_position")) + ("attention.attention_sinks",)
+# The block options that add no parameters: what the same parameters compute. Refused on resume;
+# on init_from they are config.INIT_FROM_KEYS (refused unless checkpoint.init_from_allow names them).
+BLOCK_KEYS = tuple(f"model.{k}" for k in block_options.DEFAULTS if f"model.{k}" not in SHAPE_KEYS)
+# What a key reads as in a config saved before the key existed: the value that means what the
+# code meant then (Llama's block, one layer type).
+ABSENT_MEANS = {**{f"model.{k}": v for k, v in block_options.DEFAULTS.items()},
+                "attention.pattern": "", "attention.layer_types": {}}
 # Data keys that define the training stream: if one differs, the saved iterator state means nothing.
 STREAM_KEYS = tuple(f"data.{k}" for k in (
     "path", "seq_len", "global_batch_size", "packer", "shuffle_seed", "num_workers"))
@@ -44,7 +55,8 @@ _INIT_FROM_OTHER_SHAPE = ("Set these as the checkpoint has them (a converted mod
 
 def _get(config: dict, dotted: str):
     section, key = dotted.split(".", 1)
-    return (config.get(section) or {}).get(key)
+    values = config.get(section) or {}
+    return values[key] if key in values else ABSENT_MEANS.get(dotted)
 
 
 def config_differences(saved: dict, current: dict, keys) -> list[str]:
@@ -87,7 +99,9 @@ def structure_differences(saved: dict, current: dict) -> list[str]:
 def model_shape_error(config, where: str, saved_config: dict, init_from: bool = False) -> ConfigError | None:
     """The error for a checkpoint whose model shape differs from `config`'s, or None; its advice
     is for resuming the run, or with `init_from` for starting from the checkpoint's parameters."""
-    diffs = config_differences(saved_config, config.to_dict(), SHAPE_KEYS)
+    current = config.to_dict()
+    diffs = config_differences(saved_config, current, SHAPE_KEYS if init_from else SHAPE_KEYS + BLOCK_KEYS)
+    diffs += [text for _, _, text in layer_type_differences(saved_config, current, ("attention_sinks",))]
     if not diffs:
         return None
     return ConfigError(f"the model in {where} differs from this config: " + "; ".join(diffs)
@@ -272,7 +286,11 @@ _EXTENSION_KEYS = ("data.seq_len",)
 
 def _rope_scaling(config: dict) -> str:
     """'none', or 'llama3(factor=8.0, ...)': the type and only the values it reads."""
-    scaling = (config.get("model") or {}).get("rope_scaling") or {"type": "none"}
+    return _describe_scaling((config.get("model") or {}).get("rope_scaling"))
+
+
+def _describe_scaling(scaling: dict | None) -> str:
+    scaling = scaling or {"type": "none"}
     kind = scaling.get("type", "none")
     values = ", ".join(f"{k}={scaling.get(k)!r}" for k in rope.KEYS_BY_TYPE.get(kind, ()) if scaling.get(k) is not None)
     return f"{kind}({values})" if values else kind
@@ -285,6 +303,8 @@ def init_from_differences(saved: dict, current: dict, allowed) -> tuple[list[str
     none) and the differences `allowed` names. Refused: every other config.INIT_FROM_KEYS difference."""
     listed, refused = config_differences(saved, current, _EXTENSION_KEYS), []
     for key in config_lib.INIT_FROM_KEYS:
+        if key == "attention.pattern":  # (compared layer by layer, below)
+            continue
         if key == "model.rope_scaling":
             before, after = _rope_scaling(saved), _rope_scaling(current)
             if before == after:
@@ -297,4 +317,67 @@ def init_from_differences(saved: dict, current: dict, allowed) -> tuple[list[str
                 continue
             extension = False
         (listed if extension or key in allowed else refused).append(text)
+    for key, before, text in layer_type_differences(saved, current, config_lib.INIT_FROM_TYPE_KEYS):
+        extension = key.endswith(".rope_scaling") and before == "none"  # (a type's own extension)
+        (listed if extension or key in allowed else refused).append(text)
     return listed, refused
+
+
+def layer_type_differences(saved: dict, current: dict, keys) -> list[tuple[str, object, str]]:
+    """(key, checkpoint's value, "key: checkpoint X vs config Y") for what the layer types of two
+    configs set differently among `keys` (config.INIT_FROM_TYPE_KEYS, or attention_sinks).
+
+    Layer by layer, each side's type resolved against its own attention.* / model.* (as
+    layer_types.resolve does), a key compared where either layer's type sets it: a difference of
+    attention.* itself is its own key's. With the same pattern a difference is the type's key,
+    attention.layer_types.<name>.<key>; with another pattern it is attention.pattern, with the
+    first layer that differs (a pattern whose types are renamed, or spelled out on the other side,
+    computes what it did)."""
+    names = {side: layer_types.pattern({"pattern": _get(config, "attention.pattern")})
+             for side, config in (("saved", saved), ("current", current))}
+    same = names["saved"] == names["current"]
+    found = {}
+    for layer in range(_get(current, "model.num_layers") or 0):
+        then = names["saved"][layer % len(names["saved"])]
+        now = names["current"][layer % len(names["current"])]
+        for key in keys:
+            if key not in _type_settings(saved, then) and key not in _type_settings(current, now):
+                continue
+            before, after = _type_value(saved, then, key), _type_value(current, now, key)
+            if before == after:
+                continue
+            shown = (f"{before} vs config {after}" if key == "rope_scaling"  # (already text)
+                     else f"{before!r} vs config {after!r}")
+            if same:
+                name = f"attention.layer_types.{now}.{key}"
+                found.setdefault(name, (name, before, f"{name}: checkpoint {shown}"))
+            else:
+                found.setdefault("attention.pattern", (
+                    "attention.pattern", None,
+                    f"attention.pattern: checkpoint {_get(saved, 'attention.pattern')!r} vs config "
+                    f"{_get(current, 'attention.pattern')!r} (layer {layer}'s {key}: checkpoint {shown})"))
+    return list(found.values())
+
+
+def _type_settings(config: dict, name: str) -> dict:
+    """The keys layer type `name` sets (none for the one type of a model without a pattern)."""
+    if name == layer_types.UNIFORM:
+        return {}
+    return dict((_get(config, "attention.layer_types") or {}).get(name) or {})
+
+
+def _type_value(config: dict, name: str, key: str):
+    """Layer type `name`'s `key`: its own, else what layer_types.resolve takes for it (RoPE
+    scaling: model.rope_scaling with the type's keys over it, described as _rope_scaling does)."""
+    own = _type_settings(config, name)
+    if key == "rope_scaling":
+        return _describe_scaling({**(_get(config, "model.rope_scaling") or {}), **(own.get("rope_scaling") or {})})
+    if key in own:
+        return own[key]
+    if key == "rope":
+        return True
+    if key == "rope_theta":
+        return _get(config, "model.rope_theta")
+    if key in layer_types.TEMPERATURE_KEYS:
+        return None
+    return _get(config, f"attention.{key}")
