@@ -40,7 +40,7 @@ import json  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from longctx.model import layer_types  # noqa: E402
+from longctx.model import block_options, layer_types  # noqa: E402
 from longctx.plan import aot, auto, collectives, planner  # noqa: E402
 from longctx.train import state as train_state  # noqa: E402
 from longctx import config as config_lib  # noqa: E402
@@ -259,7 +259,7 @@ def _searches() -> list[tuple[str, int, int]]:
 def _model_line(config) -> str:
     m = config.model
     return (f"{m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads / {m.num_kv_heads} kv "
-            f"heads x {m.head_dim}, mlp {m.mlp_dim}, vocab {m.vocab_size}, {m.dtype} compute, "
+            f"heads x {m.head_dim}, mlp {m.mlp_dim}, vocab {m.vocab_size}{_block_text(config)}, {m.dtype} compute, "
             f"{m.param_dtype} params + AdamW, remat {m.remat_policy}, scan_layers {m.scan_layers}, "
             f"attention {config.attention.impl} (block {config.attention.block_size}, "
             f"layout {config.attention.layout}, causal {config.attention.causal}, "
@@ -269,6 +269,28 @@ def _model_line(config) -> str:
             f"{_pattern_text(config)}), parameters over "
             f"{'x'.join(mesh_lib.split_axes('embed'))}, optimizer state over "
             f"{'x'.join(mesh_lib.split_axes('embed', config.optimizer.get('shard_state_over_dp', False)))}")
+
+
+# How the Model line names a block option away from Llama's value (else "key value", or "key").
+_BLOCK_WORDS = {("norm_position", "post"): "post-norms", ("norm_position", "sandwich"): "sandwich norms",
+                ("norm_plus_one", True): "(1 + w) norms", ("mlp_activation", "gelu_tanh"): "GeGLU",
+                ("scale_embeddings", True): "embeddings x sqrt(d_model)"}
+
+
+def _block_text(config) -> str:
+    """", qk_norm per_head, GeGLU, ..." for the block options (and final logit soft cap) a model
+    sets away from Llama's, in block_options.DEFAULTS' order; "" for Llama's block."""
+    options = block_options.options(config.model)
+    parts = []
+    for key, default in block_options.DEFAULTS.items():
+        value = getattr(options, key)
+        if value == default:
+            continue
+        plain = key if value is True else f"{key} {value:g}" if isinstance(value, float) else f"{key} {value}"
+        parts.append(_BLOCK_WORDS.get((key, value), plain))
+    if config.model.get("final_logits_soft_cap") is not None:
+        parts.append(f"final logit soft cap {config.model.final_logits_soft_cap:g}")
+    return "".join(f", {part}" for part in parts)
 
 
 def _pattern_text(config) -> str:

@@ -12,8 +12,9 @@ the small parts of a step (its config JSON and its arrays' shapes), before any a
     on differ -> the saved iterator state means nothing, and the data restarts (the caller
     decides how; `data_state_mismatch` says why).
 Other differences are only reported. A key absent from a config saved before it existed reads
-as its default (`ABSENT_MEANS`), so every older checkpoint compares as the model it is. A mixture (data.sources) resumes source by source:
-`mixture_notice` says which sources changed and restart, and which continue.
+as its default (`ABSENT_MEANS`), so every older checkpoint compares as the model it is. A
+mixture (data.sources) resumes source by source: `mixture_notice` says which sources changed and
+restart, and which continue.
 """
 
 from __future__ import annotations
