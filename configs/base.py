@@ -357,14 +357,25 @@ def _hybrid_at_scale(c, *, layers, d_model, heads, kv_heads, head_dim, mlp_dim, 
 
 
 def _gemma3_12b_128k(c):
-    """Gemma-3-12B's shape at 131,072 tokens: 48 layers, five sliding-window layers (window 1,024,
-    RoPE theta 10,000, the halo) to one global (theta 1,000,000, linear scaling x8, the ring)."""
-    return _hybrid_at_scale(
+    """Gemma-3-12B (text) at 131,072 tokens, its released context: 48 layers, five sliding-window
+    layers (1,024 keys counting the query's own, window 1,023 here; RoPE theta 10,000; the halo) to
+    one global (theta 1,000,000, linear scaling x8; the ring), in Gemma's block: QK-norm per head,
+    sandwich norms with (1 + w) gains, GeGLU, embeddings scaled by sqrt(d_model), queries by
+    256 ** -0.5, tied embeddings. A model converted from its config.json (scripts/convert_hf.py
+    to-longctx) is this model, with the layer types named here local and global
+    (tests/test_presets.py)."""
+    c = _hybrid_at_scale(
         c, layers=48, d_model=3840, heads=16, kv_heads=8, head_dim=256, mlp_dim=15_360,
         vocab=262_208, seq_len=131_072, theta=1_000_000.0,
         pattern="local,local,local,local,local,global",
-        types={"local": dict(sliding_window=1024, rope_theta=10_000.0, cp="halo"),
-               "global": dict(rope_scaling=dict(type="linear", factor=8.0))})
+        types={"local": dict(sliding_window=1023, rope_theta=10_000.0, rope_scaling=dict(type="none"),
+                             cp="halo"),
+               "global": {}})
+    c.model.update(qk_norm="per_head", norm_position="sandwich", norm_plus_one=True,
+                   mlp_activation="gelu_tanh", scale_embeddings=True, query_pre_attn_scalar=256.0,
+                   norm_eps=1e-6, tie_embeddings=True)
+    c.model.rope_scaling.update(type="linear", factor=8.0)
+    return c
 
 
 def _gpt_oss_20b_128k(c):
