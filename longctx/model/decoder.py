@@ -365,33 +365,7 @@ class Decoder(nnx.Module):
                 x = run_layers(x, r, states)
             return x, None
 
-        whole, remainder = layer_types_lib.depth_split(m.num_layers, period_length)
-        if m.scan_layers and remainder:
-            counts = [run.layers(m.num_layers, period_length) for run in runs]
-
-            def indexed_layer(x, r, index):
-                """Layer `index` of run r's stack; past the stack's end (the last period's layers
-                after the remainder) the identity. Its parameters are read by index, clamped into
-                the stack, for the skipped layers too: a cond's two branches take one operand."""
-                state = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(
-                    p, jnp.minimum(index, counts[r] - 1), keepdims=False), stacked[r])
-                return jax.lax.cond(index < counts[r], lambda x: layer(x, r, state), lambda x: x, x)
-
-            def indexed_period(x, i):
-                for r, run in enumerate(runs):
-                    if run.length == 1:
-                        x = indexed_layer(x, r, i)
-                    else:
-                        x = jax.lax.scan(lambda x, j, r=r, first=i * run.length: (
-                            indexed_layer(x, r, first + j), None), x, jnp.arange(run.length))[0]
-                return x, None
-
-            # A remainder (Gemma 3 27B: 62 = 10 x 6 + 2) as one more scanned period that runs
-            # only its layers: after the scan, the remainder's layers compiled their types' layer
-            # bodies and kernels a second time (the 8B with a period of 6 and a remainder of 2:
-            # 16 attention kernels, not 10).
-            x, _ = jax.lax.scan(indexed_period, x, jnp.arange(whole + 1))
-            return rms_norm(x, self.final_norm[...], m.norm_eps, block_options.options(m).norm_plus_one)
+        whole, _ = layer_types_lib.depth_split(m.num_layers, period_length)
         # [whole, run length, ...] per run: period i holds layers i * length .. (i + 1) * length - 1
         # of each run's stack (the rest, if any, is the run's part of the remainder).
         by_period = tuple(jax.tree.map(lambda p, run=run: p[:whole * run.length].reshape(
