@@ -80,8 +80,14 @@ def bench_one(data_dir, meta, packer, seq_len, workers, batch_size, tokens, sp=4
             "non_padding": round(real / total, 5), "first_batch_s": round(first, 2)}
 
 
+def update_json(path: str, **entries) -> None:
+    """bench_data.json with `entries` replaced: the packer runs and --mixture each keep the other's."""
+    kept = json.load(open(path)) if os.path.exists(path) else {}
+    bc.write_json(path, {**kept, **entries})
+
+
 def write_docs(results, info, out_dir):
-    bc.write_json(os.path.join(out_dir, "bench_data.json"), {"machine": info, "results": results})
+    update_json(os.path.join(out_dir, "bench_data.json"), machine=info, results=results)
     lines = [
         "# Data pipeline benchmark",
         "",
@@ -245,8 +251,7 @@ def mixture_markdown(result: dict) -> str:
 def run_mixture(args) -> None:
     result = bench_mixture(args)
     path = os.path.join(args.out, "bench_data.json")
-    kept = json.load(open(path)) if os.path.exists(path) else {}
-    bc.write_json(path, {**kept, "mixture": result})
+    update_json(path, mixture=result)
     bc.write_section(MIXTURE_SECTION, mixture_markdown(result), args.md)
     print(f"wrote {path} ('mixture') and its section of {args.md}")
 
