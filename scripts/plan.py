@@ -256,9 +256,9 @@ def main(argv):
                         progress=planner.progress_lines(sys.stderr))
     if not rows:
         raise ConfigError(f"no mesh, strategy and block of this config is valid on {topology.name} "
-                          f"({topology.num_chips} chips): data.seq_len must divide by sp, "
+                          f"({topology.num_devices} devices): data.seq_len must divide by sp, "
                           f"data.global_batch_size by dp x fsdp and model.d_model by fsdp x sp for "
-                          f"some split of the chips.")
+                          f"some split of the devices.")
     if not any(r.fits for r in rows):  # no run to recommend: say what would fit instead
         raise ConfigError(fit_remedy.why_nothing_fits(config, topology))
     top = planner.distinct(rows)[:_TOP.value]
@@ -268,7 +268,7 @@ def main(argv):
         if compiled[i]["fits"]:
             break
     why = reasons(top)
-    result = {"topology": topology.name, "chips": topology.num_chips, "candidates": len(rows),
+    result = {"topology": topology.name, "chips": topology.num_chips, "devices": topology.num_devices, "candidates": len(rows),
               "fit_by_model": sum(r.fits for r in rows),
               "documents": None if documents is None else
               ("--doc-lengths " + ",".join(_DOC_LENGTHS.value) if _DOC_LENGTHS.value else f"--data {_DATA.value}"),

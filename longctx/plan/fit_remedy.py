@@ -25,7 +25,7 @@ MIN_SEQ_LEN = 1024
 
 def _fits(config, topology: hardware.Topology, open_keys) -> bool:
     need = planner.smallest_memory(config, topology, open_keys)
-    return need is not None and need <= planner.HBM_HEADROOM * topology.chip.hbm_bytes
+    return need is not None and need <= planner.HBM_HEADROOM * topology.device.hbm_bytes
 
 
 def larger_slices(topology: hardware.Topology):
@@ -81,7 +81,7 @@ def why_nothing_fits(config, topology: hardware.Topology, open_keys=planner.SEAR
     need = planner.smallest_memory(config, topology, open_keys)
     gib, d = 2 ** 30, config.data
     text = (f"no candidate fits {topology.name} by the memory model: the smallest needs "
-            f"~{(need or 0) / gib:,.0f} GiB per chip of {topology.chip.hbm_bytes / gib:.0f}")
+            f"~{(need or 0) / gib:,.0f} GiB per device of {topology.device.hbm_bytes / gib:.0f}")
     ways = []
     shorter = longest_seq_len(config, topology, open_keys)
     if shorter is not None:

@@ -138,8 +138,12 @@ def axis_links(topology: Topology, sizes: dict[str, int], order: tuple[str, ...]
         return {a: 1.0 for a in order}
     remaining = sorted(topology.shape)  # small axes first: the mesh builder fills them first
     spans = {}
+    on_chip = topology.chip.devices_per_chip  # TPU7x: the innermost axis's first factor of 2
     for axis in order:
         n, span = sizes[axis], 0.0
+        if on_chip > 1 and n > 1:  # ... spans the chip's own two devices, no torus axis
+            taken = on_chip if n % on_chip == 0 else 1
+            n, on_chip = n // taken, on_chip // taken
         while n > 1 and remaining:
             d = remaining[0]
             if n >= d:

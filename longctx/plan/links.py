@@ -60,6 +60,12 @@ def pass_hops(topology: hardware.Topology, sp: int, stride: int) -> int:
     crosses (1 for the ring's own pass around a cycle; a GPU switch: 1)."""
     if topology.chip.torus_dims == 0 or sp <= 1 or stride % sp == 0:
         return 1
-    extent, wrap = sp_box(topology, sp)
-    cycle = _cycle(topology, sp)
-    return max(distance(cycle[j], cycle[(j + stride) % sp], extent, wrap) for j in range(sp))
+    # A TPU7x chip is two devices, neighbours on the ring (the innermost factor of sp): device j
+    # sits on chip j // 2 of the chips' cycle, and a send between its two devices crosses no ICI
+    # link (it still costs one link's time: max 1).
+    per_chip = topology.chip.devices_per_chip
+    chips = max(1, sp // per_chip)
+    extent, wrap = sp_box(topology, chips)
+    cycle = _cycle(topology, chips)
+    chip_of = lambda j: cycle[(j % sp) // per_chip % chips]  # noqa: E731
+    return max(1, max(distance(chip_of(j), chip_of(j + stride), extent, wrap) for j in range(sp)))

@@ -282,7 +282,7 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
     them in the ring's tables on the documents (one per layout, sp and block, which every strategy
     shares), so the caller can say how far it is in both."""
     a, m = config.attention, config.model
-    chips = topology.num_chips
+    chips = topology.num_devices  # a mesh's size: TPU7x's chips are two devices each
     opened = lambda key, values, current: tuple(values) if key in open_keys else (current,)  # noqa: E731
     residual_choices = opened("attention.residuals", _residual_policies(topology), a.residuals)
     remat_choices = opened("model.remat_policy", decoder.REMAT_POLICIES, m.remat_policy)
@@ -310,7 +310,7 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
                                                rows_in_schedule=batch_rows(config, mesh, segment_ids),
                                                pairs_per_row=pairs),
                             memory_model.per_device_bytes(cc, mesh),
-                            topology.chip.hbm_bytes))
+                            topology.device.hbm_bytes))
         if progress is not None:
             progress(done, len(valid), len(ring_schedules), tables)
     order = {id(r): i for i, r in enumerate(rows)}
@@ -405,12 +405,12 @@ def smallest_memory(config, topology: hardware.Topology, open_keys=SEARCHABLE) -
                         else (a.residuals,))
     remat_choices = decoder.REMAT_POLICIES if "model.remat_policy" in open_keys else (m.remat_policy,)
     best, priced = None, set()
-    for mesh, strategy, layout, block in _combinations(config, topology.num_chips, open_keys):
+    for mesh, strategy, layout, block in _combinations(config, topology.num_devices, open_keys):
         key = (tuple(mesh.values()), strategy)
         if key in priced:
             continue
         c = candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy, block)
-        if not _valid(c, topology.num_chips):
+        if not _valid(c, topology.num_devices):
             continue
         priced.add(key)
         c.unlock()
@@ -418,7 +418,7 @@ def smallest_memory(config, topology: hardware.Topology, open_keys=SEARCHABLE) -
             c.attention.residuals, c.model.remat_policy = residuals, remat
             need = memory_model.per_device_bytes(c, mesh).total_bytes
             best = need if best is None else min(best, need)
-            if best <= HBM_HEADROOM * topology.chip.hbm_bytes:
+            if best <= HBM_HEADROOM * topology.device.hbm_bytes:
                 return best
     return best
 

@@ -289,7 +289,7 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
     count. `pairs_per_row`: the pairs the schedule's documents keep (document_pairs of the same
     rows), for MFU; None: rows of one document."""
     eff = dict(CONSTANTS, **(constants or {}))
-    chip = topology.chip
+    chip = topology.device  # what one mesh device has (a TPU7x chip is two)
     m, d = config.model, config.data
     dp, fsdp, sp = mesh_sizes["dp"], mesh_sizes["fsdp"], mesh_sizes["sp"]
     chips = dp * fsdp * sp
@@ -419,7 +419,7 @@ def _cp_seconds_of(strategy, degree, shape, steps: int, exchanges, layers, topol
     sp = shape.sp
     parts = collectives.formula_parts(strategy, shape, degree=degree, steps=range(steps),
                                       exchanges=exchanges)
-    link = topology.chip.ici_link_bandwidth
+    link = topology.device.ici_link_bandwidth
     u = sp if strategy == "ulysses" else (degree or 1)
     # The Ulysses group is the inner part of sp (mesh.ring_cycle): its links are sp's first.
     u_span = min(spans["sp"], math.log(u) / math.log(max(2, sp)) * spans["sp"]) if sp > 1 else 0.0

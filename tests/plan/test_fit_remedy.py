@@ -58,7 +58,7 @@ def test_plan_that_nothing_fits_exits_2_with_the_nearest_slice():
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("longctx: ")]
     assert lines == ["longctx: no candidate fits v5e:2x2 by the memory model: the smallest needs ~124 GiB "
-                     "per chip of 16; --topology=v5e:8x8 (64 chips) is the smallest v5e slice that fits "
+                     "per device of 16; --topology=v5e:8x8 (64 chips) is the smallest v5e slice that fits "
                      "4 x 131,072 tokens."], result.stderr[-2000:]
     assert "run #" not in result.stdout
 

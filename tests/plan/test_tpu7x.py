@@ -45,3 +45,32 @@ def test_the_tiny_train_step_compiles_for_tpu7x_at_65536_tokens():
     assert result.device_kind == "TPU7x" and result.num_devices == 8 and result.cores_per_chip == 2
     assert result.hbm_bytes == 96 * hardware.GIB  # half of a chip's 192 GiB
     assert result.fits and 0 < result.total_bytes < result.hbm_bytes
+
+
+def test_the_planner_lays_its_meshes_over_tpu7x_devices_not_chips():
+    """tpu7x:2x2x1 is 4 chips and 8 devices: every mesh the planner prices has 8 devices, each
+    with a device's HBM (96 GiB, not the chip's 192) and its peak."""
+    from configs import base
+    from longctx.plan import planner
+
+    config = base.get_config("tiny")
+    config.data.update(seq_len=8192, global_batch_size=1)
+    topology = hardware.parse_topology("tpu7x:2x2x1")
+    rows = planner.plan(config, topology)
+    assert rows and all(r.mesh["dp"] * r.mesh["fsdp"] * r.mesh["sp"] == 8 for r in rows)
+    assert {r.hbm_bytes for r in rows} == {96 * hardware.GIB}
+    assert rows[0].step.num_chips == 8 and rows[0].step.peak_flops == 1153.5e12
+
+
+def test_the_two_devices_of_a_tpu7x_chip_take_no_torus_axis():
+    """sp over 8 devices of tpu7x:2x2x1 spans the 4 chips' two axes, as sp = 4 of v5p:2x2x1 does;
+    a usp pass between the two devices of one chip crosses no link (priced as one)."""
+    from longctx.plan import links
+
+    order = ("sp", "fsdp", "dp")
+    tpu7x, v5p = hardware.parse_topology("tpu7x:2x2x1"), hardware.parse_topology("v5p:2x2x1")
+    assert hardware.axis_links(tpu7x, {"sp": 8, "fsdp": 1, "dp": 1}, order) == \
+        hardware.axis_links(v5p, {"sp": 4, "fsdp": 1, "dp": 1}, order)
+    assert hardware.axis_links(tpu7x, {"sp": 2, "fsdp": 4, "dp": 1}, order)["sp"] == 0.0
+    assert links.pass_hops(tpu7x, 8, 1) == 1
+    assert links.pass_hops(tpu7x, 8, 2) == links.pass_hops(v5p, 4, 1)
