@@ -73,12 +73,6 @@ def test_ring_report_config_prints_one_json_object_per_type():
     assert [t["strategy"] for t in out["types"]] == ["halo", "ring"]
 
 
-def test_ring_report_without_config_still_needs_seq_len_and_sp():
-    run = _ring_report("--layout", "contiguous")
-    assert run.returncode == 2
-    assert "--seq-len and --sp are required" in run.stderr and len(run.stderr.strip().splitlines()) == 1
-
-
 @pytest.mark.tpu_aot
 @pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed (the [tpu] extra)")
 def test_the_lowered_tpu_program_sends_what_the_formula_says_for_each_type():
