@@ -120,9 +120,10 @@ CASES = {
 }
 
 
-# The families' blocks cover every option (~20 s each to compile on 2 cores); each option alone
-# runs with LONGCTX_EXHAUSTIVE=1.
-FAMILIES = ("qwen2_bias", "qwen3_qk_norm", "gemma3_block", "olmo3_block")
+# Three blocks cover every option (~20 s each to compile on 2 cores): Gemma 3's (Qwen3's per-head
+# QK-norm among them), OLMo 3's, and Gemma 3's with Qwen2's q/k/v biases under recompute_qkv; each
+# option alone, and the Qwen blocks, run with LONGCTX_EXHAUSTIVE=1.
+FAMILIES = ("gemma3_block", "olmo3_block", "gemma3_block_recompute_qkv")
 
 
 @pytest.mark.parametrize("case", [case if case in FAMILIES else pytest.param(case, marks=pytest.mark.skipif(
