@@ -35,7 +35,9 @@ demo: $(STAMP)
 # clones 40 minutes apart took 13:27 and 15:10 with set-up (12:58 and 14:38 in pytest): the same tests,
 # 13% more CPU in the second; this shared machine's speed moves by that much. On 12-05, with issue 54,
 # hybrid attention, the halo strategy, RULER and data mixtures (1,179 tests), a fresh clone took 16:16
-# with set-up (15:37 in pytest, 30 CPU-minutes user), 1,148 passed, 31 skipped.
+# with set-up (15:37 in pytest, 30 CPU-minutes user), 1,148 passed, 31 skipped. Later on 12-05, with
+# the model families, the planner per layer type and TPU7x (1,329 tests), one took 19:38 with set-up
+# (18:51 in pytest, 36 CPU-minutes user), 1,285 passed, 44 skipped: under 20 minutes, with little to spare.
 # --dist loadfile keeps each file on one worker, so that a module's fixtures
 # (tests/train/test_checkpoint.py's training runs, for one) run once.
 test: $(STAMP)
