@@ -25,7 +25,8 @@ from longctx.interop import families, hf
 from tests import ROOT as REPO
 from tests.interop.test_check_logits import run_script
 from tests.validate_commands import run_scripts
-from tests.interop.test_hf import ASSETS, RING, TOLERANCE, convert, converted_config, golden_rows
+from tests.interop.test_hf import (ASSETS, RING, assert_logits_match_transformers, convert, converted_config,
+                                   golden_rows)
 
 FAMILY_MODELS = ("qwen3", "qwen2_window", "gemma3", "olmo3")
 # The config.json keys an export must give back as the source has them.
@@ -44,14 +45,7 @@ def converted(tmp_path_factory):
 
 @pytest.mark.parametrize("name", FAMILY_MODELS)
 def test_logits_match_transformers(name, converted):
-    runner = inference.runner_from_checkpoint(converted[name], RING)
-    assert runner.layout == "zigzag" and runner.sp == 4
-    inputs, golden, where = golden_rows()
-    logits = runner.logits_at(inputs, where)
-    diff = float(np.abs(logits - golden[name]).max())
-    print(f"{name}: max |logit difference| vs transformers = {diff:.3g}")
-    assert np.abs(golden[name]).max() > 5.0
-    assert diff <= TOLERANCE
+    assert_logits_match_transformers(converted[name], name)
 
 
 @pytest.mark.parametrize("name, wrong", [

@@ -68,10 +68,10 @@ def converted(tmp_path_factory):
     return {name: convert(os.path.join(ASSETS, name), str(root / name)) for name in MODELS}
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_logits_match_transformers(name, converted):
-    """Converted checkpoint -> restored on the 1x2x4 mesh -> ring (sp=4, zigzag) forward."""
-    runner = inference.runner_from_checkpoint(converted[name], RING)
+def assert_logits_match_transformers(checkpoint, name):
+    """`checkpoint` restored on the 1x2x4 mesh -> ring (sp=4, zigzag) forward, against the
+    fixture `name`'s golden logits from transformers."""
+    runner = inference.runner_from_checkpoint(checkpoint, RING)
     assert runner.layout == "zigzag" and runner.sp == 4
     inputs, golden, where = golden_rows()
     logits = runner.logits_at(inputs, where)
@@ -79,6 +79,12 @@ def test_logits_match_transformers(name, converted):
     print(f"{name}: max |logit difference| vs transformers = {diff:.3g}")
     assert np.abs(golden[name]).max() > 5.0  # logits large enough for errors to show
     assert diff <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_match_transformers(name, converted):
+    """Converted checkpoint -> restored on the 1x2x4 mesh -> ring (sp=4, zigzag) forward."""
+    assert_logits_match_transformers(converted[name], name)
 
 
 @pytest.mark.parametrize("name, wrong, min_diff", [

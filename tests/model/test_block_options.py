@@ -25,6 +25,7 @@ from longctx.ops import reference_attention
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from tests import synthetic
+from tests.model.test_hybrid import assert_matches_dense_reference
 from tests.model.test_model import plain_rope, small_config
 
 LAYOUT = "zigzag"
@@ -153,15 +154,8 @@ def test_block_option_matches_the_dense_reference(case):
         return (nll * mask).sum(), nll
 
     (_, expected), expected_grads = jax.value_and_grad(plain_loss, has_aux=True)(pure)
-    got = np.asarray(nll)[:, layout_lib.inverse_permutation(layout_lib.permutation(LAYOUT, 256, 4))]
-    keep = rows["loss_mask"] == 1
-    np.testing.assert_allclose(got[keep], np.asarray(expected)[keep], rtol=2e-4, atol=2e-4)
-    flat_got = dict(jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0])
-    flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected_grads)[0])
-    assert flat_got.keys() == flat_expected.keys()
-    for path, g in flat_expected.items():
-        np.testing.assert_allclose(np.asarray(flat_got[path]), np.asarray(g), rtol=2e-3, atol=2e-4,
-                                   err_msg=jax.tree_util.keystr(path))
+    assert_matches_dense_reference(nll, grads, expected, expected_grads,
+                                   layout_lib.permutation(LAYOUT, 256, 4), rows["loss_mask"])
 
 
 def test_every_option_at_its_default_is_llamas_block():

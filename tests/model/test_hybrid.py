@@ -119,8 +119,14 @@ def test_hybrid_model_matches_the_unrolled_reference_forward_and_gradients(scan_
         return (nll * mask).sum(), nll
 
     (_, expected), expected_grads = jax.value_and_grad(plain_loss, has_aux=True)(pure)
+    assert_matches_dense_reference(nll, grads, expected, expected_grads, order, rows["loss_mask"])
+
+
+def assert_matches_dense_reference(nll, grads, expected, expected_grads, order, loss_mask):
+    """The model's per-token NLL (in layout `order`) and every parameter's gradient against the
+    dense reference's, on the tokens the loss counts."""
     got = np.asarray(nll)[:, layout_lib.inverse_permutation(order)]
-    keep = rows["loss_mask"] == 1
+    keep = loss_mask == 1
     np.testing.assert_allclose(got[keep], np.asarray(expected)[keep], rtol=2e-4, atol=2e-4)
     flat_got = dict(jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0])
     flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected_grads)[0])
