@@ -17,9 +17,14 @@ each top row wins or loses against the first; `--json` prints one JSON object in
 draws the top rows' predicted step-time breakdown.
 
 The attention is priced on rows of one document each (the static mask) unless documents are
-given: --doc-lengths (lengths repeated to fill each row) or --data (the first packed rows of a
-prepared dataset, as a run with attention.layout=auto samples them). The model, the data shape
-and everything not searched stay as the config has them; --seq-len overrides data.seq_len.
+given: --doc-lengths (one row of these lengths repeated in order to fill it, laid out as given:
+no packer places them) or --data (the first packed rows of a prepared dataset, as a run with
+attention.layout=auto samples them, packed with the config's data.packer). Under
+data.packer=shard_balanced, whose rows depend on sp and the block (it balances documents over the
+sp shards by their work in blocks), each candidate is priced on the rows packed with its own sp
+and attention.block_size, packed once per distinct pair; the other packers ignore both, and one
+packing serves every candidate. The model, the data shape and everything not searched stay as
+the config has them; --seq-len overrides data.seq_len.
 
 `--config.attention.cp=auto` and `--config.attention.block_size=auto` in scripts/train.py and
 estimate.py apply the same planner to a run at start-up (only the strategy, the mesh's -1 axes, the
@@ -57,9 +62,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. con
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p:4x4x4, v5e:16x16, v6e:8x8.")
 _SEQ_LEN = flags.DEFINE_integer("seq-len", None, "Tokens per sequence (overrides data.seq_len).",
                                  lower_bound=1)
-_DOC_LENGTHS = flags.DEFINE_list("doc-lengths", [], "Document lengths that fill each row, repeated.")
+_DOC_LENGTHS = flags.DEFINE_list("doc-lengths", [], "Document lengths that fill each row, repeated "
+                                 "(laid out as given, not packed by data.packer).")
 _DATA = flags.DEFINE_string("data", "", "A prepared dataset (scripts/prepare_data.py) whose packed rows "
-                            "price the attention.")
+                            "price the attention (packed with data.packer; shard_balanced's with "
+                            "each candidate's sp and block).")
 _TOP = flags.DEFINE_integer("top", 10, "Rows of the table: the best ways to split attention.",
                              lower_bound=1)
 _COMPILE = flags.DEFINE_integer("compile", 1, "Compile the best rows ahead of time until one fits, at "
@@ -91,7 +98,8 @@ def _config(config):
 
 
 def _documents(config):
-    """Segment ids [rows, S] to price the attention by, or None (the static mask)."""
+    """Segment ids [rows, S] to price the attention by, `(sp, block) -> [rows, S]` (--data: as
+    each candidate's run packs them), or None (the static mask)."""
     if _DOC_LENGTHS.value and _DATA.value:
         raise ConfigError("give --doc-lengths or --data, not both.")
     if _DOC_LENGTHS.value:
@@ -107,9 +115,18 @@ def _documents(config):
         c.unlock()
         c.data.path = _DATA.value
         try:
-            return data_lib.layout_sample(c, data_lib.resolve_dataset(c))
+            packed = data_lib.PackedSample(c, data_lib.resolve_dataset(c))
         except (OSError, ValueError) as e:
             raise ConfigError(f"--data {_DATA.value}: {e}") from None
+
+        def sample(sp: int, block: int):
+            try:
+                return packed(sp, block)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"--data {_DATA.value}: {e}") from None
+
+        sample(1, planner.BLOCK_SIZES[0])  # read now: bad data fails before the plan says it is fine
+        return sample
     return None
 
 

@@ -406,21 +406,55 @@ class BatchIterator:
 LAYOUT_SAMPLE_ROWS = 8
 
 
-def layout_sample(config, data_dir: str, rows: int = LAYOUT_SAMPLE_ROWS) -> np.ndarray:
+def layout_sample(config, data_dir: str, rows: int = LAYOUT_SAMPLE_ROWS, *, num_shards: int = 1,
+                  block_size: int = 512) -> np.ndarray:
     """Segment ids [rows, seq_len] (natural order, 0 = padding) of the first packed rows of the
     train split in its shuffled order: the documents attention.layout='auto' is chosen on. The
     same rows on every process and at every start of the run (data shard 0 of 1, the run's
     shuffle seed and packer), so every host picks the same layout and a resumed run the one it
-    started with."""
+    started with. `num_shards` (sp) and `block_size` as packed_rows' (shard_balanced's only)."""
     d = config.data
     it = iter(packed_rows(data_dir, "train", seq_len=d.seq_len, packer=d.packer,
-                          seed=d.shuffle_seed))
+                          seed=d.shuffle_seed, num_shards=num_shards, block_size=block_size))
     try:
         return np.stack([next(it)["segment_ids"] for _ in range(rows)])
     finally:
         close = getattr(it, "close", None)  # its read threads, else they go at garbage collection
         if close is not None:
             close()
+
+
+class PackedSample:
+    """layout_sample's rows as a run of each sp and block packs them: `sample(sp, block)` ->
+    segment ids [rows, seq_len], packed once per distinct setting of what data.packer's rows
+    depend on (packing.Packer.row_keys): shard_balanced's rows follow the sp and the block (it
+    balances documents over the sp shards by their work in blocks); a packer that ignores both
+    (first/best fit, concat-then-split) packs once for every (sp, block). The rest is
+    layout_sample's for all: data shard 0 of 1, its bins (scripts/plan.py prices every candidate
+    on it)."""
+
+    def __init__(self, config, data_dir: str, rows: int = LAYOUT_SAMPLE_ROWS):
+        self.config, self.data_dir, self.rows = config, data_dir, rows
+        self._packed: dict[tuple, np.ndarray] = {}
+
+    def setting(self, sp: int, block: int) -> tuple:
+        """What of (sp, block) the packer's rows depend on: the cache key."""
+        settings = packing.row_settings(self.config.data.packer, seq_len=self.config.data.seq_len,
+                                        num_shards=sp, block_size=block, bins=None)
+        return tuple(sorted(settings.items()))
+
+    def __call__(self, sp: int, block: int) -> np.ndarray:
+        key = self.setting(sp, block)
+        if key not in self._packed:
+            self._packed[key] = layout_sample(self.config, self.data_dir, self.rows,
+                                              num_shards=sp, block_size=block)
+            self._packed[key].setflags(write=False)
+        return self._packed[key]
+
+    @property
+    def packings(self) -> int:
+        """Distinct packings made so far."""
+        return len(self._packed)
 
 
 def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data_dir: str,

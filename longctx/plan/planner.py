@@ -269,14 +269,16 @@ def auto_keys(config) -> tuple[str, ...]:
 
 
 def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
-         segment_ids: np.ndarray | None = None,
+         segment_ids: np.ndarray | Callable[[int, int], np.ndarray] | None = None,
          progress: Callable[[int, int, int, int], None] | None = None) -> list[Row]:
     """Every valid candidate, best first (fitting ones by predicted step time, then the rest;
     `distinct` keeps the best of each way to split attention, for a table).
 
     open_keys: the SEARCHABLE keys to choose; the others stay as the config has them.
     segment_ids: natural-order rows of the run's packed documents [rows, seq_len] to price the
-    attention by (None: the static mask, rows of one document).
+    attention by, or `(sp, block) -> those rows` as a run of that sp and attention.block_size packs
+    them (data.pipeline.PackedSample: shard_balanced's rows follow both), each candidate priced on
+    its own (None: the static mask, rows of one document).
     progress: called after each valid (mesh, strategy, layout, block) with (done, total, document
     tables built, total): with documents at 2,097,152 tokens a plan takes minutes, nearly all of
     them in the ring's tables on the documents (one per layout, sp and block, which every strategy
@@ -286,7 +288,8 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
     opened = lambda key, values, current: tuple(values) if key in open_keys else (current,)  # noqa: E731
     residual_choices = opened("attention.residuals", _residual_policies(topology), a.residuals)
     remat_choices = opened("model.remat_policy", decoder.REMAT_POLICIES, m.remat_policy)
-    pairs = None if segment_ids is None else step_time.document_pairs(config, segment_ids)
+    sample = _sample(segment_ids)
+    pairs = {}  # MFU's document pairs per sample (by its identity: `sample` holds every one)
     valid = [(mesh, strategy, layout, block) for mesh, strategy, layout, block
              in _combinations(config, chips, open_keys)
              if _valid(candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy,
@@ -294,21 +297,24 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
     kinds = len({str(masks.make_mask_spec(**attention_lib.mask_kwargs(t.attention)))
                  for t, _ in collectives.type_layers(config)})
     tables = 0 if segment_ids is None else kinds * len({
-        (layout, mesh["sp"], block, batch_rows(config, mesh, segment_ids))
+        (layout, mesh["sp"], block, batch_rows(config, mesh, sample(mesh["sp"], block)))
         for mesh, _, layout, block in valid})
     rows = []
     ring_schedules = {}  # with documents: _schedule's ring schedules per (mask, layout, sp, block, batch)
     schedules = {}  # each layer type's: per (strategy, mask, layout, sp, block)
     for done, (mesh, strategy, layout, block) in enumerate(valid, 1):
+        ids = None if sample is None else sample(mesh["sp"], block)  # the rows this run packs
+        if ids is not None and id(ids) not in pairs:
+            pairs[id(ids)] = step_time.document_pairs(config, ids)
         schedule = _type_schedules(candidate_config(config, mesh, strategy, layout, a.residuals,
                                                     m.remat_policy, block),
-                                   segment_ids, ring_schedules, schedules)
+                                   ids, ring_schedules, schedules)
         for residuals, remat in itertools.product(residual_choices, remat_choices):
             cc = candidate_config(config, mesh, strategy, layout, residuals, remat, block)
             rows.append(Row(cc, mesh, strategy, layout, residuals, remat, block,
                             step_time.estimate(cc, topology, schedule, mesh,
-                                               rows_in_schedule=batch_rows(config, mesh, segment_ids),
-                                               pairs_per_row=pairs),
+                                               rows_in_schedule=batch_rows(config, mesh, ids),
+                                               pairs_per_row=None if ids is None else pairs[id(ids)]),
                             memory_model.per_device_bytes(cc, mesh),
                             topology.device.hbm_bytes))
         if progress is not None:
@@ -505,11 +511,29 @@ def batch_rows(config, mesh: dict[str, int], segment_ids) -> int:
     return min(held, int(segment_ids.shape[0]))
 
 
+def _sample(segment_ids) -> Callable[[int, int], np.ndarray] | None:
+    """plan's `segment_ids` as `(sp, block) -> rows`, each distinct result held (so that its
+    identity keys the caches for the whole plan): one array serves every candidate."""
+    if segment_ids is None:
+        return None
+    if not callable(segment_ids):
+        rows = np.asarray(segment_ids)
+        return lambda sp, block: rows
+    held: dict[tuple[int, int], np.ndarray] = {}
+
+    def sample(sp: int, block: int) -> np.ndarray:
+        if (sp, block) not in held:
+            held[(sp, block)] = np.asarray(segment_ids(sp, block))
+        return held[(sp, block)]
+
+    return sample
+
+
 def _type_schedules(candidate, segment_ids, ring_schedules: dict, schedules: dict) -> dict:
     """{layer type: its strategy's schedule} of a candidate config, each type with its own mask,
-    strategy and block, made once per (strategy, mask, layout, sp, block, batch) into
-    `schedules`. With documents, a step_time.BatchMean of the sample's batches of the rows one
-    sp group holds (batch_rows)."""
+    strategy and block, made once per (strategy, mask, layout, sp, block, batch, sample) into
+    `schedules`. With documents (`segment_ids`: the rows the candidate's run packs), a
+    step_time.BatchMean of the sample's batches of the rows one sp group holds (batch_rows)."""
     a, sp = candidate.attention, int(candidate.mesh.sp)
     rows = batch_rows(candidate, dict(candidate.mesh), segment_ids)
     out = {}
@@ -517,7 +541,7 @@ def _type_schedules(candidate, segment_ids, ring_schedules: dict, schedules: dic
         t = layer_type.attention
         strategy = Strategy(t.get("cp", "ring"), t.get("cp_ulysses"))
         spec = masks.make_mask_spec(**attention_lib.mask_kwargs(t))
-        key = (strategy, spec, a.layout, sp, int(t.block_size), rows)
+        key = (strategy, spec, a.layout, sp, int(t.block_size), rows, id(segment_ids))
         if key not in schedules:
             schedules[key] = _schedule(strategy, spec, a.layout, candidate.data.seq_len, sp,
                                        int(t.block_size), segment_ids, rows, ring_schedules)
@@ -536,7 +560,7 @@ def _schedule(strategy, spec, layout, seq_len, sp, block, segment_ids, rows: int
     if segment_ids is None:
         return attention_work.static_schedule(strategy.name, strategy.degree, spec, layout,
                                               seq_len, sp, block)
-    key = (spec, layout, sp, block, rows)
+    key = (spec, layout, sp, block, rows, id(segment_ids))  # the sample: plan's `_sample` holds it
     if key not in ring_schedules:
         ring_schedules[key] = [tables.document_schedule(spec, layout, seq_len, sp, block,
                                                         segment_ids[i:i + rows], count_kept=False)
