@@ -73,9 +73,9 @@ def tokens_sent(cfg) -> int:
 
 
 def _received(cfg, ex: Exchange, k, v, ks):
-    """This device's (K, V, K/V segment ids) of shard (d - offset) mod sp, stacked [1, ...] as
-    shard_pairs takes them: the hull as received, the rest of the shard empty (zero K/V, padding
-    ids: never read, since the static mask keeps no block there)."""
+    """This device's (K, V, K/V segment ids) of shard (d - offset) mod sp: the hull as received,
+    the rest of the shard empty (zero K/V, padding ids: never read, since the static mask keeps
+    no block there), K and V in the backend's travelling layout."""
     shard_len = k.shape[1]
 
     def send(x, fill):
@@ -85,28 +85,35 @@ def _received(cfg, ex: Exchange, k, v, ks):
         return jnp.pad(part, pad, constant_values=fill)
 
     backend = ring.step_backend(cfg)
-    k_t, v_t = (backend.to_kv_layout(send(x, 0))[None] for x in (k, v))
-    ks_t = None if ks is None else send(ks, ring.PAD_KV)[None]
-    return k_t, v_t, ks_t
+    return (backend.to_kv_layout(send(k, 0)), backend.to_kv_layout(send(v, 0)),
+            None if ks is None else send(ks, ring.PAD_KV))
 
 
-def _source(cfg, d, ex: Exchange):
-    return ((d - ex.offset) % cfg.sp)[None]
+def _held_shards(cfg, k, v, ks):
+    """(K, V, K/V segment ids) of every shard this device attends to, stacked [1 + exchanges, ...]
+    as shard_pairs takes them: its own first, then each exchange's halo; and their global indices
+    [1 + exchanges]. One stack, so that one kernel call in shard_pairs' loop computes every pair:
+    a call per pair would put that many copies of the kernel in the layer's program (a
+    hybrid's compile time grows with them)."""
+    backend = ring.step_backend(cfg)
+    d = lax.axis_index(cfg.axis_name)
+    held = [(backend.to_kv_layout(k), backend.to_kv_layout(v), ks)]
+    held += [_received(cfg, ex, k, v, ks) for ex in exchanges(cfg)]
+    k_all, v_all = (jnp.stack([h[i] for h in held]) for i in (0, 1))
+    ks_all = None if ks is None else jnp.stack([h[2] for h in held])
+    shards = jnp.stack([d] + [(d - ex.offset) % cfg.sp for ex in exchanges(cfg)])
+    return (k_all, v_all, ks_all), shards
 
 
 def forward(cfg, q, k, v, qs, ks, aux):
     """(out [b, L, n, h] in q's dtype, lse [b, L, n] float32) of this device's query shard."""
-    backend = ring.step_backend(cfg)
     d = lax.axis_index(cfg.axis_name)
     qx = ring.scaled_query(cfg, q)[None]
     qs1 = None if qs is None else qs[None]
     kv_heads = k.shape[2]
     acc = shard_pairs.forward_start(cfg, qx, qs1, kv_heads)
-    local = (backend.to_kv_layout(k)[None], backend.to_kv_layout(v)[None], None if ks is None else ks[None])
-    acc = shard_pairs.forward(cfg, acc, qx, qs1, d[None], local, d[None], kv_heads)
-    for ex in exchanges(cfg):
-        acc = shard_pairs.forward(cfg, acc, qx, qs1, d[None], _received(cfg, ex, k, v, ks),
-                                  _source(cfg, d, ex), kv_heads)
+    held, shards = _held_shards(cfg, k, v, ks)
+    acc = shard_pairs.forward(cfg, acc, qx, qs1, d[None], held, shards, kv_heads)
     o, lse = shard_pairs.forward_end(cfg, acc)
     o, lse = ring.add_sinks(o[0], lse[0], aux)
     return o.astype(q.dtype), lse
@@ -114,9 +121,9 @@ def forward(cfg, q, k, v, qs, ks, aux):
 
 def _add_returned(cfg, ex: Exchange, total, part):
     """`total` (this device's dK or dV, float32 [b, L, k, h]) plus the hull of `part` (the dK or
-    dV this device's queries gave the halo it received, stacked [1, ...] in the travelling layout)
-    that the receivers of its own halo send back: each device gets what its halo earned."""
-    hull = lax.slice_in_dim(ring.step_backend(cfg).from_kv_layout(part[0]), ex.start, ex.stop, axis=1)
+    dV this device's queries gave the halo it received, in the travelling layout) that the
+    receivers of its own halo send back: each device gets what its halo earned."""
+    hull = lax.slice_in_dim(ring.step_backend(cfg).from_kv_layout(part), ex.start, ex.stop, axis=1)
     home = tuple((receiver, source) for source, receiver in ex.perm)
     return total.at[:, ex.start:ex.stop].add(lax.ppermute(hull, cfg.axis_name, home))
 
@@ -128,18 +135,13 @@ def backward(cfg, res, do):
     d = lax.axis_index(cfg.axis_name)
     do, di, lse_k = ring.backward_inputs(q, out, lse, do)
     qx = ring.scaled_query(cfg, q)[None]
-    stack = lambda x: None if x is None else x[None]  # noqa: E731
-    q_side = (qx, stack(qs), lse_k[None], do[None], di[None])
-    local = (backend.to_kv_layout(k)[None], backend.to_kv_layout(v)[None], stack(ks))
-    dq, zeros, _ = shard_pairs.backward_start(cfg, *q_side, k.shape[2], local[0].shape)
-    dq, dk, dv = shard_pairs.backward(cfg, (dq, zeros, zeros), *q_side, d[None], local, d[None],
-                                      k.shape[2])
-    dk, dv = backend.from_kv_layout(dk[0]), backend.from_kv_layout(dv[0])
-    for ex in exchanges(cfg):
-        dq, dk_ex, dv_ex = shard_pairs.backward(cfg, (dq, zeros, zeros), *q_side, d[None],
-                                                _received(cfg, ex, k, v, ks), _source(cfg, d, ex),
-                                                k.shape[2])
-        dk, dv = _add_returned(cfg, ex, dk, dk_ex), _add_returned(cfg, ex, dv, dv_ex)
+    q_side = (qx, None if qs is None else qs[None], lse_k[None], do[None], di[None])
+    held, shards = _held_shards(cfg, k, v, ks)
+    acc = shard_pairs.backward_start(cfg, *q_side, k.shape[2], held[0].shape)
+    dq, dk_held, dv_held = shard_pairs.backward(cfg, acc, *q_side, d[None], held, shards, k.shape[2])
+    dk, dv = backend.from_kv_layout(dk_held[0]), backend.from_kv_layout(dv_held[0])
+    for i, ex in enumerate(exchanges(cfg), start=1):
+        dk, dv = _add_returned(cfg, ex, dk, dk_held[i]), _add_returned(cfg, ex, dv, dv_held[i])
     dq = (shard_pairs.backward_end(cfg, dq)[0] * cfg.scale).astype(q.dtype)
     return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None,
             ring.sink_gradient(aux, lse_k, di))
