@@ -8,10 +8,10 @@ from longctx's in their kernels (tokamax's ring, MaxText's all-gather), their re
 (block sizes where not stated: 512, MaxText's default). So the error below is the model's error
 on other programs of the same shapes: what a user planning a run from published figures gets.
 
-Fitted (`fit`): step_time.CONSTANTS' five numbers, on the points with fit=True only (FIT): one
+Fitted (`fit`): step_time.CONSTANTS' six numbers, on the points with fit=True only (FIT): one
 dense run at 8,192 tokens (the matmuls), and CP runs that span short and long shards and every
-kind of strategy (the attention kernel's efficiency as a function of the work per call, and the
-per-collective latency). Every other point is held out and its error reported apart, by range
+kind of strategy on v5p and TPU7x (the attention kernel's efficiency as a function of the work
+per call, TPU7x's cost per score element, and the per-collective latency). Every other point is held out and its error reported apart, by range
 of sequence length (LENGTH_RANGES).
 """
 
@@ -33,12 +33,19 @@ MODELS = {  # (vocab, d_model, layers, heads, kv heads, head_dim, mlp)
     "llama3-8b": (128_256, 4096, 32, 32, 8, 128, 14_336),
     "llama3-70b": (128_256, 8192, 80, 64, 8, 128, 28_672),
     "llama3-405b": (128_256, 16_384, 126, 128, 8, 128, 53_248),
+    # the long-context recipes' variant: 16 query heads of 256 (4 KV heads), stock otherwise
+    "llama3.1-8b-hd256": (128_256, 4096, 32, 16, 4, 256, 14_336),
 }
 
 PR4687 = "MaxText PR #4687 (github.com/AI-Hypercomputer/maxtext/pull/4687), table 1"
 PR4836 = "MaxText PR #4836 (maxtext commit 0998c01c), USP without load balancing"
 PR4893 = "MaxText PR #4893 (github.com/AI-Hypercomputer/maxtext/pull/4893), load balancing on"
 RECIPES = "AI-Hypercomputer/tpu-recipes, training/"
+# The long-context recipes' tables of measured step time by sequence length (tpu-recipes commit
+# 1898d3ecd1a9d2e6103179041d0ba8d5c3897d99, "Measured Step Time"; 1M and up: the "Verified
+# benchmark performance" table's steady-state step, the UBench run).
+LONG_TPU7X = RECIPES + "ironwood/Llama3.1-8B-LongContext-Maxtext/cluster_toolkit/README.md @1898d3ec"
+LONG_V5P = RECIPES + "v5p/Llama3.1-8B-LongContext-Maxtext/cluster_toolkit/README.md @1898d3ec"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,15 +107,51 @@ POINTS = [
 ]
 
 
+
+def _long_context_points(source, topology, block, rows):
+    """The long-context recipes: the Llama3.1-8B variant with 16 heads of 256, ring CP with
+    causal load balancing (MaxText's dual-chunk swap: zigzag), Tokamax splash at `block`, remat
+    custom with the attention output kept (context=device or offload to host: the matmuls
+    recomputed, the attention not, as nothing_saveable with save_qkv), synthetic data.
+    rows: (tokens, global batch, (dp, fsdp, sp), published seconds)."""
+    return [Point(source, topology, "llama3.1-8b-hd256", seq, batch, mesh, "ring", None, "zigzag", block,
+                  "nothing_saveable", seconds) for seq, batch, mesh, seconds in rows]
+
+
+POINTS += [
+    # TPU7x, 64 chips = 128 devices (one per TensorCore); global batch = per_device_batch_size x
+    # 128; blocks 2,048 with 96 MiB of scoped VMEM, --xla_tpu_dvfs_p_state=7. 4M: the p7 run
+    # (186.48 s; 213.68 s without it). 10M keeps the optimizer state on the host (the update's
+    # transfers are not priced: 1,124 s of attention hide them). 14M and 16M offload the
+    # attention output and layer inputs to the host and are left out.
+    *_long_context_points(LONG_TPU7X, "tpu7x:4x4x4", 2048, [
+        (65_536, 64, (1, 64, 2), 5.31), (262_144, 16, (1, 16, 8), 14.08),
+        (1_048_576, 4, (1, 4, 32), 49.58), (2_097_152, 2, (1, 2, 64), 94.60),
+        (4_194_304, 1, (1, 1, 128), 186.48), (10_485_760, 1, (1, 1, 128), 1124.12)]),
+    # v5p, 64 chips; blocks 1,024. 256K and up keep the attention output on the host
+    # (context=offload; 256K, 2M and 4M the layer inputs too): the same compute, its PCIe
+    # transfers not priced. 10M (remat full) and 14M (context=remat) recompute the attention,
+    # which longctx never does, and are left out.
+    *_long_context_points(LONG_V5P, "v5p:4x4x4", 1024, [
+        (65_536, 32, (1, 16, 4), 10.25), (262_144, 8, (1, 4, 16), 26.31),
+        (1_048_576, 2, (1, 1, 64), 95.73), (2_097_152, 2, (1, 1, 64), 357.68),
+        (4_194_304, 2, (1, 1, 64), 1373.73)]),
+]
+
 # The points the constants are fitted on (source, label): the dense 8B run (the matmuls); the CP
-# runs span 2K to 4K tokens per device, each strategy, both layouts and blocks of 512 to 2,048.
+# runs span 2K to 32K tokens per device, each strategy, both layouts, blocks of 512 to 2,048,
+# heads of 128 and 256, v5p and TPU7x.
 FIT = {(RECIPES + "trillium/Llama3.1-8B-MaxText/v6e-256", "llama3-8b 8K ring (contiguous)"),
        (PR4687, "llama2-7b 32K all_gather (zigzag)"),
        (PR4687, "llama2-7b 32K ulysses (contiguous)"),
        (PR4893, "llama3-8b 128K all_gather (zigzag)"),
        (PR4893, "llama3-8b 64K ring (zigzag)"),
        (PR4836, "llama3-8b 256K ring (contiguous)"),
-       (PR4893, "llama3-8b 256K usp 8x8 (zigzag)")}
+       (PR4893, "llama3-8b 256K usp 8x8 (zigzag)"),
+       # the long-context recipes at 256K on each chip (TPU7x's score-element cost); every
+       # point at 1M tokens and more is held out
+       (LONG_TPU7X, "llama3.1-8b-hd256 256K ring (zigzag)"),
+       (LONG_V5P, "llama3.1-8b-hd256 256K ring (zigzag)")}
 POINTS = [dataclasses.replace(p, fit=(p.source, p.label) in FIT) for p in POINTS]
 
 # Sequence lengths the error is reported by (tokens, inclusive); a range without a published
@@ -158,9 +201,10 @@ def log_error(predicted: float, published: float) -> float:
 
 # The grid `fit` searches for the matmuls' efficiency, in steps of 0.01.
 GRID = {"matmul": [x / 100 for x in range(20, 96)]}
-# Where the attention constants' search starts: e, FLOPs at peak per grid step, seconds per call
-# and per collective.
-START = {"attention": 0.5, "block_overhead": 1e8, "call_overhead": 1e-5, "collective_latency": 3e-4}
+# Where the attention constants' search starts: e, FLOPs at peak per grid step, seconds per call,
+# per collective and per TPU7x score element.
+START = {"attention": 0.9, "block_overhead": 3e8, "call_overhead": 1e-4, "collective_latency": 1e-6,
+         "score_element_tpu7x": 3e-13}
 ATTENTION_KEYS = tuple(START)
 
 
@@ -189,8 +233,8 @@ def fit(base, points=None) -> dict:
                    for p in chosen) / max(1, len(chosen))
 
     def to_constants(x):
-        return {"attention": 1.0 / (1.0 + math.exp(-x[0])), "block_overhead": math.exp(x[1]),
-                "call_overhead": math.exp(x[2]), "collective_latency": math.exp(x[3])}
+        return {"attention": 1.0 / (1.0 + math.exp(-x[0])),
+                **{k: math.exp(v) for k, v in zip(ATTENTION_KEYS[1:], x[1:])}}
 
     def matmul(constants):
         return min(GRID["matmul"], key=lambda v: loss(dense, {**constants, "matmul": v}))
@@ -202,7 +246,7 @@ def fit(base, points=None) -> dict:
                        *(math.log(max(constants[k], 1e-9)) for k in ATTENTION_KEYS[1:])])
         found = optimize.minimize(lambda x: loss(cp, {**constants, **to_constants(x)}), x0,
                                   method="Nelder-Mead", options={"xatol": 1e-3, "fatol": 1e-6,
-                                                                 "maxiter": 600})
+                                                                 "maxiter": 1500})
         constants.update(to_constants(found.x))
     return _rounded(constants)
 

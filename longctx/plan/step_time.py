@@ -33,10 +33,11 @@ What overlaps what (the model's assumptions, all here):
     hides (its launch and synchronisation), once per call: once per ring step and pass, once per
     gather, all-to-all or reduce-scatter.
 
-Five constants, fitted on published step times (plan/calibration.py, docs/planner.md): the
+Six constants, fitted on published step times (plan/calibration.py, docs/planner.md): the
 fraction of peak the matmuls reach (CONSTANTS["matmul"]); the attention kernel's efficiency as a
 function of the work of each call (kernel_efficiency: the fraction of peak its block matmuls
-reach, a fixed cost per grid step and one per call); and the latency above. Everything else is
+reach, a fixed cost per grid step and one per call, and on TPU7x one per score element); and the
+latency above. Everything else is
 counted.
 
 MFU's numerator is the model FLOPs the step's documents need: the matmuls, and attention over the
@@ -63,9 +64,10 @@ from longctx.plan import collectives, hardware, links
 # out): `benchmarks/calibrate_planner.py` refits them and tests/plan/test_planner.py checks
 # these are its result. "attention" is the fraction of peak the kernel's block matmuls reach
 # once its fixed costs are paid; "block_overhead" (FLOPs at peak per grid step: one q block x kv
-# block x head) and "call_overhead" (seconds per kernel call) are those costs (kernel_efficiency).
-CONSTANTS = {"matmul": 0.45, "attention": 1.0, "block_overhead": 390000000.0, "call_overhead": 0.00011,
-             "collective_latency": 1.2e-09}
+# block x head), "call_overhead" (seconds per kernel call) and "score_element_tpu7x" (seconds of
+# a TPU7x device per score element) are those costs (kernel_efficiency).
+CONSTANTS = {"matmul": 0.45, "attention": 1.0, "block_overhead": 380000000.0, "call_overhead": 0.00011,
+             "collective_latency": 7.9e-09, "score_element_tpu7x": 3.7e-13}
 
 # The model's mean absolute error on the published runs held out of the fit (docs/
 # planner_calibration.md, rounded): predicted steps closer than this are a tie (planner.break_ties).
@@ -94,27 +96,37 @@ def recompute_passes(config) -> float:
 
 
 def kernel_efficiency(peak_flops: float, call_flops: float, grid_steps: float, kernels: int = 1,
-                      constants: dict | None = None) -> float:
+                      constants: dict | None = None, *, head_dim: int = 128,
+                      chip: str | None = None) -> float:
     """The fraction of peak one attention call reaches: `call_flops` of block matmuls over
-    `grid_steps` (q block, kv block, head) steps in `kernels` kernel launches.
+    `grid_steps` (q block, kv block, head) steps in `kernels` kernel launches, on a device of
+    `chip` (hardware.Chip.name) with heads of `head_dim`.
 
     What the kernel does (the splash kernel, ops/): every grid step pays a fixed cost besides its
-    matmuls (the step's DMA issue and wait, the online softmax's vector work on a block row, the
+    matmuls (the step's DMA issue and wait, the online softmax's bookkeeping on a block row, the
     mask and segment compare), and every launch a pipeline fill and drain; the matmuls themselves
-    run at a fraction of peak (the MXU's tiles, the exp on the VPU between the two matmuls). So
-    a call takes F / (peak x e) + steps x c_block / peak + launches x c_call, and its efficiency
+    run at a fraction of peak (the MXU's tiles). Every score element also costs vector work the
+    MXU's peak does not measure (its exp, the row max and sum, the scale): a call computes
+    F / (4 x head_dim) score elements (QK^T and PV are 2 x head_dim multiply-adds each), so a
+    wide head spends less of its time there. So a call takes
 
-        e(F) = e * F / (F + e * (steps * c_block + peak * launches * c_call))
+        F / (peak x e) + steps x c_block / peak + launches x c_call + F / (4 x head_dim) x v_chip
 
-    grows with the work per call (longer shards: the launch cost spread over more steps; larger
-    blocks: the step cost over more FLOPs) and is bounded by e <= 1. A grid step's cost c_block
-    is in FLOPs at peak (its vector and DMA work grows with the chip as its MXUs do, so a faster
-    chip does not pay more peak-time per step); a launch's c_call in seconds."""
+    and its efficiency F / (peak x time) grows with the work per call (longer shards: the launch
+    cost spread over more steps; larger blocks: the step cost over more FLOPs; wider heads: the
+    vector work over more matmul), bounded by e <= 1. A grid step's cost c_block is in FLOPs at
+    peak (its DMA and bookkeeping keep pace with the chip); a launch's c_call in seconds; a score
+    element's v_chip in seconds of one device, per chip (CONSTANTS["score_element_<chip>"]),
+    because a generation's vector units need not grow with its MXUs: fitted for TPU7x, whose
+    MXUs are 2.5x v5p's per device; 0 elsewhere, where the published runs show none beyond the
+    matmuls (plan/calibration.py)."""
     c = dict(CONSTANTS, **(constants or {}))
     if call_flops <= 0:
         return c["attention"]
-    overhead = grid_steps * c["block_overhead"] + peak_flops * kernels * c["call_overhead"]
-    return c["attention"] * call_flops / (call_flops + c["attention"] * overhead)
+    seconds = (call_flops / (peak_flops * c["attention"]) + grid_steps * c["block_overhead"] / peak_flops
+               + kernels * c["call_overhead"]
+               + call_flops / (4.0 * head_dim) * c.get(f"score_element_{chip}", 0.0))
+    return call_flops / (peak_flops * seconds)
 
 
 def _kernel_calls(attention, schedule, config, mesh_sizes, rows) -> float:
@@ -348,7 +360,7 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
             kernels = KERNELS_PER_PASS[p]
             flops = blocks * block_flops * w / calls
             e = kernel_efficiency(chip.peak_flops, flops, kernels * blocks * m.num_heads / calls,
-                                  kernels, eff)
+                                  kernels, eff, head_dim=m.head_dim, chip=chip.name)
             attention_pass[p] = count * calls * flops / (chip.peak_flops * e)
         type_attention = sum(attention_pass.values())
         seconds, exposed = _cp_seconds(config, a, count, topology, sched, mesh_sizes, spans, rows,
