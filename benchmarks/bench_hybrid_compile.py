@@ -1,13 +1,14 @@
-"""Compile time of a hybrid model: the scanned period against a uniform model, for a TPU.
+"""Compile time of a hybrid model against a uniform model, for a TPU.
 
   .venv/bin/python benchmarks/bench_hybrid_compile.py              # 8B shape, v5p:2x2x2, 2 repeats
 
 The llama3_8b_128k preset's 32 layers at --seq-len tokens over sp = 8, compiled ahead of time for
 --topology (lowering + XLA + Mosaic; nothing runs): the uniform model, and the same with a period of
 6 layer types (five sliding-window layers of 1,024 on the halo, one global on the ring: 5 periods
-and a remainder of 2). The decoder scans one period, so the hybrid's program holds one layer body
-per type, and the remainder's layers, run after the scan, a second local one: 3 bodies, not 32. Compiled in
-turn (uniform, hybrid, uniform, ...), the median of each, in wall-clock seconds and in the
+and a remainder of 2). The decoder scans one layer body over the depth for both (the type is data
+beside each layer's parameters; only the attention, and RoPE's theta, branch on it), so the
+hybrid's program holds the MLP once, the q/k/v projections once per theta and the halo and the
+ring once each. Compiled in turn (uniform, hybrid, uniform, ...), the median of each, in wall-clock seconds and in the
 process's CPU seconds (all its threads: on a shared machine the steadier measure of the
 compiler's work); the ratios come from one run. Writes docs/bench_hybrid_compile.json and its section of docs/benchmarks.md.
 """

@@ -403,8 +403,6 @@ def num_params_estimate(config) -> int:
     norms = 2 * m.d_model if block_options.options(m).pre_norms else 0
     per_layer = attn + mlp + norms + sum(math.prod(shape) for shape, _, _ in block_options.extra_params(m).values())
     embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
-    types = layer_types_lib.period(config)
-    layers_with_sinks = sum(count for layer_type, count in
-                            zip(types, layer_types_lib.layer_counts(m.num_layers, len(types)))
-                            if layer_type.attention.attention_sinks)
-    return m.num_layers * per_layer + embed + m.d_model + m.num_heads * layers_with_sinks
+    # Every layer has the sinks row when some type reads it (the layers are one stack).
+    sinks = m.num_heads if layer_types_lib.any_sinks(config) else 0
+    return m.num_layers * (per_layer + sinks) + embed + m.d_model

@@ -35,6 +35,7 @@ cli.start()  # before jax is imported
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 
 from absl import flags, logging  # noqa: E402
@@ -298,10 +299,11 @@ def _pattern_text(config) -> str:
     if not layer_types.is_hybrid(config):
         return ""
     parts = []
-    for run in layer_types.runs(config):
-        own = dict(config.attention.layer_types[run.layer_type.name])
+    for name, repeats in itertools.groupby(layer_types.pattern(config.attention)):
+        length = len(list(repeats))
+        own = dict(config.attention.layer_types[name])
         keys = ", ".join(f"{k} {dict(v) if hasattr(v, 'items') else v}" for k, v in own.items()) or "attention.*"
-        parts.append(f"{run.layer_type.name}{' x' + str(run.length) if run.length > 1 else ''} ({keys})")
+        parts.append(f"{name}{' x' + str(length) if length > 1 else ''} ({keys})")
     return ", pattern " + " + ".join(parts)
 
 

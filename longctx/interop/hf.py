@@ -26,9 +26,8 @@ self_attn.q_norm / k_norm.weight [h] (per head) or [n*h] (OLMo's whole projectio
 k_norm; and the norms by model.norm_position: post (OLMo) post_attention_layernorm and
 post_feedforward_layernorm -> post_attn_norm, post_mlp_norm; sandwich (Gemma) input_layernorm,
 post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm -> attn_norm,
-post_attn_norm, mlp_norm, post_mlp_norm. A hybrid model's layers are in one stack per run of its
-period (`period_blocks/<r>`, longctx/model/layer_types.py): layer i is a row of one of them
-(`layer_stacks`).
+post_attn_norm, mlp_norm, post_mlp_norm. A hybrid model's layers are one stack too
+(longctx/model/layer_types.py): layer i is row i of `blocks` whatever its type.
 
 No q/k permutation is needed: HF's Llama weights already use the rotate-half RoPE convention that
 `longctx.model.apply_rope` uses (Meta's original checkpoints interleave pairs; HF's conversion
@@ -61,7 +60,6 @@ import numpy as np
 from longctx.errors import ConfigError, MissingFileError
 from longctx.interop import families, staging
 from longctx.model import block_options
-from longctx.model import layer_types as layer_types_lib
 from longctx.model import rope as rope_lib
 
 ARCHITECTURES = {name: family.model_type for name, family in families.FAMILIES.items()}
@@ -109,23 +107,6 @@ def per_layer_tensors(model_config) -> dict[str, tuple[str, int]]:
         out.update({f"b{x}": (f"self_attn.{x}_proj.bias", FLAT) for x in "qkv"})
     if o.qk_norm != "none":
         out.update({f"{x}_norm": (f"self_attn.{x}_norm.weight", FLAT) for x in "qk"})
-    return out
-
-
-def layer_stacks(config) -> dict[tuple[str, ...], list[int]]:
-    """{parameter path of a layer stack: the model's layers it holds, in its order}: `blocks`
-    holds every layer; a hybrid's `period_blocks/<r>` the layers of run r of each period, then
-    of the remainder (longctx/model/decoder.py)."""
-    num_layers = config.model.num_layers
-    if not layer_types_lib.is_hybrid(config):
-        return {("blocks",): list(range(num_layers))}
-    period = len(layer_types_lib.period(config))
-    whole, _ = layer_types_lib.depth_split(num_layers, period)
-    out = {}
-    for r, run in enumerate(layer_types_lib.runs(config)):
-        layers = [p * period + run.start + j for p in range(whole) for j in range(run.length)]
-        layers += [whole * period + run.start + j for j in range(run.in_remainder(num_layers, period))]
-        out[("period_blocks", str(r))] = layers
     return out
 
 
@@ -317,14 +298,13 @@ def _param_name(path) -> tuple[str, ...]:
 
 def _tensor_plan(names: tuple[str, ...], config):
     """[(HF name, row of the layer stack or None)] and in_axes for one longctx parameter."""
-    stacks = layer_stacks(config)
-    if names[:-1] in stacks:
+    if names[:-1] == ("blocks",):
         tensors = per_layer_tensors(config.model)
         if names[-1] not in tensors:
             raise ConfigError(f"longctx parameter {'/'.join(names)} has no Hugging Face equivalent "
                               "(attention sinks cannot be converted).")
         suffix, in_axes = tensors[names[-1]]
-        return [(f"model.layers.{layer}.{suffix}", row) for row, layer in enumerate(stacks[names[:-1]])], in_axes
+        return [(f"model.layers.{layer}.{suffix}", layer) for layer in range(config.model.num_layers)], in_axes
     hf_name, in_axes = TOP_LEVEL[names[0]]
     return [(hf_name, None)], in_axes
 
@@ -392,11 +372,9 @@ def exported_tensors(params, config) -> list[tuple[str, tuple[int, ...], Callabl
         out.append((hf_name, _hf_shape(shape, in_axes), read))
 
     add(("embed",), TOP_LEVEL["embed"][0], None, 0)
-    where = {layer: (stack, row) for stack, layers in layer_stacks(config).items() for row, layer in enumerate(layers)}
     for i in range(config.model.num_layers):
-        stack, row = where[i]
         for key, (suffix, in_axes) in per_layer_tensors(config.model).items():
-            add(stack + (key,), f"model.layers.{i}.{suffix}", row, in_axes)
+            add(("blocks", key), f"model.layers.{i}.{suffix}", i, in_axes)
     add(("final_norm",), TOP_LEVEL["final_norm"][0], None, 0)
     if not config.model.tie_embeddings:
         add(("unembed",), TOP_LEVEL["unembed"][0], None, 1)

@@ -28,7 +28,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
+from longctx.model import layer_types
 from longctx.ops import context_parallel
 from longctx.parallel import mesh as mesh_lib
 
@@ -141,7 +143,35 @@ def _to_memory(tree, kind: str):
                                                  else jax.memory.Space.Device), tree)
 
 
-def _layer_with_own_vjp(project, finish, attention_config, layout: str, offload: bool):
+def _with_sinks(attention_config, sinks):
+    """The sinks a type's attention reads: the layer's, if the type has them (a layer of a type
+    without sinks carries the row every layer has when some type has them, and ignores it)."""
+    return sinks if attention_config.get("attention_sinks") else None
+
+
+def _forward_by_type(q, k, v, segment_ids, positions, sinks, attention_configs, which, layout):
+    """(out, lse) of the layer's type's attention (attention_configs[which])."""
+    def forward(c):
+        return lambda q, k, v, s, p, sinks: _forward_over_mesh(q, k, v, s, p, _with_sinks(c, sinks), c, layout)
+    return layer_types.by_type(which, [forward(c) for c in attention_configs], q, k, v, segment_ids,
+                               positions, sinks)
+
+
+def _backward_by_type(q, k, v, out, lse, d_out, segment_ids, positions, sinks, attention_configs,
+                      which, layout):
+    """(dq, dk, dv, d_sinks) of the layer's type's attention; d_sinks is zero for a type without
+    sinks (every branch must give the same outputs)."""
+    def backward(c):
+        def run(q, k, v, out, lse, d_out, s, p, sinks):
+            dq, dk, dv, d_sinks = _backward_over_mesh(q, k, v, out, lse, d_out, s, p, _with_sinks(c, sinks),
+                                                      c, layout)
+            return dq, dk, dv, (d_sinks if d_sinks is not None or sinks is None else jnp.zeros_like(sinks))
+        return run
+    return layer_types.by_type(which, [backward(c) for c in attention_configs], q, k, v, out, lse, d_out,
+                               segment_ids, positions, sinks)
+
+
+def _layer_with_own_vjp(project, finish, attention_configs, which, layout: str, offload: bool):
     """layer(x, qkv_weights, finish_weights, positions, segment_ids, sinks) -> the layer's output,
     under a VJP that keeps x, the ring's output and its logsumexp (and, offloaded, q, k, v).
 
@@ -153,7 +183,7 @@ def _layer_with_own_vjp(project, finish, attention_config, layout: str, offload:
 
     def forward(x, qkv_weights, finish_weights, positions, segment_ids, sinks):
         q, k, v = project(x, qkv_weights, positions)
-        out, lse = _forward_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout)
+        out, lse = _forward_by_type(q, k, v, segment_ids, positions, sinks, attention_configs, which, layout)
         return finish(x, out, finish_weights), ((q, k, v), out, lse)
 
     @jax.custom_vjp
@@ -175,9 +205,8 @@ def _layer_with_own_vjp(project, finish, attention_config, layout: str, offload:
         (q, k, v), project_pullback = jax.vjp(lambda x, w: project(x, w, positions), x, qkv_weights)
         if offload:
             q, k, v = qkv
-        dq, dk, dv, d_sinks = _backward_over_mesh(q, k, v, out, lse, d_out.astype(out.dtype),
-                                                  segment_ids, positions, sinks, attention_config,
-                                                  layout)
+        dq, dk, dv, d_sinks = _backward_by_type(q, k, v, out, lse, d_out.astype(out.dtype), segment_ids,
+                                                positions, sinks, attention_configs, which, layout)
         dx_qkv, d_qkv = project_pullback((dq, dk, dv))
         return dx + dx_qkv, d_qkv, d_finish, None, None, d_sinks
 
@@ -188,21 +217,27 @@ def _layer_with_own_vjp(project, finish, attention_config, layout: str, offload:
 
 
 def decoder_layer(project, finish, x, qkv_weights, finish_weights, positions, segment_ids, sinks,
-                  attention_config, layout: str, remat=lambda f: f):
-    """One decoder layer around the ring, keeping `attention_config.residuals` for its backward.
+                  attention_configs, which, layout: str, remat=lambda f: f):
+    """One decoder layer around the ring, keeping `attention.residuals` for its backward.
 
     `project(x, qkv_weights, positions)` -> (q, k, v) [b, t, heads, h] (global arrays, sequence
     over sp), the ring, then `finish(x, out, finish_weights)` -> the layer's output; both pure
-    functions of their arrays. Under save_qkv the ring keeps its own residuals and `remat` (the
-    block's rematerialisation policy) wraps project and finish; the other policies recompute
-    everything but the ring in the backward, whatever the remat policy."""
-    policy = attention_config.get("residuals", "save_qkv")
+    functions of their arrays. The attention is `attention_configs[which]`'s (`which`: the layer
+    type's branch, traced under the layer scan; layer_types.by_type). Under save_qkv the ring
+    keeps its own residuals and `remat` (the block's rematerialisation policy) wraps project and
+    finish; the other policies recompute everything but the ring in the backward, whatever the
+    remat policy. The residual policy is one for every type (a property of the step)."""
+    policy = attention_configs[0].get("residuals", "save_qkv")
     if policy not in RESIDUAL_POLICIES:
         raise ValueError(f"attention.residuals={policy!r} is not one of {RESIDUAL_POLICIES}")
     if policy == "save_qkv":
         q, k, v = remat(project)(x, qkv_weights, positions)
-        out = attention_over_mesh(q, k, v, segment_ids, positions, sinks, attention_config, layout)
+
+        def attend(c):
+            return lambda q, k, v, s, p, sinks: attention_over_mesh(q, k, v, s, p, _with_sinks(c, sinks), c, layout)
+        out = layer_types.by_type(which, [attend(c) for c in attention_configs], q, k, v, segment_ids,
+                                  positions, sinks)
         return remat(finish)(x, out, finish_weights)
-    layer = _layer_with_own_vjp(project, finish, attention_config, layout,
+    layer = _layer_with_own_vjp(project, finish, attention_configs, which, layout,
                                 offload=policy == "offload_qkv")
     return layer(x, qkv_weights, finish_weights, positions, segment_ids, sinks)

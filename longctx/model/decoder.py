@@ -8,10 +8,10 @@ Einsum legend:
 Every parameter carries logical axis names (`out_sharding` metadata); `longctx.parallel.mesh` maps them to
 mesh axes, so nothing here names a mesh axis. Layers are stacked along a leading "layers" axis and
 run under `lax.scan` with a configurable remat policy, so compile time does not grow with depth.
-A hybrid model (`attention.pattern`, longctx/model/layer_types.py) has one stacked block per run
-of one type in its period, and the scan runs one period per step, each run's layers under an inner
-scan: each layer attends with its own type's mask, strategy and RoPE, and neither the depth nor a
-run's length costs compile time (Gemma 3's period compiles two layer bodies, not six).
+A hybrid model (`attention.pattern`, longctx/model/layer_types.py) is the same stack and the same
+scan: each layer's type index travels beside its parameters, and the body branches on it only
+where types differ (RoPE, the query temperature, the attention's mask and strategy), so a
+hybrid compiles one layer body as a uniform model does, whatever its pattern, period or remainder.
 The model is called under `jax.set_mesh(mesh)`: attention is a `shard_map` over that mesh that
 calls `longctx.ops.ring_attention` on each device's shard of the sequence.
 """
@@ -224,13 +224,14 @@ def _mlp_in_chunks(y, w, chunk_size: int | None, activation: str = "silu"):
 
 
 class DecoderBlock(nnx.Module):
-    """Pre-norm block: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)), attending as its
-    layer type says (default: the one type of a model without a pattern), with the families' block
-    options where config.model chooses them (longctx/model/block_options.py)."""
+    """Pre-norm block: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)), attending as the
+    layer's type says (a model without a pattern has one type), with the families' block options
+    where config.model chooses them (longctx/model/block_options.py). Its parameters are the same
+    for every type: one block serves every layer."""
 
-    def __init__(self, config, layer_type: layer_types_lib.LayerType | None = None, *, rngs: nnx.Rngs):
+    def __init__(self, config, *, rngs: nnx.Rngs):
         m = config.model
-        self.layer_type = layer_type or layer_types_lib.resolve(config, layer_types_lib.UNIFORM)
+        self.layer_types = layer_types_lib.distinct(config)
         d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
         param = functools.partial(_param, rngs, dtype=jnp.dtype(m.param_dtype))
         pre_norms = block_options.options(m).pre_norms
@@ -240,7 +241,7 @@ class DecoderBlock(nnx.Module):
         self.wv = param((d, k, h), ("embed", "kv_heads", "head_dim"), d ** -0.5)
         self.wo = param((n, h, d), ("heads", "head_dim", "embed"), (n * h) ** -0.5)
         self.sinks = (param((n,), ("heads",), init="zeros", weight_decay=False)
-                      if self.layer_type.attention.attention_sinks else None)
+                      if layer_types_lib.any_sinks(config) else None)
         self.mlp_norm = param((d,), ("norm",), init="ones", weight_decay=False) if pre_norms else None
         self.w_gate = param((d, f), ("embed", "mlp"), d ** -0.5)
         self.w_up = param((d, f), ("embed", "mlp"), d ** -0.5)
@@ -249,10 +250,11 @@ class DecoderBlock(nnx.Module):
         for name, (shape, axes, init) in block_options.extra_params(m).items():
             setattr(self, name, param(shape, axes, init=init, weight_decay=False))
 
-    def __call__(self, x, positions, segment_ids, *, config, layout):
-        """What the backward keeps is `config.attention.residuals` (longctx/model/attention.py). Under
-        save_qkv, rematerialisation (config.model.remat_policy) covers everything but the
-        attention ring: the projections before it and the output projection + MLP after it are
+    def __call__(self, x, positions, segment_ids, type_index, *, config, layout):
+        """The layer of type `type_index` (into self.layer_types; traced under the layer scan, a
+        host int when unrolled). What the backward keeps is `config.attention.residuals`
+        (longctx/model/attention.py). Under save_qkv, rematerialisation (config.model.remat_policy)
+        covers everything but the attention ring: the projections before it and the output projection + MLP after it are
         each checkpointed, while the ring runs outside any checkpoint with its own VJP, which
         keeps O(L) residuals; recomputing it would cost a whole ring, and worse, a ring under a
         checkpoint under the layer scan gets linearised by JAX instead of using its VJP, keeping
@@ -266,14 +268,32 @@ class DecoderBlock(nnx.Module):
         weights = {name: getattr(self, name)[...] for name in _QKV_PARAMS + _FINISH_PARAMS
                    if getattr(self, name, None) is not None}
         axes = {name: _layer_axes(getattr(self, name)) for name in weights}
-        project = functools.partial(project_qkv, logical_axes=axes, config=config,
-                                    rotary=self.layer_type.rotary, temperature=self.layer_type.temperature)
+        # One projection branch per distinct (RoPE, temperature), one attention branch per distinct
+        # attention config; `which` maps the layer's type to its branch.
+        encodings, encoding_of = layer_types_lib.branches(self.layer_types, lambda t: (t.rotary, t.temperature))
+        projections = [functools.partial(project_qkv, logical_axes=axes, config=config, rotary=t.rotary,
+                                         temperature=t.temperature) for t in encodings]
+        attentions, attention_of = layer_types_lib.branches(self.layer_types, _attention_key)
+        project = functools.partial(layer_types_lib.by_type, _which(encoding_of, type_index), projections)
         finish = functools.partial(output_and_mlp, logical_axes=axes, config=config)
         return attention_lib.decoder_layer(
             project, finish, x,
             {name: weights[name] for name in _QKV_PARAMS if name in weights},
             {name: weights[name] for name in _FINISH_PARAMS if name in weights},
-            positions, segment_ids, sinks, self.layer_type.attention, layout, remat=remat)
+            positions, segment_ids, sinks, tuple(t.attention for t in attentions),
+            _which(attention_of, type_index), layout, remat=remat)
+
+
+def _attention_key(layer_type):
+    """What decides a type's attention branch: its whole attention config, by value."""
+    return repr(sorted(layer_type.attention.to_dict().items()))
+
+
+def _which(branch_of_type, type_index):
+    """The branch of the layer's type: a host int for a host index, else looked up on device."""
+    if isinstance(type_index, (int, np.integer)):
+        return int(branch_of_type[type_index])
+    return jnp.asarray(branch_of_type)[type_index]
 
 
 class Decoder(nnx.Module):
@@ -292,24 +312,13 @@ class Decoder(nnx.Module):
         self.embed = param((m.vocab_size, m.d_model), ("vocab", "embed"),
                            m.d_model ** -0.5 if m.tie_embeddings else 1.0)
 
-        # One stack of blocks per run of one type in the period: `blocks` for a model without a
-        # pattern (the parameter tree every earlier checkpoint has), `period_blocks[r]` for a
-        # hybrid's (layer_types.runs: Gemma 3's five local layers are one run, its global another).
-        period_length = len(layer_types_lib.period(config))
-        stacks = [_stacked_blocks(config, run.layer_type, run.layers(m.num_layers, period_length), rngs)
-                  for run in layer_types_lib.runs(config)]
-        if layer_types_lib.is_hybrid(config):
-            self.period_blocks = nnx.List(stacks)
-        else:
-            self.blocks = stacks[0]
+        # Every layer's parameters in one stack, whatever its type (layer_types.py): the parameter
+        # tree of every earlier checkpoint of a model without a pattern.
+        self.blocks = _stacked_blocks(config, m.num_layers, rngs)
         self.final_norm = param((m.d_model,), ("norm",), init="zeros" if block_options.options(m).norm_plus_one
                                 else "ones", weight_decay=False)
         self.unembed = (None if m.tie_embeddings
                         else param((m.d_model, m.vocab_size), ("embed", "vocab"), m.d_model ** -0.5))
-
-    def layer_stacks(self) -> list:
-        """The stacked blocks of each run of the period (layer_types.runs), in pattern order."""
-        return list(self.period_blocks) if hasattr(self, "period_blocks") else [self.blocks]
 
     def unembedding(self):
         """[d, v] output projection (the transposed embedding when tied)."""
@@ -342,53 +351,28 @@ class Decoder(nnx.Module):
             # without segment ids already counts its chunks from the row's start.)
             segment_ids, positions = None, self.row_positions(tokens.shape)
 
-        runs = layer_types_lib.runs(config)
-        period_length = sum(run.length for run in runs)
-        graphdefs, stacked = zip(*(nnx.split(stack) for stack in self.layer_stacks()))
+        graphdef, stacked = nnx.split(self.blocks)
+        type_indices = layer_types_lib.layer_type_indices(config)
 
-        def layer(x, r, block_state):
-            block = nnx.merge(graphdefs[r], block_state)
-            return block(x, positions, segment_ids, config=config, layout=self.layout)
+        def layer(x, block_state, type_index):
+            block = nnx.merge(graphdef, block_state)
+            return block(x, positions, segment_ids, type_index, config=config, layout=self.layout)
 
-        def run_layers(x, r, states):
-            """The run's layers in order: `states` stacked [n, ...]; one compiled body for all n."""
-            if jax.tree.leaves(states)[0].shape[0] == 1:
-                return layer(x, r, jax.tree.map(lambda p: p[0], states))
-            if not m.scan_layers:
-                for i in range(jax.tree.leaves(states)[0].shape[0]):
-                    x = layer(x, r, jax.tree.map(lambda p: p[i], states))
-                return x
-            return jax.lax.scan(lambda x, state: (layer(x, r, state), None), x, states)[0]
-
-        def one_period(x, period_states):
-            for r, states in enumerate(period_states):
-                x = run_layers(x, r, states)
-            return x, None
-
-        whole, _ = layer_types_lib.depth_split(m.num_layers, period_length)
-        # [whole, run length, ...] per run: period i holds layers i * length .. (i + 1) * length - 1
-        # of each run's stack (the rest, if any, is the run's part of the remainder).
-        by_period = tuple(jax.tree.map(lambda p, run=run: p[:whole * run.length].reshape(
-            whole, run.length, *p.shape[1:]), state) for run, state in zip(runs, stacked))
         if m.scan_layers:
-            x, _ = jax.lax.scan(one_period, x, by_period)
+            x, _ = jax.lax.scan(lambda x, xs: (layer(x, *xs), None), x, (stacked, jnp.asarray(type_indices)))
         else:
-            for i in range(whole):
-                x, _ = one_period(x, tuple(jax.tree.map(lambda p: p[i], state) for state in by_period))
-        for r, (run, state) in enumerate(zip(runs, stacked)):  # the remainder: the period's first layers
-            extra = run.in_remainder(m.num_layers, period_length)
-            if extra:
-                x = run_layers(x, r, jax.tree.map(lambda p: p[whole * run.length:][:extra], state))
+            for i, type_index in enumerate(type_indices):
+                x = layer(x, jax.tree.map(lambda p: p[i], stacked), type_index)
         return rms_norm(x, self.final_norm[...], m.norm_eps, block_options.options(m).norm_plus_one)
 
 
-def _stacked_blocks(config, layer_type, count: int, rngs: nnx.Rngs):
-    """`count` DecoderBlocks of one layer type, their parameters stacked on a leading "layers" axis."""
+def _stacked_blocks(config, count: int, rngs: nnx.Rngs):
+    """`count` DecoderBlocks, their parameters stacked on a leading "layers" axis."""
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make_blocks(rngs):
-        return DecoderBlock(config, layer_type, rngs=rngs)
+        return DecoderBlock(config, rngs=rngs)
 
     return make_blocks(rngs)
 

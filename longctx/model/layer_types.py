@@ -17,16 +17,22 @@ pattern[i % period]; where model.num_layers is not a multiple of the period, the
 the first types of one more period (Gemma 3 27B: 62 = 10 x 6 + 2). An empty pattern is one type,
 `attention.*` itself, for every layer: every config written before layer types means what it meant.
 
-The types are data, read here once: the decoder builds one stacked block per run of one type in
-the period (`runs`; longctx/model/decoder.py), each layer calls attention with its type's config,
-and nothing outside this module branches on a type's name.
+The types are data, read here once. Every layer has the same parameters whatever its type, so the
+decoder keeps them in one stack, as for a model without a pattern, and scans one layer body over
+the depth with each layer's type index beside its parameters (`layer_type_indices`): the body
+branches (`by_type`, one `lax.switch` branch per distinct RoPE and per distinct attention) only
+where types differ, and the projections, the MLP, the norms and their backward are compiled
+once whatever the pattern, its period or its remainder. Nothing outside this module branches on
+a type's name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import ml_collections
+import numpy as np
 
 from longctx.errors import ConfigError
 from longctx.model import rope as rope_lib
@@ -138,36 +144,50 @@ def period(config) -> tuple[LayerType, ...]:
     return tuple(resolved.setdefault(name, resolve(config, name)) for name in pattern(config.attention))
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """Consecutive positions of the period that share a type (Gemma 3's five `local`): the decoder
-    keeps one parameter stack per run and runs its layers under one inner scan, so a period costs
-    one compiled layer body per run, not per position."""
-
-    layer_type: LayerType
-    start: int  # its first position in the period
-    length: int  # how many positions
-
-    def layers(self, num_layers: int, period_length: int) -> int:
-        """How many layers of the model its stack holds: `length` per whole period, and those of
-        its positions that fall in the remainder."""
-        whole, remainder = depth_split(num_layers, period_length)
-        return whole * self.length + min(max(remainder - self.start, 0), self.length)
-
-    def in_remainder(self, num_layers: int, period_length: int) -> int:
-        """How many of its positions fall in the remainder (its layers after the scan)."""
-        return min(max(depth_split(num_layers, period_length)[1] - self.start, 0), self.length)
+def distinct(config) -> tuple[LayerType, ...]:
+    """The model's types, each once, in the order its pattern first names them."""
+    first = {}
+    for layer_type in period(config):
+        first.setdefault(layer_type.name, layer_type)
+    return tuple(first.values())
 
 
-def runs(config) -> tuple[Run, ...]:
-    """The period as runs of one type, in order ("local,local,global,local": three runs)."""
-    out: list[Run] = []
-    for position, layer_type in enumerate(period(config)):
-        if out and out[-1].layer_type.name == layer_type.name:
-            out[-1] = dataclasses.replace(out[-1], length=out[-1].length + 1)
-        else:
-            out.append(Run(layer_type, position, 1))
-    return tuple(out)
+def layer_type_indices(config) -> np.ndarray:
+    """int32 [model.num_layers]: each layer's type, as an index into `distinct(config)`."""
+    names = [t.name for t in distinct(config)]
+    return np.array([names.index(type_of_layer(config, layer)) for layer in range(config.model.num_layers)],
+                    np.int32)
+
+
+def any_sinks(config) -> bool:
+    """Whether some type has attention sinks: then every layer has a sinks parameter (the layers'
+    parameters are one stack), which the layers of a type without sinks do not read."""
+    return any(t.attention.attention_sinks for t in distinct(config))
+
+
+def branches(types, key) -> tuple[list, np.ndarray]:
+    """(the distinct values of key(t) over `types`, in order; int32 [len(types)]: the index of each
+    type's value). The decoder compiles one branch per distinct value: types that differ only in
+    their mask share the projections' branch, and types that differ only in RoPE the attention's."""
+    values, keys, index = [], [], []
+    for t in types:
+        k = key(t)
+        if k not in keys:
+            keys.append(k)
+            values.append(t)
+        index.append(keys.index(k))
+    return values, np.array(index, np.int32)
+
+
+def by_type(which, functions, *operands):
+    """functions[which](*operands): called directly when there is one function or `which` is a host
+    integer (an unrolled layer), else under `lax.switch`, which compiles each function once and
+    runs the one `which` (traced: the layer scan's type index) names."""
+    if len(functions) == 1:
+        return functions[0](*operands)
+    if isinstance(which, (int, np.integer)):
+        return functions[int(which)](*operands)
+    return jax.lax.switch(which, functions, *operands)
 
 
 def type_prefix(name: str) -> str:

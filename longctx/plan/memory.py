@@ -16,7 +16,6 @@ from flax import nnx
 from jax._src import source_info_util  # names the line of model code behind each residual
 from jax.extend import core as jax_core
 
-from longctx.model import layer_types
 from longctx.model.decoder import DecoderBlock
 from longctx.parallel import mesh as mesh_lib
 
@@ -128,20 +127,16 @@ def layer_residuals(config, mesh, layout: str, setup) -> list[dict]:
     batch are stored once, not per layer (`per_layer=False`)."""
     m = config.model
     # A hybrid model's layers keep residuals of the same shapes whatever their type (q, k, v, the
-    # output and its logsumexp), so the first type of its period stands for every layer.
-    first_type = layer_types.period(config)[0]
+    # output and its logsumexp), so its first type (index 0) stands for every layer.
     with jax.default_device(jax.devices("cpu")[0]):  # Rngs(0) is concrete: not on abstract TPUs
-        graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderBlock(config, first_type, rngs=nnx.Rngs(0))))
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderBlock(config, rngs=nnx.Rngs(0))))
 
     def one_layer_slice(a, s):  # the stacked "layers" axis is the leading one (nnx.vmap, axis 0)
         sharding = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:]))
         return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sharding)
 
-    def first_stack(params):
-        return params["period_blocks"][0] if layer_types.is_hybrid(config) else params["blocks"]
-
-    block_state = jax.tree.map(one_layer_slice, first_stack(setup.abstract_state.params),
-                               first_stack(setup.state_shardings.params))
+    block_state = jax.tree.map(one_layer_slice, setup.abstract_state.params["blocks"],
+                               setup.state_shardings.params["blocks"])
     tokens = (config.data.global_batch_size, config.data.seq_len)
     x = jax.ShapeDtypeStruct((*tokens, m.d_model), jax.numpy.dtype(m.dtype),
                              sharding=mesh_lib.logical_sharding(mesh, _LAYER_INPUT_LOGICAL))
@@ -152,7 +147,7 @@ def layer_residuals(config, mesh, layout: str, setup) -> list[dict]:
 
     def layer(x, block_state, positions, segment_ids):
         block = nnx.merge(graphdef, block_state)
-        return block(x, positions, segment_ids, config=config, layout=layout)
+        return block(x, positions, segment_ids, 0, config=config, layout=layout)
 
     with jax.set_mesh(mesh):
         closed, (_, vjp_shape) = jax.make_jaxpr(lambda *a: jax.vjp(layer, *a), return_shape=True)(*args)
