@@ -15,6 +15,7 @@ to the exact classifier. tests/plan/test_planner.py checks the two agree.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -24,13 +25,13 @@ from longctx.parallel import layout as layout_lib
 
 
 @functools.lru_cache(maxsize=256)
-def static_step_blocks(spec: masks.MaskSpec, layout: str, seq_len: int, sp: int,
+def static_live_blocks(spec: masks.MaskSpec, layout: str, seq_len: int, sp: int,
                        block: int) -> np.ndarray:
-    """int [device a, ring step s]: live blocks of the pair (a, (a - s) mod sp) under the static
-    mask (read-only; cached)."""
+    """bool [device a, ring step s, q block, kv block]: the live blocks of the pair
+    (a, (a - s) mod sp) under the static mask (read-only; cached)."""
     first, length, stride = tables.block_runs(layout, seq_len, sp, block)
     if stride != 1:  # token stripes: blocks are not runs of consecutive positions
-        out = (tables.block_classes(spec, layout, seq_len, sp, block, block) > 0).sum(axis=(2, 3))
+        out = tables.block_classes(spec, layout, seq_len, sp, block, block) > 0
         out.setflags(write=False)
         return out
     pos = layout_lib.shard_positions(layout, seq_len, sp).astype(np.int64)
@@ -39,7 +40,8 @@ def static_step_blocks(spec: masks.MaskSpec, layout: str, seq_len: int, sp: int,
     valid = np.broadcast_to(length[None] > 0, starts.shape)
     lo, _ = spec.bounds(starts)                  # the union of a query run's key intervals
     _, hi = spec.bounds(ends)
-    out = np.zeros((sp, sp), np.int64)
+    nq = first.shape[0]
+    out = np.zeros((sp, sp, nq, nq), bool)
     for s in range(sp):
         kv = (np.arange(sp) - s) % sp            # the K/V shard device a holds at step s
         k_start, k_end, k_valid = starts[kv], ends[kv], valid[kv]
@@ -47,7 +49,17 @@ def static_step_blocks(spec: masks.MaskSpec, layout: str, seq_len: int, sp: int,
         meets = ((k_start[:, None, None] <= hi[:, :, :, None, None])
                  & (k_end[:, None, None] >= lo[:, :, :, None, None])
                  & valid[:, :, :, None, None] & k_valid[:, None, None])
-        out[:, s] = meets.any(axis=(2, 4)).sum(axis=(1, 2))
+        out[:, s] = meets.any(axis=(2, 4))
+    out.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def static_step_blocks(spec: masks.MaskSpec, layout: str, seq_len: int, sp: int,
+                       block: int) -> np.ndarray:
+    """int [device a, ring step s]: live blocks of the pair (a, (a - s) mod sp) under the static
+    mask (read-only; cached)."""
+    out = static_live_blocks(spec, layout, seq_len, sp, block).sum(axis=(2, 3))
     out.setflags(write=False)
     return out
 
@@ -66,6 +78,75 @@ def static_schedule(strategy: str, degree: int | None, spec: masks.MaskSpec, lay
     per_step = static_step_blocks(spec, layout, seq_len, sp, block)
     run = [s for s in range(sp) if per_step[:, s].any()]
     critical = float(sum(per_step[:, s].max() for s in run))
-    return strategy_schedule.from_step_blocks(strategy, degree, per_step, critical,
-                                              int(per_step.sum()), len(run),
-                                              strategy_schedule.by_pair(per_step) > 0)
+    schedule = strategy_schedule.from_step_blocks(strategy, degree, per_step, critical,
+                                                  int(per_step.sum()), len(run),
+                                                  strategy_schedule.by_pair(per_step) > 0)
+    dead_rows, dead_columns = static_grid_blocks(strategy, degree, spec, layout, seq_len, sp, block)
+    return GridSchedule(**{f.name: getattr(schedule, f.name)
+                           for f in dataclasses.fields(strategy_schedule.StrategySchedule)},
+                        dead_rows=dead_rows, dead_columns=dead_columns)
+
+
+@dataclasses.dataclass(frozen=True)
+class GridSchedule(strategy_schedule.StrategySchedule):
+    """A static schedule with the grid steps its kernels walk and compute nothing in, on the
+    critical path, in blocks of all heads as `critical_path` counts (static_grid_blocks):
+    `dead_rows` for the kernels whose grid runs over q blocks x the busiest row's kv blocks
+    (forward, dQ), `dead_columns` for the one over kv blocks x the busiest column's q blocks
+    (dK/dV)."""
+    dead_rows: float = 0.0
+    dead_columns: float = 0.0
+
+
+def static_grid_blocks(strategy: str, degree: int | None, spec: masks.MaskSpec, layout: str,
+                       seq_len: int, sp: int, block: int) -> tuple[float, float]:
+    """(dead_rows, dead_columns) of GridSchedule: the grid steps of the critical path's calls
+    beyond their live blocks.
+
+    Splash sizes a call's grid once for every device (one SPMD program; with q_seq_shards it
+    pads each shard's tables to the widest shard's, splash_attention_mask_info._process_mask):
+    q blocks x the most live kv blocks any q row of any device has in that call (forward, dQ),
+    kv blocks x the most live q blocks of any column (dK/dV). A step with no live block fetches
+    nothing (its table repeats the last block) and computes nothing, but is still a grid step.
+    Under a causal mask the busiest row of a call sees every block of it: a load-balanced
+    layout halves a device's live blocks, not its grid (the all-gather's device walks its q
+    blocks x the whole sequence either way), which is why it gains less than its work says."""
+    if strategy == "halo":
+        return 0.0, 0.0  # per exchange, each call's tables its own: not counted
+    live = static_live_blocks(spec, layout, seq_len, sp, block)
+    nq = live.shape[2]
+    rows = live.sum(axis=3)                      # [a, s, q block]: live kv blocks of each row
+    cols = live.sum(axis=2)                      # [a, s, kv block]: live q blocks of each column
+    step_blocks = rows.sum(axis=2)               # [a, s]
+    if strategy == "ring":
+        run = step_blocks.any(axis=0)
+        critical = step_blocks.max(axis=0)[run]
+        return (float((nq * rows.max(axis=(0, 2))[run] - critical).sum()),
+                float((nq * cols.max(axis=(0, 2))[run] - critical).sum()))
+    work = step_blocks.sum(axis=1)               # [a]
+    if strategy == "all_gather":
+        # one call over the gathered sequence: every row's kv blocks of all shards; the dK/dV
+        # grid's columns are the sequence's kv blocks, each with the device's live q blocks
+        return (float(nq * rows.sum(axis=1).max() - work.max()),
+                float(sp * nq * cols.max() - work.max()))
+    u = sp if strategy == "ulysses" else int(degree)
+    groups = sp // u
+    a = np.arange(sp)
+    # [a, K/V shard c, block]: device a's rows (columns) against the K/V shard c
+    shard_of_step = (a[:, None] - a[None, :]) % sp                  # [a, c] -> ring step
+    rows_pair = rows[a[:, None], shard_of_step]
+    cols_pair = cols[a[:, None], shard_of_step]
+    dead_rows = dead_cols = 0.0
+    for t in range(groups):
+        widths, heights, group_work = [], [], []
+        for g in range(groups):
+            q, kv = slice(g * u, (g + 1) * u), slice(((g - t) % groups) * u, ((g - t) % groups + 1) * u)
+            widths.append(rows_pair[q, kv].sum(axis=1).max())        # a row over the U K/V shards
+            heights.append(cols_pair[q, kv].sum(axis=0).max())       # a column over the U q shards
+            group_work.append(rows_pair[q, kv].sum())
+        critical = max(group_work) / u
+        if critical:
+            # a call covers U shards of q and K/V for 1/U of the heads: (U nq x width) / U blocks
+            dead_rows += nq * max(widths) - critical
+            dead_cols += nq * max(heights) - critical
+    return float(dead_rows), float(dead_cols)

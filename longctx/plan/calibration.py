@@ -8,10 +8,11 @@ from longctx's in their kernels (tokamax's ring, MaxText's all-gather), their re
 (block sizes where not stated: 512, MaxText's default). So the error below is the model's error
 on other programs of the same shapes: what a user planning a run from published figures gets.
 
-Fitted (`fit`): step_time.CONSTANTS' six numbers, on the points with fit=True only (FIT): one
+Fitted (`fit`): step_time.CONSTANTS' seven numbers, on the points with fit=True only (FIT): one
 dense run at 8,192 tokens (the matmuls), and CP runs that span short and long shards and every
 kind of strategy on v5p and TPU7x (the attention kernel's efficiency as a function of the work
-per call, TPU7x's cost per score element, and the per-collective latency). Every other point is held out and its error reported apart, by range
+per call, its cost per grid step with nothing live, TPU7x's cost per score element, and the
+per-collective latency). Every other point is held out and its error reported apart, by range
 of sequence length (LENGTH_RANGES).
 """
 
@@ -204,7 +205,7 @@ GRID = {"matmul": [x / 100 for x in range(20, 96)]}
 # Where the attention constants' search starts: e, FLOPs at peak per grid step, seconds per call,
 # per collective and per TPU7x score element.
 START = {"attention": 0.9, "block_overhead": 3e8, "call_overhead": 1e-4, "collective_latency": 1e-6,
-         "score_element_tpu7x": 3e-13}
+         "score_element_tpu7x": 3e-13, "dead_step": 1e8}
 ATTENTION_KEYS = tuple(START)
 
 

@@ -33,11 +33,12 @@ What overlaps what (the model's assumptions, all here):
     hides (its launch and synchronisation), once per call: once per ring step and pass, once per
     gather, all-to-all or reduce-scatter.
 
-Six constants, fitted on published step times (plan/calibration.py, docs/planner.md): the
+Seven constants, fitted on published step times (plan/calibration.py, docs/planner.md): the
 fraction of peak the matmuls reach (CONSTANTS["matmul"]); the attention kernel's efficiency as a
 function of the work of each call (kernel_efficiency: the fraction of peak its block matmuls
-reach, a fixed cost per grid step and one per call, and on TPU7x one per score element); and the
-latency above. Everything else is
+reach, a fixed cost per live grid step, one per grid step with nothing live (splash's one grid
+for every device: attention_work.GridSchedule) and one per call, and on TPU7x one per score
+element); and the latency above. Everything else is
 counted.
 
 MFU's numerator is the model FLOPs the step's documents need: the matmuls, and attention over the
@@ -65,13 +66,14 @@ from longctx.plan import collectives, hardware, links
 # these are its result. "attention" is the fraction of peak the kernel's block matmuls reach
 # once its fixed costs are paid; "block_overhead" (FLOPs at peak per grid step: one q block x kv
 # block x head), "call_overhead" (seconds per kernel call) and "score_element_tpu7x" (seconds of
-# a TPU7x device per score element) are those costs (kernel_efficiency).
-CONSTANTS = {"matmul": 0.45, "attention": 1.0, "block_overhead": 380000000.0, "call_overhead": 0.00011,
-             "collective_latency": 7.9e-09, "score_element_tpu7x": 3.7e-13}
+# a TPU7x device per score element) are those costs (kernel_efficiency); "dead_step" (FLOPs at
+# peak) what a grid step with no live block costs (attention_work.GridSchedule).
+CONSTANTS = {"matmul": 0.45, "attention": 1.0, "block_overhead": 340000000.0, "call_overhead": 7.5e-08,
+             "collective_latency": 0.00016, "score_element_tpu7x": 3.7e-13, "dead_step": 61000000.0}
 
 # The model's mean absolute error on the published runs held out of the fit (docs/
 # planner_calibration.md, rounded): predicted steps closer than this are a tie (planner.break_ties).
-HELD_OUT_ERROR = 0.13
+HELD_OUT_ERROR = 0.11
 
 # The splash kernel's backward computes 5 block matmuls to the forward's 2 (it recomputes the
 # scores): hardware work is 3.5x the forward's, where model FLOPs count 3x.
@@ -97,7 +99,7 @@ def recompute_passes(config) -> float:
 
 def kernel_efficiency(peak_flops: float, call_flops: float, grid_steps: float, kernels: int = 1,
                       constants: dict | None = None, *, head_dim: int = 128,
-                      chip: str | None = None) -> float:
+                      chip: str | None = None, dead_steps: float = 0.0) -> float:
     """The fraction of peak one attention call reaches: `call_flops` of block matmuls over
     `grid_steps` (q block, kv block, head) steps in `kernels` kernel launches, on a device of
     `chip` (hardware.Chip.name) with heads of `head_dim`.
@@ -119,11 +121,16 @@ def kernel_efficiency(peak_flops: float, call_flops: float, grid_steps: float, k
     element's v_chip in seconds of one device, per chip (CONSTANTS["score_element_<chip>"]),
     because a generation's vector units need not grow with its MXUs: fitted for TPU7x, whose
     MXUs are 2.5x v5p's per device; 0 elsewhere, where the published runs show none beyond the
-    matmuls (plan/calibration.py)."""
+    matmuls (plan/calibration.py).
+
+    `dead_steps`: grid steps the call walks with no live block (attention_work.GridSchedule:
+    splash sizes one grid for every device, the busiest row's width): no fetch, no matmul, but
+    the step's issue and bookkeeping, c_dead FLOPs at peak each (CONSTANTS["dead_step"])."""
     c = dict(CONSTANTS, **(constants or {}))
     if call_flops <= 0:
         return c["attention"]
     seconds = (call_flops / (peak_flops * c["attention"]) + grid_steps * c["block_overhead"] / peak_flops
+               + dead_steps * c.get("dead_step", 0.0) / peak_flops
                + kernels * c["call_overhead"]
                + call_flops / (4.0 * head_dim) * c.get(f"score_element_{chip}", 0.0))
     return call_flops / (peak_flops * seconds)
@@ -353,6 +360,10 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
         blocks = sched.critical_path * rows / rows_in_schedule
         block_flops = 4.0 * block * block * m.head_dim * m.num_heads  # forward, all heads
         calls = _kernel_calls(a, sched, config, mesh_sizes, rows)
+        # grid steps walked with nothing live, per pass (static schedules count them; the
+        # forward and dQ walk rows, dK/dV columns: attention_work.GridSchedule)
+        dead = {"forward": getattr(sched, "dead_rows", 0.0),
+                "backward": getattr(sched, "dead_rows", 0.0) + getattr(sched, "dead_columns", 0.0)}
         attention_pass = {}
         for p, w in ATTENTION_PASSES.items():
             # One call's work: its share of the critical path's blocks, each a grid step per head
@@ -360,7 +371,8 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
             kernels = KERNELS_PER_PASS[p]
             flops = blocks * block_flops * w / calls
             e = kernel_efficiency(chip.peak_flops, flops, kernels * blocks * m.num_heads / calls,
-                                  kernels, eff, head_dim=m.head_dim, chip=chip.name)
+                                  kernels, eff, head_dim=m.head_dim, chip=chip.name,
+                                  dead_steps=dead[p] * rows / rows_in_schedule * m.num_heads / calls)
             attention_pass[p] = count * calls * flops / (chip.peak_flops * e)
         type_attention = sum(attention_pass.values())
         seconds, exposed = _cp_seconds(config, a, count, topology, sched, mesh_sizes, spans, rows,

@@ -67,5 +67,6 @@ def test_plan_says_which_rows_are_a_tie_and_why():
                             timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
-    assert "are a tie (predicted within 13% of each other, the model's held-out error)" in out
+    assert (f"are a tie (predicted within {step_time.HELD_OUT_ERROR:.0%} of each other, "
+            "the model's held-out error)") in out
     assert "1. " in out and "a tie: " in out.split("\n1. ")[1].split("\n")[0]
