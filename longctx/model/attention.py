@@ -149,66 +149,90 @@ def _with_sinks(attention_config, sinks):
     return sinks if attention_config.get("attention_sinks") else None
 
 
-def _forward_by_type(q, k, v, segment_ids, positions, sinks, attention_configs, which, layout):
-    """(out, lse) of the layer's type's attention (attention_configs[which])."""
+def _per_type(attention_configs, type_index):
+    """(the distinct attention configs, the branch of a layer of type `type_index`)."""
+    configs, branch_of_type = layer_types.branches(attention_configs, layer_types.attention_key)
+    return configs, layer_types.branch_of(branch_of_type, type_index)
+
+
+def _attention_by_type(q, k, v, segment_ids, positions, sinks, type_index, attention_configs, layout):
+    """The layer's type's attention with its own VJP (save_qkv)."""
+    configs, which = _per_type(attention_configs, type_index)
+
+    def attend(c):
+        return lambda q, k, v, s, p, sinks: attention_over_mesh(q, k, v, s, p, _with_sinks(c, sinks), c, layout)
+    return layer_types.by_type(which, [attend(c) for c in configs], q, k, v, segment_ids, positions, sinks)
+
+
+def _forward_by_type(q, k, v, segment_ids, positions, sinks, type_index, attention_configs, layout):
+    """(out, lse) of the layer's type's attention."""
+    configs, which = _per_type(attention_configs, type_index)
+
     def forward(c):
         return lambda q, k, v, s, p, sinks: _forward_over_mesh(q, k, v, s, p, _with_sinks(c, sinks), c, layout)
-    return layer_types.by_type(which, [forward(c) for c in attention_configs], q, k, v, segment_ids,
-                               positions, sinks)
+    return layer_types.by_type(which, [forward(c) for c in configs], q, k, v, segment_ids, positions, sinks)
 
 
-def _backward_by_type(q, k, v, out, lse, d_out, segment_ids, positions, sinks, attention_configs,
-                      which, layout):
+def _backward_by_type(q, k, v, out, lse, d_out, segment_ids, positions, sinks, type_index,
+                      attention_configs, layout):
     """(dq, dk, dv, d_sinks) of the layer's type's attention; d_sinks is zero for a type without
     sinks (every branch must give the same outputs)."""
+    configs, which = _per_type(attention_configs, type_index)
+
     def backward(c):
         def run(q, k, v, out, lse, d_out, s, p, sinks):
             dq, dk, dv, d_sinks = _backward_over_mesh(q, k, v, out, lse, d_out, s, p, _with_sinks(c, sinks),
                                                       c, layout)
-            return dq, dk, dv, (d_sinks if d_sinks is not None or sinks is None else jnp.zeros_like(sinks))
+            if d_sinks is None and sinks is not None:  # a type that does not read the layer's sinks
+                d_sinks = jnp.zeros_like(sinks)
+            return dq, dk, dv, d_sinks
         return run
-    return layer_types.by_type(which, [backward(c) for c in attention_configs], q, k, v, out, lse, d_out,
+    return layer_types.by_type(which, [backward(c) for c in configs], q, k, v, out, lse, d_out,
                                segment_ids, positions, sinks)
 
 
-def _layer_with_own_vjp(project, finish, attention_configs, which, layout: str, offload: bool):
-    """layer(x, qkv_weights, finish_weights, positions, segment_ids, sinks) -> the layer's output,
-    under a VJP that keeps x, the ring's output and its logsumexp (and, offloaded, q, k, v).
+def _layer_with_own_vjp(project, finish, attention_configs, layout: str, offload: bool):
+    """layer(x, qkv_weights, finish_weights, positions, segment_ids, sinks, type_index) -> the
+    layer's output, under a VJP that keeps x, the ring's output and its logsumexp (and, offloaded,
+    q, k, v).
 
     The whole layer is one VJP so that the attention output is one residual: with the
     projections after it in a checkpoint of their own, that checkpoint's input would be a second
     (XLA may or may not merge the two). The backward runs `finish` and `project` again for their
     pullbacks (what remat nothing_saveable does in any case); the ring runs forward once and
-    backward once."""
+    backward once. The type index is an argument, not closed over: under the layer scan it is
+    traced, and the backward runs in a trace of its own."""
 
-    def forward(x, qkv_weights, finish_weights, positions, segment_ids, sinks):
-        q, k, v = project(x, qkv_weights, positions)
-        out, lse = _forward_by_type(q, k, v, segment_ids, positions, sinks, attention_configs, which, layout)
+    def forward(x, qkv_weights, finish_weights, positions, segment_ids, sinks, type_index):
+        q, k, v = project(x, qkv_weights, positions, type_index)
+        out, lse = _forward_by_type(q, k, v, segment_ids, positions, sinks, type_index, attention_configs,
+                                    layout)
         return finish(x, out, finish_weights), ((q, k, v), out, lse)
 
     @jax.custom_vjp
-    def layer(x, qkv_weights, finish_weights, positions, segment_ids, sinks):
-        return forward(x, qkv_weights, finish_weights, positions, segment_ids, sinks)[0]
+    def layer(x, qkv_weights, finish_weights, positions, segment_ids, sinks, type_index):
+        return forward(x, qkv_weights, finish_weights, positions, segment_ids, sinks, type_index)[0]
 
-    def layer_fwd(x, qkv_weights, finish_weights, positions, segment_ids, sinks):
-        y, (qkv, out, lse) = forward(x, qkv_weights, finish_weights, positions, segment_ids, sinks)
+    def layer_fwd(x, qkv_weights, finish_weights, positions, segment_ids, sinks, type_index):
+        y, (qkv, out, lse) = forward(x, qkv_weights, finish_weights, positions, segment_ids, sinks, type_index)
         kept = _to_memory((qkv, out, lse), "host") if offload else (None, out, lse)
-        return y, (x, qkv_weights, finish_weights, positions, segment_ids, sinks, kept)
+        return y, (x, qkv_weights, finish_weights, positions, segment_ids, sinks, type_index, kept)
 
     def layer_bwd(residuals, d_y):
-        x, qkv_weights, finish_weights, positions, segment_ids, sinks, kept = residuals
+        x, qkv_weights, finish_weights, positions, segment_ids, sinks, type_index, kept = residuals
         qkv, out, lse = _to_memory(kept, "device") if offload else kept
         _, finish_pullback = jax.vjp(finish, x, out, finish_weights)
         dx, d_out, d_finish = finish_pullback(d_y)
         # Under recompute_qkv the projection's forward, run again here, gives q, k, v; under
         # offload_qkv they come back from the host (and XLA drops the unused rerun).
-        (q, k, v), project_pullback = jax.vjp(lambda x, w: project(x, w, positions), x, qkv_weights)
+        (q, k, v), project_pullback = jax.vjp(lambda x, w: project(x, w, positions, type_index), x,
+                                              qkv_weights)
         if offload:
             q, k, v = qkv
         dq, dk, dv, d_sinks = _backward_by_type(q, k, v, out, lse, d_out.astype(out.dtype), segment_ids,
-                                                positions, sinks, attention_configs, which, layout)
+                                                positions, sinks, type_index, attention_configs, layout)
         dx_qkv, d_qkv = project_pullback((dq, dk, dv))
-        return dx + dx_qkv, d_qkv, d_finish, None, None, d_sinks
+        return dx + dx_qkv, d_qkv, d_finish, None, None, d_sinks, None
 
     # optimize_remat: under the layer scan JAX would otherwise linearise the forward (the ring
     # included) instead of calling this VJP, as for the ring's own (ops/ring.py).
@@ -217,27 +241,23 @@ def _layer_with_own_vjp(project, finish, attention_configs, which, layout: str, 
 
 
 def decoder_layer(project, finish, x, qkv_weights, finish_weights, positions, segment_ids, sinks,
-                  attention_configs, which, layout: str, remat=lambda f: f):
+                  type_index, attention_configs, layout: str, remat=lambda f: f):
     """One decoder layer around the ring, keeping `attention.residuals` for its backward.
 
-    `project(x, qkv_weights, positions)` -> (q, k, v) [b, t, heads, h] (global arrays, sequence
-    over sp), the ring, then `finish(x, out, finish_weights)` -> the layer's output; both pure
-    functions of their arrays. The attention is `attention_configs[which]`'s (`which`: the layer
-    type's branch, traced under the layer scan; layer_types.by_type). Under save_qkv the ring
-    keeps its own residuals and `remat` (the block's rematerialisation policy) wraps project and
-    finish; the other policies recompute everything but the ring in the backward, whatever the
-    remat policy. The residual policy is one for every type (a property of the step)."""
+    `project(x, qkv_weights, positions, type_index)` -> (q, k, v) [b, t, heads, h] (global
+    arrays, sequence over sp), the ring, then `finish(x, out, finish_weights)` -> the layer's
+    output; both pure functions of their arguments. The attention is `attention_configs[type_index]`'s
+    (one config per layer type; `type_index` traced under the layer scan, a host int unrolled):
+    one branch per distinct config (layer_types.by_type). Under save_qkv the ring keeps its own
+    residuals and `remat` (the block's rematerialisation policy) wraps project and finish; the
+    other policies recompute everything but the ring in the backward, whatever the remat policy.
+    The residual policy is one for every type (a property of the step)."""
     policy = attention_configs[0].get("residuals", "save_qkv")
     if policy not in RESIDUAL_POLICIES:
         raise ValueError(f"attention.residuals={policy!r} is not one of {RESIDUAL_POLICIES}")
     if policy == "save_qkv":
-        q, k, v = remat(project)(x, qkv_weights, positions)
-
-        def attend(c):
-            return lambda q, k, v, s, p, sinks: attention_over_mesh(q, k, v, s, p, _with_sinks(c, sinks), c, layout)
-        out = layer_types.by_type(which, [attend(c) for c in attention_configs], q, k, v, segment_ids,
-                                  positions, sinks)
+        q, k, v = remat(project)(x, qkv_weights, positions, type_index)
+        out = _attention_by_type(q, k, v, segment_ids, positions, sinks, type_index, attention_configs, layout)
         return remat(finish)(x, out, finish_weights)
-    layer = _layer_with_own_vjp(project, finish, attention_configs, which, layout,
-                                offload=policy == "offload_qkv")
-    return layer(x, qkv_weights, finish_weights, positions, segment_ids, sinks)
+    layer = _layer_with_own_vjp(project, finish, attention_configs, layout, offload=policy == "offload_qkv")
+    return layer(x, qkv_weights, finish_weights, positions, segment_ids, sinks, type_index)

@@ -268,32 +268,24 @@ class DecoderBlock(nnx.Module):
         weights = {name: getattr(self, name)[...] for name in _QKV_PARAMS + _FINISH_PARAMS
                    if getattr(self, name, None) is not None}
         axes = {name: _layer_axes(getattr(self, name)) for name in weights}
-        # One projection branch per distinct (RoPE, temperature), one attention branch per distinct
-        # attention config; `which` maps the layer's type to its branch.
+        # One projection branch per distinct (RoPE, temperature); decoder_layer makes one attention
+        # branch per distinct attention config. Both are picked by the layer's type index, which
+        # travels as an argument (the layer's VJP runs the projections again in its backward).
         encodings, encoding_of = layer_types_lib.branches(self.layer_types, lambda t: (t.rotary, t.temperature))
         projections = [functools.partial(project_qkv, logical_axes=axes, config=config, rotary=t.rotary,
                                          temperature=t.temperature) for t in encodings]
-        attentions, attention_of = layer_types_lib.branches(self.layer_types, _attention_key)
-        project = functools.partial(layer_types_lib.by_type, _which(encoding_of, type_index), projections)
+
+        def project(x, qkv_weights, positions, type_index):
+            return layer_types_lib.by_type(layer_types_lib.branch_of(encoding_of, type_index), projections,
+                                           x, qkv_weights, positions)
+
         finish = functools.partial(output_and_mlp, logical_axes=axes, config=config)
         return attention_lib.decoder_layer(
             project, finish, x,
             {name: weights[name] for name in _QKV_PARAMS if name in weights},
             {name: weights[name] for name in _FINISH_PARAMS if name in weights},
-            positions, segment_ids, sinks, tuple(t.attention for t in attentions),
-            _which(attention_of, type_index), layout, remat=remat)
-
-
-def _attention_key(layer_type):
-    """What decides a type's attention branch: its whole attention config, by value."""
-    return repr(sorted(layer_type.attention.to_dict().items()))
-
-
-def _which(branch_of_type, type_index):
-    """The branch of the layer's type: a host int for a host index, else looked up on device."""
-    if isinstance(type_index, (int, np.integer)):
-        return int(branch_of_type[type_index])
-    return jnp.asarray(branch_of_type)[type_index]
+            positions, segment_ids, sinks, type_index, tuple(t.attention for t in self.layer_types),
+            layout, remat=remat)
 
 
 class Decoder(nnx.Module):

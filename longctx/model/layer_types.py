@@ -165,18 +165,32 @@ def any_sinks(config) -> bool:
     return any(t.attention.attention_sinks for t in distinct(config))
 
 
-def branches(types, key) -> tuple[list, np.ndarray]:
-    """(the distinct values of key(t) over `types`, in order; int32 [len(types)]: the index of each
-    type's value). The decoder compiles one branch per distinct value: types that differ only in
-    their mask share the projections' branch, and types that differ only in RoPE the attention's."""
+def branches(items, key) -> tuple[list, np.ndarray]:
+    """(the distinct values of key(item) over `items`, each as its first item, in order; int32
+    [len(items)]: the index of each item's value). The decoder compiles one branch per distinct
+    value: types that differ only in their mask share the projections' branch, and types that
+    differ only in RoPE the attention's."""
     values, keys, index = [], [], []
-    for t in types:
-        k = key(t)
+    for item in items:
+        k = key(item)
         if k not in keys:
             keys.append(k)
-            values.append(t)
+            values.append(item)
         index.append(keys.index(k))
     return values, np.array(index, np.int32)
+
+
+def branch_of(branch_of_type: np.ndarray, type_index):
+    """The branch of a layer of type `type_index`: a host int for a host index (an unrolled layer),
+    else looked up on device (the layer scan's traced index)."""
+    if isinstance(type_index, (int, np.integer)):
+        return int(branch_of_type[type_index])
+    return jax.numpy.asarray(branch_of_type)[type_index]
+
+
+def attention_key(attention_config) -> str:
+    """What decides a type's attention branch: its whole attention config, by value."""
+    return repr(sorted(attention_config.to_dict().items()))
 
 
 def by_type(which, functions, *operands):

@@ -85,11 +85,16 @@ def plain_hybrid_nll(params, rows, config):
     return -jnp.take_along_axis(logp, rows["targets"][..., None], -1)[..., 0]
 
 
-@pytest.mark.parametrize("scan_layers", [True, pytest.param(False, marks=pytest.mark.skipif(
-    not os.environ.get("LONGCTX_EXHAUSTIVE"), reason="the unrolled model runs with LONGCTX_EXHAUSTIVE=1"))])
-def test_hybrid_model_matches_the_unrolled_reference_forward_and_gradients(scan_layers):
+@pytest.mark.parametrize("scan_layers,residuals", [
+    (True, "save_qkv"),
+    # The layer's own VJP branches on the type in its forward and its backward (model/attention.py).
+    (True, "recompute_qkv"),
+    pytest.param(False, "save_qkv", marks=pytest.mark.skipif(
+        not os.environ.get("LONGCTX_EXHAUSTIVE"), reason="the unrolled model runs with LONGCTX_EXHAUSTIVE=1"))])
+def test_hybrid_model_matches_the_unrolled_reference_forward_and_gradients(scan_layers, residuals):
     config = hybrid_config()
     config.model.scan_layers = scan_layers
+    config.attention.residuals = residuals
     assert layer_types.layer_counts(6, 4) == (2, 2, 1, 1)
     assert [t.name for t in layer_types.distinct(config)] == ["local", "global", "nope"]
     assert layer_types.layer_type_indices(config).tolist() == [0, 0, 1, 2, 0, 0]
