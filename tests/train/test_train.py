@@ -178,6 +178,9 @@ def test_first_ctrl_c_is_acknowledged_at_once_and_the_second_abandons(capfd):
     import signal
     import time
 
+    # What SIGINT did before (Python's default_int_handler; SIG_IGN where a shell started the tests
+    # in the background): restore() must put back exactly that.
+    before = signal.getsignal(signal.SIGINT)
     stop = train_loop._StopRequest()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -199,7 +202,7 @@ def test_first_ctrl_c_is_acknowledged_at_once_and_the_second_abandons(capfd):
             time.sleep(1.0)
     finally:
         stop.restore()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_ctrl_c_is_acknowledged_while_the_main_thread_is_busy_outside_python(monkeypatch):
