@@ -350,10 +350,7 @@ class Decoder(nnx.Module):
             block = nnx.merge(graphdef, block_state)
             return block(x, positions, segment_ids, type_index, config=config, layout=self.layout)
 
-        if m.scan_layers and len(layer_types_lib.distinct(config)) == 1:
-            # One type: no index to carry (the program of a model without a pattern, as before types).
-            x, _ = jax.lax.scan(lambda x, state: (layer(x, state, 0), None), x, stacked)
-        elif m.scan_layers:
+        if m.scan_layers:
             x, _ = jax.lax.scan(lambda x, xs: (layer(x, *xs), None), x, (stacked, jnp.asarray(type_indices)))
         else:
             for i, type_index in enumerate(type_indices):
