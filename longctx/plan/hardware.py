@@ -136,7 +136,9 @@ def axis_links(topology: Topology, sizes: dict[str, int], order: tuple[str, ...]
     """
     if topology.chip.torus_dims == 0:
         return {a: 1.0 for a in order}
-    remaining = sorted(topology.shape)  # small axes first: the mesh builder fills them first
+    # Small axes first: the mesh builder fills them first. An axis of one chip (v5p:2x2x1's last)
+    # has no links and spans nothing.
+    remaining = sorted(d for d in topology.shape if d > 1)
     spans = {}
     on_chip = topology.chip.devices_per_chip  # TPU7x: the innermost axis's first factor of 2
     for axis in order:

@@ -21,7 +21,7 @@ from longctx.plan import hardware
 def sp_box(topology: hardware.Topology, sp: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """(extent of the chips one sp ring spans, whether each of those axes has its wrap-around
     link), as hardware.axis_links lays sp out: the smallest torus axes first, the last one in part."""
-    remaining = sorted(topology.shape)
+    remaining = sorted(d for d in topology.shape if d > 1)  # an axis of one chip has no links
     extent, wrap, n = [], [], sp
     while n > 1 and remaining:
         d = remaining.pop(0)

@@ -166,6 +166,11 @@ def test_axes_take_the_torus_innermost_first():
     assert hardware.axis_links(v5p, {"dp": 1, "fsdp": 1, "sp": 64}, ("sp", "fsdp", "dp"))["sp"] == 3.0
     assert hardware.axis_links(v5p, {"dp": 2, "fsdp": 4, "sp": 8}, ("sp", "fsdp", "dp")) == \
         {"sp": 1.5, "fsdp": 1.5, "dp": 1.0}
+    # an axis of one chip has no links: sp = 4 of v5p:2x2x1 spans its two axes of 2, not three
+    v5p_flat = hardware.parse_topology("v5p:2x2x1")
+    assert hardware.axis_links(v5p_flat, {"dp": 1, "fsdp": 1, "sp": 4}, ("sp", "fsdp", "dp"))["sp"] == 2.0
+    assert hardware.axis_links(v5p_flat, {"dp": 1, "fsdp": 2, "sp": 2}, ("sp", "fsdp", "dp")) == \
+        {"sp": 1.0, "fsdp": 1.0, "dp": 0.0}
     gpus = hardware.parse_topology("h100:16")
     assert hardware.axis_links(gpus, {"dp": 2, "fsdp": 1, "sp": 8}, ("sp", "fsdp", "dp"))["sp"] == 1.0
     with pytest.raises(ValueError, match="v5p:4x4x4"):
