@@ -142,6 +142,32 @@ def test_device_tables_reproduce_the_dense_mask(name, layout, seq_len, bq, bkv):
         np.testing.assert_array_equal(pairs[:n], np.argwhere(classes > 0))
 
 
+def test_host_classes_from_runs_are_the_row_counts():
+    """The host decides a block from its runs' ends (`_classes_of_runs`); the device counts every
+    query row (`_classes`). The two agree on random masks, layouts, shards and block sizes,
+    including blocks that cross pieces (zigzag's halves, stripes) and windows narrower than a
+    block or wider than a shard."""
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        layout = str(rng.choice(layout_lib.LAYOUTS))
+        sp = int(rng.choice([1, 2, 3, 4]))
+        shard_len = 2 * int(rng.choice([12, 16, 24, 32]))
+        seq_len = sp * shard_len
+        bq, bkv = (int(rng.choice([b for b in (4, 6, 8, 12, 16) if shard_len % b == 0])) for _ in "qk")
+        window = None if rng.random() < 0.3 else (int(rng.integers(0, 40)), int(rng.integers(0, 40)))
+        causal = bool(rng.random() < 0.5)
+        chunk = None if rng.random() < 0.6 else int(rng.integers(2, 50))
+        spec = masks.MaskSpec(causal=causal, window=window, chunk=chunk)
+        got = tables.block_classes(spec, layout, seq_len, sp, bq, bkv)
+        pos = layout_lib.shard_positions(layout, seq_len, sp).astype(np.int64)
+        first, length, stride = tables.block_runs(layout, seq_len, sp, bkv)
+        for d in range(sp):
+            for s in range(sp):
+                rows = tables._classes(np, spec, pos[d], pos[(d - s) % sp][first], length, stride, bq, bkv)
+                np.testing.assert_array_equal(got[d, s], rows, err_msg=f"{spec} {layout} {seq_len} "
+                                              f"sp={sp} bq={bq} bkv={bkv} device {d} step {s}")
+
+
 def test_partial_blocks_are_deduplicated():
     tb = tables.ring_tables(masks.make_mask_spec(causal=True), "contiguous", 1024, 4, 64, 64)
     assert tb.partial.shape[0] == 1  # only diagonal blocks are partial, all with one pattern
