@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.util
+import keyword
 import logging
 import os
 import re
@@ -371,8 +372,12 @@ def parse_absl_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, where every error is a ConfigError naming the flag."""
     from absl import flags  # lazily: only absl scripts parse absl flags
 
+    # ml_collections reads the overrides from sys.argv itself, not from the argv it is given.
+    names = [name for name, _ in _config_flags()]
+    argv = list(argv)
+    sys.argv[:] = quote_keyword_keys(sys.argv, names)
     try:
-        rest = flags.FLAGS(argv)
+        rest = flags.FLAGS(quote_keyword_keys(argv, names))
     except flags.Error as e:
         error = config_load_error(argv)  # the config file raised TypeError/ValueError
         if error is not None:
@@ -392,6 +397,28 @@ def parse_absl_flags(argv: list[str]) -> list[str]:
     if error is not None:
         raise error
     return rest
+
+
+def quote_keyword_keys(argv: list[str], config_flag_names: list[str]) -> list[str]:
+    """`--config.attention.layer_types.global.rope_theta=...` as ml_collections can read it.
+
+    ml_collections parses an override's path as a Python expression, where a key that is a
+    keyword (`global`: the name of a hybrid's full-attention layers, as Gemma calls them) is a
+    syntax error; written as a subscript (`layer_types["global"]`) it is the same key. Other
+    arguments are returned as they are."""
+    if not config_flag_names:
+        return list(argv)
+    flag = "|".join(map(re.escape, config_flag_names))
+    out = []
+    for arg in argv:
+        m = re.match(rf"^(--?(?:no)?(?:{flag}))\.([^=]+)(.*)$", arg)
+        parts = m.group(2).split(".") if m else []
+        if not any(keyword.iskeyword(part) for part in parts):
+            out.append(arg)
+            continue
+        path = "".join(f'["{part}"]' if keyword.iskeyword(part) else f".{part}" for part in parts)
+        out.append(m.group(1) + path + m.group(3))
+    return out
 
 
 def _flag_error_text(error: Exception) -> str:

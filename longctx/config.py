@@ -191,7 +191,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         _one_of(config, key, choices)
     _check_block_size(a.block_size)
     _positive(config, "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
-              "model.num_kv_heads", "model.head_dim", "model.mlp_dim",
+              "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.rope_theta",
               "data.seq_len", "data.global_batch_size", "optimizer.learning_rate",
               "train.num_steps", "train.log_every", "train.loss_chunk_size")
 
@@ -347,6 +347,8 @@ def _check_layer_types(config, sp: int, shard_len: int) -> None:
                  f"{prefix}block_size={a.block_size} does not divide the per-device shard of "
                  f"data.seq_len/sp = {config.data.seq_len}/{sp} = {shard_len} tokens.")
         _check_splash_block(a.block_size, shard_len, a.impl, a.layout, prefix)
+        theta = config.attention.layer_types[layer_type.name].get("rope_theta")
+        _require(theta is None or theta > 0, f"{prefix}rope_theta={theta!r} must be positive.")
         scaling = layer_types_lib.rope_scaling(config, layer_type.name)
         if scaling is not None:
             _check_rope_scaling(ml_collections.ConfigDict(scaling), f"{prefix}rope_scaling")

@@ -100,6 +100,37 @@ def test_bad_flag_value_is_one_line(tmp_path):
                            "with base 10: 'four' (--helpshort lists the flags).")
 
 
+def test_a_layer_type_named_by_a_python_keyword_takes_overrides(tmp_path):
+    """ml_collections reads an override's path as Python, where `global` (the name Gemma gives its
+    full-attention layers; tiny_hybrid's too) is a keyword: the override reaches the type (its
+    value is validated), and a typo after it is named as any unknown key is."""
+    common = (TRAIN, "--config=configs/base.py:tiny_hybrid", f"--workdir={tmp_path / 'w'}", "--validate_only")
+    bad = run(*common, "--config.attention.layer_types.global.rope_theta=-1.0")
+    assert bad.returncode == 2
+    assert the_line(bad) == "longctx: attention.layer_types.global.rope_theta=-1.0 must be positive."
+    typo = run(*common, "--config.attention.layer_types.global.rope_thetaa=5e5")
+    assert typo.returncode == 2
+    assert the_line(typo) == ("longctx: unknown config key attention.layer_types.global.rope_thetaa in "
+                              "--config.attention.layer_types.global.rope_thetaa=5e5; the keys of "
+                              "attention.layer_types.global, closest first: rope_theta.")
+    good = run(*common, "--config.attention.layer_types.global.rope_theta=500000.0")
+    assert good.returncode == 0, good.stderr[-2000:]
+
+
+def test_keyword_keys_are_quoted_only_in_config_overrides():
+    from ml_collections.config_flags import config_path
+
+    argv = ["script", "--config.attention.layer_types.global.rope_theta=1.0", "--config.model.d_model=8",
+            "--noconfig.a.lambda.b", "--other.global.x=1", "--config=configs/base.py:tiny_hybrid"]
+    quoted = cli.quote_keyword_keys(argv, ["config"])
+    assert quoted == ["script", '--config.attention.layer_types["global"].rope_theta=1.0',
+                      "--config.model.d_model=8", '--noconfig.a["lambda"].b', "--other.global.x=1",
+                      "--config=configs/base.py:tiny_hybrid"]
+    assert config_path.split(quoted[1].split("=")[0].split(".", 1)[1]) == \
+        ("attention", "layer_types", "global", "rope_theta")
+    assert cli.quote_keyword_keys(argv, []) == argv
+
+
 # ----------------------------------------------------------------------------- item 9: corrupt shard
 
 
