@@ -157,10 +157,21 @@ def start(cpu_devices: int | None = 8) -> None:
             sys.exit(report(e))
 
 
+# The status `run` exits with, once the script's outcome is said (None before).
+_exit_status: int | None = None
+
+
 def _stop_on_sigterm(signum, frame) -> None:
     """SIGTERM before a script handles it itself (train_and_evaluate does from its first line: one
     line, then a stop that saves once it trains): one line and status 143 through every `finally`,
-    where Python's default ended the process silently (in the seconds its imports take)."""
+    where Python's default ended the process silently (in the seconds its imports take).
+
+    After the outcome is said, the process is only exiting: it ends at once, with the outcome's
+    status and nothing more said. Raised there, SystemExit lands in an atexit callback (jax's
+    shutdown, which with a dead peer waits until the coordination service aborts the process):
+    a traceback, then the abort's, after the run's last line."""
+    if _exit_status is not None:
+        os._exit(_exit_status)
     os.write(2, f"{PREFIX}SIGTERM: stopped.\n".encode())  # (a handler that writes to sys.stderr
     raise SystemExit(128 + signum)                       # while it is being written fails)
 
@@ -235,14 +246,27 @@ def run(main: Callable[[], int | None], argv: list[str] | None = None) -> None:
     _take_start_flags(argv)
     try:
         status = main()
-    except SystemExit:
+    except SystemExit as e:
+        _said(e.code)
         raise
     except _Validated as done:
         print(f"{PREFIX}{VALIDATE_FLAGS[0]}: {done}; nothing was run.", flush=True)
         status = 0
     except BaseException as e:  # noqa: BLE001  (KeyboardInterrupt included: one line too)
         status = report(e)
+    _said(status)
     sys.exit(status)
+
+
+def _said(code) -> None:
+    """Records the status the process exits with, its outcome said (`_stop_on_sigterm`)."""
+    global _exit_status
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()  # (os._exit does not)
+        except Exception:  # noqa: BLE001  (a stream already gone)
+            pass
+    _exit_status = code if isinstance(code, int) else 0 if code is None else 1
 
 
 # The longest error message one process hands the others (bytes of UTF-8; longer ones are cut).

@@ -698,6 +698,40 @@ def test_library_log_lines_are_kept_out_unless_verbose(tmp_path):
     assert "WARNING:absl:a library's absl warning" in loud.stderr
 
 
+SIGTERM_WHILE_EXITING = '''
+import atexit, os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from longctx import cli
+cli.start(cpu_devices=None)
+
+def slow_shutdown():  # as jax's, waiting on a dead peer until the coordination service aborts it
+    os.kill(os.getpid(), signal.SIGTERM)  # (the launcher's, for the peer's death)
+    time.sleep(60)
+    print("the shutdown finished", flush=True)
+
+atexit.register(slow_shutdown)
+
+def main():
+    raise RuntimeError("Gloo AllGather failed")
+
+cli.run(main)
+'''
+
+
+def test_sigterm_after_the_outcome_is_said_ends_the_process_with_its_status(tmp_path):
+    """A 2-process run whose peer was killed: process 0 said its error, and the launcher's SIGTERM
+    came while it exited (test_stop_signals.py's peer test caught it in make test). It printed
+    "SIGTERM: stopped." and a traceback from the atexit callback it interrupted, then the
+    coordination service's abort; now the process ends at once with the error's status."""
+    script = tmp_path / "sigterm_while_exiting.py"
+    script.write_text(SIGTERM_WHILE_EXITING)
+    r = run(script, ROOT, env={cli.DEBUG_ENV: "0"})
+    assert r.returncode == 1, r.stderr
+    assert r.stderr == ("longctx: unexpected RuntimeError: Gloo AllGather failed (pass --verbose or set "
+                        "LONGCTX_DEBUG=1 for the traceback)\n"), r.stderr
+    assert r.stdout == ""  # the shutdown did not go on
+
+
 @pytest.mark.parametrize("where, kept", [
     ("longctx/train/checkpoint.py", True), ("scripts/train.py", True),
     (".venv/lib/python3.11/site-packages/orbax/checkpoint/x.py", False),  # `make`'s venv is in the repo
