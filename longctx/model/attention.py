@@ -158,10 +158,10 @@ def _per_type(attention_configs, type_index):
 def _attention_by_type(q, k, v, segment_ids, positions, sinks, type_index, attention_configs, layout):
     """The layer's type's attention under save_qkv. One branch (a model of one attention config,
     or an unrolled layer): its strategy's own VJP. Several, under the layer scan: one VJP around
-    the branches, keeping q, k, v, out and lse, the same for every type. Differentiated through,
-    lax.switch keeps each branch's residuals apart (zeros in the other branches), and XLA kept
-    them all: per chip on v5p:4x4x4, gpt-oss-20b at 131,072 tokens (a halo type and a ring type)
-    took 18.3 GiB that way and 15.4 this way, Llama-4-Scout at 262,144 50.6 and 43.1
+    the branches, keeping q, k, v, out and lse, the same for every type, and switching in the
+    forward and in the backward. Differentiating through the switch of each strategy's own VJP
+    instead compiled to more memory per chip on v5p:4x4x4: gpt-oss-20b at 131,072 tokens (a halo
+    type and a ring type) 18.3 GiB against 15.4, Llama-4-Scout at 262,144 50.6 against 43.1
     (docs/fit_gpt_oss_20b.md, fit_llama4_scout.md)."""
     configs, which = _per_type(attention_configs, type_index)
     if len(configs) == 1 or isinstance(which, int):  # (layer_types.branch_of: a host int, unrolled)
