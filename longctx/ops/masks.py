@@ -31,7 +31,8 @@ class MaskSpec:
     def bounds(self, pos):
         """Allowed key interval [lo, hi] (inclusive) for queries at global positions `pos`:
         int64 numpy for host positions, int32 jax for positions computed on device. Both ends
-        are non-decreasing in the position (ops/tables.py relies on it)."""
+        are non-decreasing in the position, and the interval holds the position itself (windows
+        are non-negative, make_mask_spec): ops/tables.py relies on both."""
         if isinstance(pos, jax.Array):
             xp, pos, big = jnp, pos.astype(jnp.int32), _BIG_ON_DEVICE
         else:

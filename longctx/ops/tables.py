@@ -116,8 +116,7 @@ def block_classes(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
             for d in range(num_shards)])
     else:
         q_first, q_length, _ = block_runs(layout, seq_len, num_shards, bq)
-        piece = layout_lib.piece_length(layout, seq_len // num_shards)
-        out = np.stack([_classes_of_runs(spec, seq_len, pos[d], q_first, q_length, piece,
+        out = np.stack([_classes_of_runs(spec, seq_len, pos[d], q_first, q_length,
                                          pos[(d - np.arange(num_shards)) % num_shards][:, kv_first],
                                          kv_length)
                         for d in range(num_shards)])
@@ -126,42 +125,28 @@ def block_classes(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
     return out
 
 
-def _classes_of_runs(spec: MaskSpec, seq_len: int, qpos, q_first, q_length, piece: int,
+def _classes_of_runs(spec: MaskSpec, seq_len: int, qpos, q_first, q_length,
                      kv_first_positions, kv_lengths) -> np.ndarray:
     """int [steps, q_blocks, kv_blocks] classes (0 empty, 1 partial, 2 full) of one device's
-    queries (global positions qpos [L], consecutive within each piece of `piece` tokens; q blocks
-    as runs of local indices [q_blocks, q runs]) against the kv blocks visiting at each ring step
-    (runs of consecutive positions: first positions [steps, kv_blocks, kv runs], lengths
-    [kv_blocks, kv runs]).
+    queries (global positions qpos [L]; q blocks as runs of consecutive positions, given by their
+    local indices [q_blocks, q runs]) against the kv blocks visiting at each ring step (runs of
+    consecutive positions: first positions [steps, kv_blocks, kv runs], lengths [kv_blocks,
+    kv runs]).
 
-    Within a run of consecutive queries both ends of the allowed interval [lo, hi] are
-    non-decreasing (MaskSpec.bounds), so for a run of keys [a, b]:
-    - every query of the run allows all of [a, b] iff the last query's lo <= a and the first
-      query's hi >= b;
-    - some query allows some key of [a, b] iff the first query with hi >= a (found by binary
-      search within its piece) exists within the run and has lo <= b: any later query has a
-      larger lo, any earlier one a hi below a.
-    A block is full iff every pair of its runs is, empty iff no pair touches."""
-    lo, hi = (np.clip(x, -1, seq_len) for x in spec.bounds(qpos))  # keys are in [0, seq_len)
-    L = len(qpos)
-    # hi, offset by piece, is one non-decreasing array: one binary search finds, for every key
-    # run start a and every piece, the first query of that piece with hi >= a.
-    width = seq_len + 2
-    piece_of = np.arange(L) // piece
-    keyed = hi + 1 + piece_of * width
+    Over a run of consecutive queries both ends of the allowed interval [lo, hi] are
+    non-decreasing, and each interval holds its own query (MaskSpec.bounds), so the run's
+    intervals join into [lo(first), hi(last)] and meet in [lo(last), hi(first)]. A run of keys
+    [a, b] is then touched by some query iff it meets the first, and allowed whole to every query
+    iff it lies in the second. A block is full iff every pair of its runs is, empty iff no pair
+    touches."""
+    lo, hi = spec.bounds(qpos)
     a = kv_first_positions                                       # [step, kb, kr]
     b = a + kv_lengths - 1
-    pieces = np.arange(L // piece)[:, None, None, None]
-    reach = np.searchsorted(keyed, a[None] + 1 + pieces * width)  # [pieces, step, kb, kr]
     q_start = q_first[:, :, None, None, None]                   # [qb, qr, 1, 1, 1]
-    q_end = q_start + q_length[:, :, None, None, None]
-    q_live = q_length[:, :, None, None, None] > 0
-    kv_live = kv_lengths > 0
-    first_reaching = np.maximum(q_start, reach[q_first // piece])  # [qb, qr, step, kb, kr]
-    touches = (first_reaching < q_end) & (lo[np.minimum(first_reaching, L - 1)] <= b)
-    touches &= q_live & kv_live
-    covers = (lo[np.maximum(q_end - 1, 0)] <= a) & (hi[q_start] >= b)
-    covers |= ~(q_live & kv_live)
+    q_last = q_start + q_length[:, :, None, None, None] - 1
+    live = (q_length[:, :, None, None, None] > 0) & (kv_lengths > 0)
+    touches = live & (lo[q_start] <= b) & (hi[np.maximum(q_last, 0)] >= a)
+    covers = ~live | ((lo[np.maximum(q_last, 0)] <= a) & (hi[q_start] >= b))
     empty = ~touches.any(axis=(1, 4))                            # [qb, step, kb]
     full = covers.all(axis=(1, 4))
     return np.where(empty, 0, np.where(full, 2, 1)).transpose(1, 0, 2)
