@@ -279,9 +279,10 @@ def decoder_layer(project, finish, x, qkv_weights, finish_weights, positions, se
     arrays, sequence over sp), the ring, then `finish(x, out, finish_weights)` -> the layer's
     output; both pure functions of their arguments. The attention is `attention_configs[type_index]`'s
     (one config per layer type; `type_index` traced under the layer scan, a host int unrolled):
-    one branch per distinct config (layer_types.by_type). Under save_qkv the ring keeps its own
-    residuals and `remat` (the block's rematerialisation policy) wraps project and finish; the
-    other policies recompute everything but the ring in the backward, whatever the remat policy.
+    one branch per distinct config (layer_types.by_type). Under save_qkv the attention keeps its
+    own residuals (_attention_by_type) and `remat` (the block's rematerialisation policy) wraps
+    project and finish; the other policies recompute everything but the ring in the backward,
+    whatever the remat policy.
     The residual policy is one for every type (a property of the step)."""
     policy = attention_configs[0].get("residuals", "save_qkv")
     if policy not in RESIDUAL_POLICIES:
