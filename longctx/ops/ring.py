@@ -70,7 +70,7 @@ class RingConfig:
     axis_name: str
     interpret: bool
     skip_documents: bool = True
-    fused_bwd: bool = False
+    device_kind: str | None = None  # the TPU the kernels are compiled for (their VMEM limit)
 
     @property
     def tables(self) -> tables_lib.RingTables:
@@ -188,8 +188,11 @@ def _any_live(cfg, d, t, live, qs):
     """Whether this device computes anything at run step t. Without documents it is the host
     table's answer: a predicate that depends on the data costs XLA memory (the ring alone, 64K
     tokens on v5p:2x2x2: 238 vs 175 MiB of temporaries, measured), which runs without documents
-    have no reason to pay."""
+    have no reason to pay; and where the table says every device works at a step known while
+    tracing (one device, or a ring of one run step), a Python True: no conditional at all."""
     if qs is None or not cfg.skip_documents:
+        if isinstance(t, int) and cfg.tables.active[:, t].all():
+            return True
         return pick(cfg.tables.active, d, t)
     return jnp.any(live)
 
@@ -341,12 +344,15 @@ def _block_sizes(block_sizes, shard_len, impl, layout):
     # (Pallas, loaded lazily: an impl="xla" run needs only its BlockSizes type, and only here)
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     if block_sizes is None:
-        b = masks.default_block_size(shard_len, layout)
-        sizes = (b, b, b, b)
-    elif isinstance(block_sizes, int) and not isinstance(block_sizes, bool):
-        sizes = (block_sizes,) * 4
+        block_sizes = masks.default_block_size(shard_len, layout)
+    if isinstance(block_sizes, int) and not isinstance(block_sizes, bool):
+        compute = _compute_block(block_sizes)
+        sizes = (block_sizes, block_sizes, compute, compute)
     elif isinstance(block_sizes, sk.BlockSizes):
         bs = block_sizes
+        if not bs.use_fused_bwd_kernel:
+            raise ValueError("block_sizes.use_fused_bwd_kernel=False: the ring's backward is one "
+                             "fused kernel (ops/splash_kernels.py); leave it True")
         # One table set serves the forward, dq and dkv kernels, so their (q, kv) blocks must agree.
         for name in ("block_q_dq", "block_q_dkv"):
             if getattr(bs, name) not in (None, bs.block_q):
@@ -374,21 +380,25 @@ def _block_sizes(block_sizes, shard_len, impl, layout):
     return sizes
 
 
-def _fused_backward(block_sizes) -> bool:
-    """Whether splash's backward runs as one fused kernel (dq, dk, dv in one pass; ops/splash.py)
-    or as its dq and dkv kernels: fused unless a splash BlockSizes asks otherwise."""
-    # (Pallas, loaded lazily: an impl="xla" run needs only its BlockSizes type, and only here)
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    return not isinstance(block_sizes, sk.BlockSizes) or block_sizes.use_fused_bwd_kernel
+COMPUTE_BLOCK = 512
 
 
-def _on_tpu():
-    """Whether we are tracing for TPU: the shard_map mesh's devices (AOT for a TPU topology on a
-    CPU host), else the default backend."""
+def _compute_block(block: int) -> int:
+    """How many keys a kernel multiplies at once inside a block of `block`: up to 512, as splash's
+    own recipes have it. Larger blocks fetch less often; larger score tiles only take VMEM."""
+    compute = min(block, COMPUTE_BLOCK)
+    return compute if block % compute == 0 else block
+
+
+def _tpu_device_kind():
+    """The TPU we are tracing for ("TPU v5 lite", ...), or None off TPU: the shard_map mesh's
+    devices (AOT for a TPU topology on a CPU host), else the default backend's."""
     dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     if dev is not None:
-        return dev.platform == "tpu"
-    return jax.default_backend() == "tpu"
+        return dev.device_kind if dev.platform == "tpu" else None
+    if jax.default_backend() != "tpu":
+        return None
+    return jax.devices()[0].device_kind
 
 
 def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
@@ -407,11 +417,11 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     each document's start, as at inference. softmax_aux [heads] are attention-sink logits
     (differentiable). impl="splash" runs the Pallas TPU kernel (interpret mode off TPU);
     impl="xla" the same schedule in plain XLA. block_sizes: None (masks.default_block_size:
-    512/256/128 dividing L, or L/2 for zigzag), an int, or a splash BlockSizes (its
-    use_fused_bwd_kernel=False gives splash's separate dq and dkv kernels instead of the fused
-    backward). skip_documents=False computes every block the static mask keeps and leaves
-    documents to the element-wise mask (the same result, slower: for measuring what the
-    skipping buys). Returns [b, L, heads, head_dim] in query's dtype.
+    512/256/128 dividing L, or L/2 for zigzag), an int (keys computed up to 512 at a time
+    inside a block), or a splash BlockSizes (block_q, block_kv and the compute blocks; the
+    backward is always one fused kernel). skip_documents=False computes every block the static
+    mask keeps and leaves documents to the element-wise mask (the same result, slower: for
+    measuring what the skipping buys). Returns [b, L, heads, head_dim] in query's dtype.
     """
     cfg, q_ids, kv_ids, aux = prepare(
         query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, positions=positions,
@@ -500,14 +510,19 @@ def prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, po
         # tokens: a causal window of chunk_size - 1, which keeps the ring's pruning.
         spec = masks.within_chunk_window(spec)
     bq, bkv, bkvc, bkvc_dkv = _block_sizes(block_sizes, L, impl, layout)
+    device_kind = _tpu_device_kind() if impl == "splash" else None
+    if device_kind is not None:
+        from longctx.ops import splash_kernels  # (Pallas TPU: loaded for impl="splash" only)
+        splash_kernels.check_vmem(bq, bkv, max(bkvc, bkvc_dkv), head_dim, query.dtype.itemsize,
+                                  splash_kernels.Masking(spec != masks.MaskSpec(),
+                                                         q_segment_ids is not None), device_kind)
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     cfg = RingConfig(spec=spec, layout=layout, seq_len=seq_len, sp=sp, bq=bq, bkv=bkv,
                      bkv_compute=bkvc, bkv_dkv_compute=bkvc_dkv, impl=impl,
                      soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                      scale=scale, axis_name=axis_name,
-                     interpret=impl == "splash" and not _on_tpu(),
-                     skip_documents=bool(skip_documents),
-                     fused_bwd=impl == "splash" and _fused_backward(block_sizes))
+                     interpret=impl == "splash" and device_kind is None,
+                     skip_documents=bool(skip_documents), device_kind=device_kind)
     if softmax_aux is not None:
         # The sink gradient of a replicated aux is summed over devices by the cast's transpose.
         softmax_aux = vary_like(softmax_aux, query)

@@ -1,221 +1,147 @@
-"""The ring step on JAX's Pallas TPU splash-attention kernels (interpret mode off TPU).
+"""The ring step on the Pallas TPU kernels of ops/splash_kernels.py (interpret mode off TPU).
 
-Per (device, run step) the MaskInfo is built on device from the step's blocks (ops/tables.py)
-and handed to splash's own forward (save_residuals: out + logsumexp) and backward kernels,
-which skip empty blocks and apply partial blocks, segment ids and the soft cap. The backward
-is splash's fused kernel (dq, dk and dv from one pass over the blocks; on CPU, causal 8K,
-sp=4: 25-32% faster than its separate dq and dkv kernels, which each recompute the
-probabilities), called one kv block at a time, each call's dq added into the ring's (see
-_fused_bwd_step); a splash BlockSizes with use_fused_bwd_kernel=False selects the two kernels.
-Splash's public `make_splash_mha` builds its MaskInfo from one static mask for the whole
-sequence; a ring needs a different one per (device, step), so we call splash's kernels below
-that layer with our own tables, through ops/splash_kernels.py, whose pallas_calls return the
-step's out, dq, dk and dv in float32 (the ring sums them over steps; splash's wrappers would
-round each to the input dtype first). Sinks are *not* given to the kernel: they enter once, in
-the ring's float32 merge. Shapes: see ring.py. Kernels work per batch row (vmap over b), on
-[heads, L, head_dim].
+The backend interface of ring.py (shapes there). Per (device, run step) the kernels' tables are
+built on device from the step's blocks (ops/tables.py): the live blocks packed per q-block row
+for the forward and per kv-block column for the backward, each marked partial (masked element
+by element from positions and segment ids, in the kernel) or full. The forward returns each
+step's normalised output and logsumexp in float32, merged into the running ones here; the
+backward is one fused kernel per step, whose float32 dQ, dK and dV are added to the running dQ
+and to the dK, dV travelling with K/V. Sinks are not given to the kernels: they
+enter once, in the ring's float32 merge.
+
+Layouts: the kernels take heads-major operands, so q (and dQ, out, lse) are transposed once per
+call, in fwd_start / bwd_start, and K/V travel the ring heads-major ([b, kv_heads, L, h]:
+to_kv_layout), as do their float32 dK, dV.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
-from jax.sharding import PartitionSpec as P
 
+from longctx.ops import masks as masks_lib
 from longctx.ops import splash_kernels as kernels
 from longctx.ops import tables as tables_lib
 from longctx.ops.shmap import vary_like
+from jax.sharding import PartitionSpec as P
 
-MASK_VALUE = sk.DEFAULT_MASK_VALUE
-
-
-def _partial_index(cfg, blocks):
-    """Each partial block's pattern in cfg.tables.partial (ops/tables.py), shared by every kernel
-    of the step."""
-    return tables_lib.partial_index(cfg.tables, cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq,
-                                    cfg.bkv, blocks)
+# splash's: large and finite, so that a row with every key masked gives exp(0) = 1 terms that
+# the online softmax drops once a real score arrives, and never NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _mask_info(cfg, blocks, live, index, kernel: str):
-    """((data_next, block_mask, mask_next), partial blocks) of this step for `kernel`, built on
-    device from its blocks (ops/tables.py). "dq": each q-block row's live blocks packed into the
-    grid, the rest computing and fetching nothing. "fwd": the same, with the rows that hold a
-    live block first, and a fourth array, the q block of each row (splash_kernels.forward).
-    "dkv": as "dq" per kv-block column, partial blocks transposed ([kv, q], as the kernel reads
-    them). The arrays are one set per batch row ([b, ...]) when documents make the rows differ,
-    else one for all rows."""
-    tb = cfg.tables
-    partial = None if tb.partial is None else jnp.asarray(tb.partial)
-    if kernel in ("fwd", "dq"):
-        arrays = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_width, axis=-1)
-        if kernel == "fwd":
-            arrays, q_blocks = tables_lib.live_rows_first(*arrays)
-            arrays += (q_blocks[:, 0],)  # one table for every head
-    else:
-        arrays = tables_lib.grid_tables(blocks.classes, index, live, tb.grid_height, axis=-2)
-        partial = None if partial is None else partial.swapaxes(1, 2)
-    if live.shape[0] == 1:  # one MaskInfo for every row
-        arrays = tuple(None if x is None else x[0] for x in arrays)
-    return arrays, partial
+def to_kv_layout(x):
+    """K, V (and dK, dV) from the ring's [b, L, kvh, h] to [b, kvh, L, h]: once per call."""
+    return jnp.swapaxes(x, 1, 2)
 
 
-def _info(arrays, partial):
-    data, block, nxt = arrays[:3]
-    return mi.MaskInfo(data_next=data, block_mask=block, mask_next=nxt,
-                       partial_mask_blocks=partial, q_sequence=None)
-
-
-def _over_rows(one_row, live):
-    """`one_row(mask info arrays, *per-row arrays)` over the batch. Shared MaskInfo arrays keep
-    a single kernel call for the whole batch (vmap). Arrays that differ per row (segment ids)
-    are looped over with lax.map, each row's kernel grid sized by that row's own tables
-    (splash_kernels.table_grid_size); vmap would loop too (Pallas cannot batch scalar tables),
-    but in jax 0.10.2 that loop drops a grid size known only at run time."""
-    if live.shape[0] == 1:
-        return lambda info, *rows: jax.vmap(one_row, in_axes=(None,) + (0,) * len(rows))(info, *rows)
-    return lambda info, *rows: lax.map(lambda args: one_row(*args), (info, *rows))
-
-
-def _local(fn, ref, *args):
-    """Runs fn(*args), this device's kernel work, as shard-local code with check_vma=False.
-
-    Splash's pallas_calls declare outputs with plain ShapeDtypeStructs (no varying-axes type),
-    which shard_map's default check_vma=True rejects, and the Pallas interpreter cannot mix
-    device-varying scalar tables with its loop indices. A nested shard_map over no new axes with
-    check_vma=False (what the splash docs ask of the caller's shard_map) scopes that to the
-    kernel and is recorded in the jaxpr, so remat/scan re-tracing sees the same setting. The
-    outputs are then typed as varying like `ref` (this device's query shard).
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    local = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
-                          axis_names=frozenset(), check_vma=False)
-    return vary_like(local(*args), ref)
-
-
-def _segments(qs, ks):
-    return None if qs is None else sk.SegmentIds(q=qs, kv=ks)
+from_kv_layout = to_kv_layout
 
 
 def _heads_major(x):
-    return jnp.swapaxes(x, 1, 2)  # [b, L, heads, h] <-> [b, heads, L, h]
+    return jnp.swapaxes(x, 1, 2)  # [b, L, n, ...] <-> [b, n, L, ...]
 
 
-def _fwd_kernel(cfg, q, k, v, qs, ks, blocks, live):
-    """The step's normalised output and logsumexp (float32; empty rows -inf, zero output)."""
-    def local(q, k, v, qs, ks, blocks, live):
-        arrays, partial = _mask_info(cfg, blocks, live, _partial_index(cfg, blocks), "fwd")
-
-        def one_row(arrays, q1, k1, v1, seg):
-            return kernels.forward(_info(arrays, partial), q1, k1, v1, seg, bq=cfg.bq,
-                                   bkv=cfg.bkv, bkv_compute=cfg.bkv_compute,
-                                   mask_value=MASK_VALUE, soft_cap=cfg.soft_cap,
-                                   interpret=cfg.interpret, q_blocks=arrays[3])
-
-        return _over_rows(one_row, live)(arrays, _heads_major(q), _heads_major(k),
-                                         _heads_major(v), _segments(qs, ks))
-
-    out, lse = _local(local, q, q, k, v, qs, ks, blocks, live)
-    out = _heads_major(out)
-    lse = jnp.swapaxes(lse, 1, 2)  # [b, L, n]
-    # A row with no allowed key in this step gets lse ~ MASK_VALUE (masked logits inside a
-    # computed block), or is in a q block with no live block, which the kernel never wrote.
-    # Either way it is empty here: -inf lse and zero output, so the merge gives it exactly zero
-    # weight.
-    computed = jnp.repeat(jnp.any(live, axis=-1), cfg.bq, axis=-1)  # [b or 1, L]
-    valid = (lse > 0.5 * MASK_VALUE) & computed[..., None]
-    return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
+def _masking(cfg, qs) -> kernels.Masking:
+    return kernels.Masking(positions=cfg.spec != masks_lib.MaskSpec(), segments=qs is not None)
 
 
-def _bwd_kernel_inputs(qs, ks, lse, do, di, q, k, v):
-    """The backward kernels' per-row inputs, heads-major."""
-    return (_heads_major(q), _heads_major(k), _heads_major(v), _segments(qs, ks),
-            jnp.swapaxes(lse, 1, 2), _heads_major(do), jnp.swapaxes(di, 1, 2))
+class _StepMasks(NamedTuple):
+    """The element masks' inputs of a step: the queries' allowed key intervals, the keys'
+    global positions (None for a mask that keeps every pair), the segment ids (None without
+    documents)."""
+    q_lo: jax.Array | None
+    q_hi: jax.Array | None
+    kv_pos: jax.Array | None
+    qs: jax.Array | None
+    ks: jax.Array | None
+
+
+def _step_masks(cfg, blocks, qs, ks) -> _StepMasks:
+    if _masking(cfg, qs).positions:
+        q_lo, q_hi = cfg.spec.bounds(blocks.q_positions)
+        kv_pos = blocks.kv_positions.astype(jnp.int32)
+    else:
+        q_lo = q_hi = kv_pos = None
+    return _StepMasks(q_lo, q_hi, kv_pos, qs, ks)
+
+
+def _classes(cfg, blocks, live, qs, ks):
+    """The kernels' class of each block of the step (tables.kernel_classes): documents decide
+    which static full blocks stay unmasked, whether or not they also prune (skip_documents)."""
+    if qs is None:
+        return tables_lib.kernel_classes(blocks.classes, live, None, None)
+    return tables_lib.kernel_classes(blocks.classes, live, tables_lib.block_documents(qs, cfg.bq),
+                                     tables_lib.block_documents(ks, cfg.bkv))
 
 
 def _common(cfg):
     return dict(bq=cfg.bq, bkv=cfg.bkv, mask_value=MASK_VALUE, soft_cap=cfg.soft_cap,
-                interpret=cfg.interpret)
+                interpret=cfg.interpret, device_kind=cfg.device_kind)
 
 
-def _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
-    """bwd_step on splash's fused kernel: one pass over the blocks computes dq, dk and dv.
-
-    The kernel writes its dq by q block without adding to it: a q block that several kv blocks
-    of one call reach would keep only one kv block's share (splash's wrapper gives it a dq per
-    kv block of the call instead, kv_blocks times the attention's own memory: 64 GiB per step
-    in bf16 at 65,536 tokens per chip for the 8B shape). So it is called one kv block at a
-    time, only on the kv blocks that some query needs, and each block's dq is added into the
-    ring's float32 `dq` in place. The loop runs outside the kernel's local region so that the
-    accumulator keeps its type and is updated in place (an accumulator inside the region cost a
-    second float32 dq: 64K tokens on v5p:2x2x2, 259 vs 177 MiB of temporaries)."""
-    arrays, partial = _mask_info(cfg, blocks, live, _partial_index(cfg, blocks), "dkv")
-    common = _common(cfg)
-
-    def kernel(arrays, q, k, v, qs, ks, lse, do, di):
-        def one_row(arrays, q1, k1, v1, seg, lse1, do1, di1):
-            return kernels.backward_dkv(_info(arrays, partial), q1, k1, v1, seg, lse1, do1, di1,
-                                        bkv_compute=cfg.bkv_dkv_compute, fused=True, **common)
-
-        return _over_rows(one_row, live)(arrays, *_bwd_kernel_inputs(qs, ks, lse, do, di, q, k, v))
-
-    def one_kv_block(j, carry):
-        dq, dk, dv = carry
-        column = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
-            x, j, 1, axis=x.ndim - 1)
-        keys = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
-            x, j * cfg.bkv, cfg.bkv, axis=1)
-        dq_j, dk_j, dv_j = _local(kernel, q, tuple(map(column, arrays)), q, keys(k), keys(v), qs,
-                                  keys(ks), lse, do, di)
-        put = lambda total, part: lax.dynamic_update_slice_in_dim(  # noqa: E731
-            total, _heads_major(part), j * cfg.bkv, axis=1)
-        return dq + _heads_major(dq_j), put(dk, dk_j), put(dv, dv_j)
-
-    zeros = vary_like(jnp.zeros(k.shape, jnp.float32), q)
-    # The kv blocks that no query needs leave dq unchanged and their dk, dv zero; a call on one
-    # would still take a grid step per head.
-    needed = jnp.any(live, axis=(0, 1))
-    columns = jnp.nonzero(needed, size=needed.shape[0], fill_value=0)[0].astype(jnp.int32)
-    return lax.fori_loop(0, jnp.count_nonzero(needed).astype(jnp.int32),
-                         lambda i, carry: one_kv_block(columns[i], carry), (dq, zeros, zeros))
+def _untyped(x):
+    """x without its varying-axes type, inside a check_vma=False region: a binary op with an
+    untyped operand is untyped there (a unary one keeps the type); XLA removes the + 0."""
+    return x + jnp.zeros((), x.dtype)
 
 
-def _bwd_kernels(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq):
-    """(dQ with this step's added, the step's dK, dV), float32."""
-    if cfg.fused_bwd:
-        return _fused_bwd_step(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq)
-    common = _common(cfg)
+def _local(fn, ref, *args):
+    """fn(*args), this device's kernel call, as shard-local code with check_vma=False.
 
-    def local(q, k, v, qs, ks, lse, do, di, blocks, live):
-        index = _partial_index(cfg, blocks)
-        fwd_arrays, fwd_partial = _mask_info(cfg, blocks, live, index, "dq")
-        dkv_arrays, dkv_partial = _mask_info(cfg, blocks, live, index, "dkv")
-
-        def one_row(arrays, q1, k1, v1, seg, lse1, do1, di1):
-            # dq and dk/dv from two kernels, each recomputing the probabilities.
-            dq = kernels.backward_dq(_info(arrays[0], fwd_partial), q1, k1, v1, seg, lse1, do1,
-                                     di1, **common)
-            _, dk, dv = kernels.backward_dkv(_info(arrays[1], dkv_partial), q1, k1, v1, seg,
-                                             lse1, do1, di1, bkv_compute=cfg.bkv_dkv_compute,
-                                             fused=False, **common)
-            return dq, dk, dv
-
-        return _over_rows(one_row, live)((fwd_arrays, dkv_arrays),
-                                         *_bwd_kernel_inputs(qs, ks, lse, do, di, q, k, v))
-
-    dq_s, dk, dv = _local(local, q, q, k, v, qs, ks, lse, do, di, blocks, live)
-    return dq + _heads_major(dq_s), _heads_major(dk), _heads_major(dv)
+    Pallas calls declare their outputs with plain ShapeDtypeStructs (no varying-axes type),
+    which shard_map's default check_vma=True rejects, and the Pallas interpreter cannot mix
+    device-varying operands with its untyped loop state (an input it carries through its grid
+    loop comes back untyped). A nested shard_map over no new axes with check_vma=False (what
+    the splash docs ask of the caller's shard_map) scopes that to the kernel and is recorded in
+    the jaxpr, so remat/scan re-tracing sees the same setting; the operands enter it untyped
+    (`_untyped`), and the outputs are typed as varying like `ref` (this device's query shard)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    local = jax.shard_map(lambda *a: fn(*jax.tree.map(_untyped, a)), mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
+                          axis_names=frozenset(), check_vma=False)
+    return vary_like(local(*args), ref)
 
 
-# The ring's backend interface (ring.py): K/V travel as given, [b, L, kvh, h]; the forward's
-# accumulator is the normalised output and logsumexp so far, merged with each step's.
+def _maybe(run, compute, skipped):
+    """compute() where `run`, else skipped(): no conditional where `run` is a host True."""
+    if run is True:
+        return compute()
+    return lax.cond(run, compute, skipped)
 
-def to_kv_layout(x):
-    return x
+
+class FwdContext(NamedTuple):
+    q: jax.Array           # [b, n, L, h], scaled
+    qs: jax.Array | None   # [b, L]
 
 
-from_kv_layout = to_kv_layout
+def fwd_start(cfg, q, qs, kv_heads):
+    """The forward's context and accumulator: the normalised output and logsumexp so far,
+    heads-major float32, empty (-inf lse)."""
+    q = _heads_major(q)
+    b, n, L, h = q.shape
+    acc = vary_like((jnp.zeros((b, n, L, h), jnp.float32),
+                     jnp.full((b, n, L), -jnp.inf, jnp.float32)), q)
+    return FwdContext(q, qs), acc
+
+
+def _fwd_kernel(cfg, ctx, k, v, ks, blocks, live):
+    """The step's normalised output and logsumexp (float32, heads-major; rows with nothing to
+    attend to: zero output, -inf lse)."""
+    classes = _classes(cfg, blocks, live, ctx.qs, ks)
+    data, block = tables_lib.grid_tables(classes, cfg.tables.grid_width, axis=-1)
+    (data, block), q_blocks = tables_lib.live_rows_first(data, block)
+    masks = _step_masks(cfg, blocks, ctx.qs, ks)
+    call = lambda *args: kernels.forward(  # noqa: E731
+        *args, bkv_compute=cfg.bkv_compute, out_dtype=jnp.float32, **_common(cfg))
+    out, lse = _local(call, ctx.q, (data, block), q_blocks[:, 0], ctx.q, k, v, *masks)
+    # A row with no allowed key in this step has lse ~ MASK_VALUE (masked scores in a computed
+    # block), or sits in a q block with no live block, which the kernel never wrote: either way
+    # it is empty here, -inf lse and zero output, so the merge gives it exactly zero weight.
+    computed = jnp.repeat(jnp.any(classes != 0, axis=-1), cfg.bq, axis=-1)[:, None]  # [b|1, 1, L]
+    valid = (lse > 0.5 * MASK_VALUE) & computed
+    return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
 
 
 def _merge(o, lse, o_s, lse_s):
@@ -226,44 +152,50 @@ def _merge(o, lse, o_s, lse_s):
     return o * w[..., None] + o_s * w_s[..., None], new
 
 
-def _empty(q):
-    """A step's output and logsumexp where it computed nothing."""
-    b, L, n, h = q.shape
-    return vary_like((jnp.zeros((b, L, n, h), jnp.float32),
-                      jnp.full((b, L, n), -jnp.inf, jnp.float32)), q)
-
-
-def fwd_start(cfg, q, qs, kv_heads):
-    return (q, qs), _empty(q)
-
-
 def fwd_step(cfg, ctx, acc, k, v, ks, blocks, live, run):
-    # The merge stays outside the cond, the kernel's output its only result: with the merge
-    # inside, the ring fwd+bwd at 64K on v5p:2x2x2, batch 2 with documents, took 758 MiB per
-    # chip instead of 635.
-    q, qs = ctx
-    step = lax.cond(run, lambda: _fwd_kernel(cfg, q, k, v, qs, ks, blocks, live),
-                    lambda: _empty(q))
+    # The merge stays outside the cond, the kernel's output its only result (a merge inside
+    # kept more of the step's buffers alive at once).
+    step = _maybe(run, lambda: _fwd_kernel(cfg, ctx, k, v, ks, blocks, live),
+                  lambda: vary_like((jnp.zeros_like(acc[0]), jnp.full_like(acc[1], -jnp.inf)),
+                                    ctx.q))
     return _merge(*acc, *step)
 
 
 def fwd_end(cfg, ctx, acc):
-    return acc
+    o, lse = acc
+    return _heads_major(o), jnp.swapaxes(lse, 1, 2)
+
+
+class BwdContext(NamedTuple):
+    q: jax.Array           # [b, n, L, h], scaled
+    qs: jax.Array | None
+    lse: jax.Array         # [b, n, L]
+    do: jax.Array          # [b, n, L, h]
+    di: jax.Array          # [b, n, L]
 
 
 def bwd_start(cfg, q, qs, lse, do, di, kv_heads):
-    return (q, qs, lse, do, di), vary_like(jnp.zeros(q.shape, jnp.float32), q)
+    """The backward's context and its dQ accumulator (float32, heads-major, zero)."""
+    q = _heads_major(q)
+    ctx = BwdContext(q, qs, jnp.swapaxes(lse, 1, 2), _heads_major(do), jnp.swapaxes(di, 1, 2))
+    return ctx, vary_like(jnp.zeros(q.shape, jnp.float32), q)
 
 
 def bwd_step(cfg, ctx, acc, k, v, ks, blocks, live, run):
-    q, qs, lse, do, di = ctx
+    """(dQ, dK, dV) with this step's added (float32; dK, dV in the travelling layout)."""
     dq, dk, dv = acc
-    zeros = vary_like(jnp.zeros(k.shape, jnp.float32), q)
-    dq, dk_s, dv_s = lax.cond(
-        run, lambda: _bwd_kernels(cfg, q, k, v, qs, ks, lse, do, di, blocks, live, dq),
-        lambda: (dq, zeros, zeros))
-    return dq, dk + dk_s, dv + dv_s
+
+    def compute():
+        classes = _classes(cfg, blocks, live, ctx.qs, ks)
+        tables = tables_lib.grid_tables(classes, cfg.tables.grid_height, axis=-2)
+        masks = _step_masks(cfg, blocks, ctx.qs, ks)
+        call = lambda *args: kernels.backward(  # noqa: E731
+            *args, bkv_compute=cfg.bkv_dkv_compute, **_common(cfg))
+        dq_s, dk_s, dv_s = _local(call, ctx.q, tables, ctx.q, k, v, *masks, ctx.lse, ctx.do, ctx.di)
+        return dq + dq_s, dk + dk_s, dv + dv_s
+
+    return _maybe(run, compute, lambda: (dq, dk, dv))
 
 
 def bwd_end(cfg, ctx, dq):
-    return dq
+    return _heads_major(dq)

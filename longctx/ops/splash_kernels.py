@@ -1,26 +1,39 @@
-"""Splash's Pallas kernels in pallas_calls of our own, whose results are float32.
+"""The Pallas TPU attention kernels the ring drives: splash attention's, made for a ring step.
 
-Splash's wrappers (`_splash_attention_forward`, `_splash_attention_bwd_dq`, `_bwd_dkv`) declare
-out, dq, dk and dv in the input dtype. That suits one call over a whole sequence, which rounds
-once. A ring step's results are partials that the ring sums in float32 over sp steps: rounded
-to bf16 first, a result carries a rounding per step besides its final one (out's mean error
-was 1.04-1.54x single-device splash's at bf16, S=4096, sp=4; benchmarks/bench_bf16_error.py).
-The kernel bodies already compute in float32 and cast only when they store
-(`o_ref[...] = x.astype(o_ref.dtype)`), so declaring float32 results is the whole change: the
-kernels are splash's, unmodified, and the block specs below are splash's, specialised to the
-one configuration the ring uses:
-  - operands heads-major, [heads, L, head_dim] (splash's HEAD_DIM_MINOR), one batch row;
-  - multi-head K/V, query head h reading kv head h // (heads / kv_heads) (GQA);
-  - a MaskInfo from ops/tables.py: data_next, block_mask and mask_next always present, partial
-    blocks optional, no q_sequence; no mask_function; no sinks (the ring merges them once).
-As in splash, each K/V block (forward, dq) or Q block (dkv) is fetched at `data_next`, the block
-the table says comes next, so a block that is skipped is never fetched either. Unlike splash's,
-the grid's table axis is sized at run time: it ends at the last live entry of the busiest row
-(column) of the step's tables (`table_grid_size`), since with documents most entries are dead;
-and the forward's grid ends after the last q block with a live block (`forward`'s q_blocks).
+The kernel bodies follow JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention):
+the same grids walking a table of live blocks per q-block row (forward) or kv-block column
+(backward), the same online softmax, the same block fetching at `data_next` so that a skipped
+block is never fetched either. What differs, each for a reason measured on a v5e chip (see
+docs/tpu_kernels.md):
+
+  - Masks from positions. A partial block's mask is computed in the kernel from each query's
+    allowed key interval [lo, hi] and each key's global position (ops/masks.MaskSpec.bounds),
+    and from segment ids with documents; blocks the tables mark full skip the mask's vector work
+    altogether (splash computes its mask function on every block). So any mask of ops/masks.py
+    under any layout needs no table of partial-block patterns.
+  - One fused backward pass over every kv block, dQ accumulated in place. Splash's fused
+    backward writes a dQ per kv block ([kv blocks, heads, L, head_dim]) and sums them after.
+    Here each live (kv block, q block) step reads the q block's float32 dQ from HBM, adds its
+    share and writes it back, with asynchronous copies into two alternating buffers, ordered so
+    that no read can pass a write to the same block (`_DqAccumulator`). The backward's
+    traffic and memory then follow the live blocks, as the forward's do.
+  - Results in the dtype asked for: float32 partials for a ring that merges several steps, the
+    input dtype where one step is the whole result.
+  - The grid's table axis is sized at run time: it ends at the last live entry of the busiest
+    row (column), since with documents most entries are dead (`table_grid_size`); the forward's
+    grid also ends after the last q block with a live block (its `q_blocks`).
+  - A leading batch axis in the grid, with tables shared by every row or one per row.
+  - The scoped VMEM limit set from the chip's VMEM (`vmem_limit_bytes`), so that blocks of
+    2,048 compile, and a block that no limit fits refused before compiling (`check_vmem`).
+
+Operands are heads-major, one batch row per leading index: q, do [b, heads, L, head_dim]; k, v
+[b, kv_heads, L_kv, head_dim] (query head h reads kv head h // (heads / kv_heads): GQA).
+Tables (ops/tables.py): data_next and block_mask int32 [1 or b, 1 or heads, rows, width], 0 an
+entry that computes and fetches nothing, 1 a partial block, 2 a full one.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,20 +41,37 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
-LANES, SUBLANES = sk.NUM_LANES, sk.NUM_SUBLANES
-_HEAD_MINOR = sk.QKVLayout.HEAD_DIM_MINOR
-_LAYOUTS = dict(q_layout=_HEAD_MINOR, k_layout=_HEAD_MINOR, v_layout=_HEAD_MINOR)
-
-
-def _f32(shape):
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
+LANES, SUBLANES = 128, 8
+NT = (((1,), (1,)), ((), ()))  # a @ b.T
+NN = (((1,), (0,)), ((), ()))  # a @ b
+EMPTY, PARTIAL, FULL = 0, 1, 2  # block_mask values
 
 
-def _scratch(shape):
-    """One block for the whole grid: splash's kernels take their scratch buffers as outputs."""
-    return pl.BlockSpec(shape, lambda *_: (0, 0))
+@dataclasses.dataclass(frozen=True)
+class Masking:
+    """Which element masks a call applies to its partial blocks: positions (q_lo, q_hi against
+    kv_positions) for a static mask, segment ids for documents."""
+    positions: bool
+    segments: bool
+
+
+def table_grid_size(block_mask, axis: int):
+    """How many table entries the grid walks: up to the last live entry of any row (axis=-1:
+    the forward) or column (axis=-2: the backward, and the forward's rows), at least 1; an int32
+    known at run time."""
+    live = block_mask != EMPTY
+    position = lax.broadcasted_iota(jnp.int32, live.shape, live.ndim + axis) + 1
+    return jnp.maximum(jnp.max(jnp.where(live, position, 0)), 1)
+
+
+def _table_entry(tables, b, h, i, j):
+    """(data_next, block class) of grid entry (i, j) of batch row b, head h, from the
+    scalar-prefetch refs; tables shared by every row or head have a leading size of 1."""
+    data_next, block_mask = tables[0], tables[1]
+    b = 0 if data_next.shape[0] == 1 else b
+    h = 0 if data_next.shape[1] == 1 else h
+    return data_next[b, h, i, j], block_mask[b, h, i, j]
 
 
 def _kv_head(h, heads, kv_heads):
@@ -49,242 +79,434 @@ def _kv_head(h, heads, kv_heads):
     return h if per_kv == 1 else lax.div(h, per_kv)
 
 
-def _next(h, i, j, tables, next_i=False):
-    """(block to fetch, partial-block index) at grid point (h, i, j): splash's _next_nonzero.
-    tables: the scalar-prefetch refs (data_next, block_mask, mask_next, grid size)."""
-    data_next, block_mask, mask_next, *_ = tables
-    block, mask, *_ = sk._next_nonzero(  # pylint: disable=protected-access
-        h, i, j, data_next, block_mask, mask_next, next_i=next_i)
-    return block, mask
+# ----------------------------------------------------------------------------- VMEM
+
+# Splash's scoped VMEM default; a chip with more VMEM lets a kernel use three quarters of it
+# (MaxText's v5e recipes raise the limit to 96 of 128 MiB the same way).
+DEFAULT_SCOPED_VMEM = 16 * 2 ** 20
 
 
-def _tables(info):
-    return info.data_next, info.block_mask, info.mask_next
+def vmem_limit_bytes(device_kind: str | None) -> int | None:
+    """The scoped VMEM a kernel may use on `device_kind` ("TPU v5 lite", ...): 3/4 of the
+    chip's VMEM per TensorCore, or None (the compiler's default) for an unknown chip or one no
+    larger than the default."""
+    if device_kind is None:
+        return None
+    from jax._src.pallas.mosaic import tpu_info  # (the chip table; TPU-only, loaded when asked)
+    chip = tpu_info.chip_version_from_device_kind(device_kind)
+    if chip is None:
+        return None
+    capacity = tpu_info.get_tpu_info_for_chip(chip, 1).vmem_capacity_bytes
+    limit = capacity * 3 // 4
+    return limit if limit > DEFAULT_SCOPED_VMEM else None
 
 
-def table_grid_size(info, axis: int):
-    """How many table entries the grid walks: up to the last live entry of any row (axis=-1,
-    the forward and dq kernels) or column (axis=-2: dkv; and the forward's rows, packed by
-    tables.live_rows_first), at least 1; an int32 known at run time. ops/tables.grid_tables
-    packs each row's live entries first, so with documents a ring step's rows are mostly dead
-    entries, and each one walked would still cost a grid step (on CPU, the interpreter's block
-    copies: about a quarter of a live block's time)."""
-    live = info.block_mask != 0
-    position = lax.broadcasted_iota(jnp.int32, live.shape, live.ndim + axis) + 1
-    return jnp.maximum(jnp.max(jnp.where(live, position, 0)), 1)
+def vmem_bytes(bq: int, bkv: int, bkv_compute: int, head_dim: int, itemsize: int,
+               masking: Masking) -> int:
+    """An upper estimate of the scoped VMEM the larger of the two kernels takes: its blocks
+    double-buffered, its scratch, and the float32 score tiles [bq, bkv_compute] it computes on
+    (a handful live at once). Mosaic's own count is what decides; this one is for refusing a
+    block before a compile that cannot succeed."""
+    tile = bq * bkv_compute * 4
+    positions = (2 * bq * LANES + bkv * SUBLANES) * 4 if masking.positions else 0
+    segments = (bq * LANES + bkv * SUBLANES) * 4 if masking.segments else 0
+    forward = (2 * (bq + 2 * bkv) * head_dim * itemsize            # q, k, v
+               + 2 * (bq * head_dim + bq * LANES) * 4              # out, lse
+               + (2 * bq * LANES + bq * head_dim) * 4              # m, l, acc
+               + 2 * (positions + segments) + 5 * tile)
+    backward = (2 * (2 * bq + 2 * bkv) * head_dim * itemsize       # q, do, k, v
+                + 2 * 2 * SUBLANES * bq * 4                         # lse, di
+                + 2 * 2 * bkv * head_dim * 4                        # dk, dv
+                + 2 * bkv * head_dim * 4 + 3 * bq * head_dim * 4    # dk, dv, dq scratch
+                + 2 * (positions + segments) * bkv // max(bq, 1) + 6 * tile)
+    return max(forward, backward)
 
 
-class _LastTableStep:
-    """Splash's kernels take the grid's size along the table axis as `grid_width` and use it
-    only to find that axis's last step (`index == grid_width - 1`, where they store their
-    results). For a grid sized at run time this stands in for it: `- 1` reads the size from
-    its scalar-prefetch ref. (pl.num_programs would read it from the grid, but under vmap
-    jax 0.10.2's interpreter answers with the wrong axis's size.)"""
-
-    def __init__(self, size_ref):
-        self.size_ref = size_ref
-
-    def __sub__(self, other):
-        return self.size_ref[0] - other
-
-
-def _call(kernel, name, grid, in_specs, out_specs, out_shapes, semantics, interpret, info, *args,
-          q_blocks=None):
-    """pallas_call of a splash kernel over `grid`, whose last (table) axis has a size known at
-    run time (table_grid_size); the kernel gets it as a fourth scalar-prefetch operand.
-    q_blocks (the forward's, optional): a fifth, the q block of each grid row
-    (`_Q_BLOCKS`), which the kernel itself never reads: only the block specs do."""
-    extra = () if q_blocks is None else (q_blocks,)
-
-    def sized_kernel(data_next, block_mask, mask_next, grid_size, *refs):
-        return kernel(data_next, block_mask, mask_next, *refs[len(extra):],
-                      grid_width=_LastTableStep(grid_size))
-
-    with jax.named_scope(name):
-        return pl.pallas_call(
-            sized_kernel, out_shape=out_shapes, name=name, interpret=interpret,
-            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4 + len(extra),
-                                                   in_specs=in_specs, out_specs=out_specs,
-                                                   grid=grid),
-            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-        )(*_tables(info), jnp.reshape(grid[-1], (1,)), *extra, *args)
+def check_vmem(bq: int, bkv: int, bkv_compute: int, head_dim: int, itemsize: int,
+               masking: Masking, device_kind: str | None) -> None:
+    """ValueError, one sentence, when the kernels' blocks cannot fit the chip's VMEM."""
+    limit = vmem_limit_bytes(device_kind) or DEFAULT_SCOPED_VMEM
+    need = vmem_bytes(bq, bkv, bkv_compute, head_dim, itemsize, masking)
+    if need > limit:
+        raise ValueError(
+            f"attention blocks of {bq} x {bkv} (computed {bkv_compute} keys at a time, head_dim "
+            f"{head_dim}) need about {need / 2 ** 20:.0f} MiB of VMEM, more than the "
+            f"{limit / 2 ** 20:.0f} MiB a kernel may use on {device_kind or 'this chip'}: use "
+            "a smaller attention.block_size")
 
 
-_Q_BLOCKS = 4  # where q_blocks is among the scalar-prefetch refs that index maps receive
+def _compiler_params(semantics, device_kind):
+    limit = vmem_limit_bytes(device_kind)
+    return pltpu.CompilerParams(dimension_semantics=semantics,
+                                **({} if limit is None else {"vmem_limit_bytes": limit}))
 
 
-# ----------------------------------------------------------------------------- forward and dq
-# Grid (query head h, table row i, table column j): each q block visits its live K/V blocks.
-# Table row i is q block i, or q_blocks[i] where the forward is given them (the rows with a live
-# block first, and the grid ends after them).
+# ----------------------------------------------------------------------------- element masks
 
-def _identity_rows(i, *tables):
-    return i
-
-
-def _listed_rows(i, *tables):
-    return tables[_Q_BLOCKS][i]
-
-
-def _row_major_specs(info, q, k, segment_ids, bq, bkv, q_block=_identity_rows):
-    """q, k, v, segment-id and partial-block specs and arrays shared by the forward and dq.
-    q_block(i, *prefetch refs): the q block of table row i."""
-    heads, L, head_dim = q.shape
-    kv_heads, kv_len, _ = k.shape
-
-    def kv_map(h, i, j, *tables):
-        return _kv_head(h, heads, kv_heads), _next(h, i, j, tables)[0], 0
-
-    q_spec = pl.BlockSpec((None, bq, head_dim), lambda h, i, j, *t: (h, q_block(i, *t), 0))
-    kv_spec = pl.BlockSpec((None, bkv, head_dim), kv_map)
-    if segment_ids is None:
-        seg_specs, seg_arrays = [None, None], [None, None]
-    else:
-        seg_specs = [pl.BlockSpec((bq, LANES), lambda h, i, j, *t: (q_block(i, *t), 0)),
-                     pl.BlockSpec((SUBLANES, bkv),
-                                  lambda h, i, j, *tables: (0, _next(h, i, j, tables)[0]))]
-        seg_arrays = [lax.broadcast_in_dim(segment_ids.q, (L, LANES), (0,)),
-                      lax.broadcast_in_dim(segment_ids.kv, (SUBLANES, kv_len), (1,))]
-    mask_spec = None if info.partial_mask_blocks is None else pl.BlockSpec(
-        (None, bq, bkv), lambda h, i, j, *tables: (_next(h, i, j, tables)[1], 0, 0))
-    return q_spec, kv_spec, seg_specs, seg_arrays, mask_spec
+def _mask(q_lo, q_hi, kv_pos, q_seg, kv_seg, shape):
+    """bool `shape`: which scores of a partial block are allowed. Each argument is a block
+    already broadcast to `shape` or None."""
+    allowed = None
+    for term in ((None if kv_pos is None else (kv_pos >= q_lo) & (kv_pos <= q_hi)),
+                 (None if kv_seg is None else q_seg == kv_seg)):
+        if term is not None:
+            allowed = term if allowed is None else allowed & term
+    assert allowed is None or allowed.shape == shape
+    return allowed
 
 
-def forward(info, q, k, v, segment_ids, *, bq, bkv, bkv_compute, mask_value, soft_cap, interpret,
-            q_blocks=None):
-    """Splash's forward kernel: (out [heads, L, head_dim], logsumexp [heads, L]), both float32.
+def _lanes(x, width):
+    """A block whose lanes repeat one value per row ([rows, LANES]) widened (or narrowed) to
+    `width` lanes."""
+    return jnp.tile(x, (1, pl.cdiv(width, LANES)))[:, :width]
 
-    q_blocks (int32 [q blocks], optional): the q block of each table row, the rows with a live
-    block first (ops/tables.live_rows_first), for tables shared by every head. The grid then
-    ends after the last of them: a q block with nothing to compute costs no grid step, and its
-    out and logsumexp are never written (undefined: the caller masks them). Without it table row
-    i is q block i and every q block is walked."""
-    heads, L, head_dim = q.shape
-    grid_width = table_grid_size(info, axis=-1)
-    if q_blocks is None:
-        grid_height, q_block = L // bq, _identity_rows
-    else:
-        assert info.block_mask.shape[0] == 1, "q_blocks is one list for every head"
-        grid_height, q_block = table_grid_size(info, axis=-2), _listed_rows
-    q_spec, kv_spec, seg_specs, seg_arrays, mask_spec = _row_major_specs(
-        info, q, k, segment_ids, bq, bkv, q_block)
-    out_map = lambda h, i, j, *t: (h, q_block(i, *t), 0)  # noqa: E731
-    kernel = functools.partial(
-        sk.flash_attention_kernel, mask_value=mask_value, bq=bq, bkv=bkv,
-        bkv_compute=bkv_compute, head_dim_v=head_dim, attn_logits_soft_cap=soft_cap,
-        mask_function=None, **_LAYOUTS)
-    *_, out, lse = _call(
-        kernel, "longctx_splash_fwd", (heads, grid_height, grid_width),
-        [q_spec, kv_spec, kv_spec, *seg_specs, None, mask_spec, None],
-        [_scratch((bq, LANES)), _scratch((bq, LANES)), _scratch((bq, head_dim)),
-         pl.BlockSpec((None, bq, head_dim), out_map),
-         pl.BlockSpec((None, bq, LANES), out_map)],
-        [_f32((bq, LANES)), _f32((bq, LANES)), _f32((bq, head_dim)), _f32((heads, L, head_dim)),
-         _f32((heads, L, LANES))],
-        ("parallel", "arbitrary", "arbitrary"), interpret, info,
-        q, k, v, *seg_arrays, None, info.partial_mask_blocks, None, q_blocks=q_blocks)
+
+def _soft_cap(s, soft_cap):
+    return s if soft_cap is None else jnp.tanh(s / soft_cap) * soft_cap
+
+
+# ----------------------------------------------------------------------------- forward
+# Grid (batch row b, query head h, table row i, table column j): each q block visits its live
+# K/V blocks. Table row i is q block q_blocks[b, i]: the rows with a live block first.
+
+def _forward_kernel(data_next, block_mask, grid_width, q_blocks, q_ref, k_ref, v_ref, q_lo_ref,
+                    q_hi_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_ref, l_ref,
+                    acc_ref, *, bkv_compute, mask_value, soft_cap):
+    del q_blocks  # read by the block specs only
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    bq, head_dim = acc_ref.shape
+    _, cls = _table_entry((data_next, block_mask), b, h, i, j)
+
+    @pl.when(j == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+        m_ref[...] = jnp.full_like(m_ref, mask_value)
+        l_ref[...] = jnp.zeros_like(l_ref)
+
+    def visit(masked: bool):
+        def body(c, _):
+            keys = pl.ds(c * bkv_compute, bkv_compute)
+            s = lax.dot_general(q_ref[...], k_ref[keys, :], NT, preferred_element_type=jnp.float32)
+            s = _soft_cap(s, soft_cap)
+            if masked:
+                shape = s.shape
+                row = lambda r: None if r is None else _lanes(r[...], bkv_compute)  # noqa: E731
+                col = lambda r: None if r is None else jnp.broadcast_to(r[:1, keys], shape)  # noqa: E731
+                allowed = _mask(row(q_lo_ref), row(q_hi_ref), col(kv_pos_ref), row(q_seg_ref),
+                                col(kv_seg_ref), shape)
+                s = jnp.where(allowed, s, mask_value)
+            m_prev, l_prev = m_ref[...], l_ref[...]                      # [bq, LANES]
+            m_next = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+            p = jnp.exp(s - _lanes(m_next, bkv_compute))
+            alpha = jnp.exp(m_prev - m_next)
+            l_ref[...] = alpha * l_prev + p.sum(axis=-1, keepdims=True)
+            m_ref[...] = m_next
+            # P stays float32 here, as splash's forward has it: rounded to bf16 for the MXU the
+            # ring's bf16 output was 1.4x less accurate (test_splash_kernels), for 2-3% of the
+            # forward's time on a v5e.
+            pv = lax.dot_general(p, v_ref[keys, :].astype(jnp.float32), NN,
+                                 preferred_element_type=jnp.float32)
+            acc_ref[...] = _lanes(alpha, head_dim) * acc_ref[...] + pv
+
+        lax.fori_loop(0, k_ref.shape[0] // bkv_compute, body, None, unroll=True)
+
+    masking = any(r is not None for r in (kv_pos_ref, kv_seg_ref))
+    pl.when(cls == FULL if masking else cls != EMPTY)(lambda: visit(False))
+    if masking:
+        pl.when(cls == PARTIAL)(lambda: visit(True))
+
+    @pl.when(j == grid_width[0] - 1)
+    def _end():
+        l = l_ref[...]
+        o_ref[...] = (acc_ref[...] * _lanes(1.0 / l, head_dim)).astype(o_ref.dtype)
+        lse_ref[...] = jnp.log(l) + m_ref[...]
+
+
+def forward(tables, q_blocks, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, *, bq, bkv,
+            bkv_compute, mask_value, soft_cap, out_dtype, interpret, device_kind=None):
+    """(out [b, heads, L, head_dim] in out_dtype, lse [b, heads, L] float32) of q against the
+    live blocks of k, v.
+
+    tables: (data_next, block_mask) packed per q-block row, the rows with a live block first;
+    q_blocks int32 [1 or b, rows]: the q block of each table row. The grid ends after the last
+    row with a live block: a q block with nothing to compute is never written (undefined: the
+    caller masks it), nor is a row all of whose keys are masked out (lse ~ mask_value).
+    q_lo, q_hi int32 [L] (or None): each query's allowed global key positions; kv_pos int32
+    [L_kv]: the keys' global positions; q_seg [b, L], kv_seg [b, L_kv] int32 or None."""
+    data_next, block_mask = tables
+    batch, heads, L, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    width = table_grid_size(block_mask, axis=-1)
+    height = table_grid_size(block_mask, axis=-2)
+    per_row = lambda b: 0 if q_blocks.shape[0] == 1 else b  # noqa: E731
+
+    def q_block(b, i, q_blocks):
+        return q_blocks[per_row(b), i]
+
+    def kv_block(b, h, i, j, dn, bm):
+        return _table_entry((dn, bm), b, h, i, j)[0]
+
+    q_map = lambda b, h, i, j, dn, bm, w, qb: (b, h, q_block(b, i, qb), 0)  # noqa: E731
+    kv_map = lambda b, h, i, j, dn, bm, w, qb: (  # noqa: E731
+        b, _kv_head(h, heads, kv_heads), kv_block(b, h, i, j, dn, bm), 0)
+    row_spec = lambda: pl.BlockSpec((bq, LANES), lambda b, h, i, j, dn, bm, w, qb: (  # noqa: E731
+        q_block(b, i, qb), 0))
+    col_spec = lambda: pl.BlockSpec((SUBLANES, bkv), lambda b, h, i, j, dn, bm, w, qb: (  # noqa: E731
+        0, kv_block(b, h, i, j, dn, bm)))
+    seg_row = lambda: pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, dn, bm, w, qb: (  # noqa: E731
+        b, q_block(b, i, qb), 0))
+    seg_col = lambda: pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, i, j, dn, bm, w, qb: (  # noqa: E731
+        b, 0, kv_block(b, h, i, j, dn, bm)))
+    positions = q_lo is not None
+    segments = q_seg is not None
+    in_specs = [pl.BlockSpec((None, None, bq, head_dim), q_map),
+                pl.BlockSpec((None, None, bkv, head_dim), kv_map),
+                pl.BlockSpec((None, None, bkv, head_dim), kv_map),
+                row_spec() if positions else None, row_spec() if positions else None,
+                col_spec() if positions else None,
+                seg_row() if segments else None, seg_col() if segments else None]
+    args = [q, k, v,
+            _rows(q_lo) if positions else None, _rows(q_hi) if positions else None,
+            _cols(kv_pos) if positions else None,
+            _rows(q_seg) if segments else None, _cols(kv_seg) if segments else None]
+    out_specs = [pl.BlockSpec((None, None, bq, head_dim), q_map),
+                 pl.BlockSpec((None, None, bq, LANES), q_map)]
+    kernel = functools.partial(_forward_kernel, bkv_compute=bkv_compute, mask_value=mask_value,
+                               soft_cap=soft_cap)
+    with jax.named_scope("longctx_attention_fwd"):
+        out, lse = pl.pallas_call(
+            kernel, name="longctx_attention_fwd", interpret=interpret,
+            out_shape=[jax.ShapeDtypeStruct((batch, heads, L, head_dim), out_dtype),
+                       jax.ShapeDtypeStruct((batch, heads, L, LANES), jnp.float32)],
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=4, in_specs=in_specs, out_specs=out_specs,
+                grid=(batch, heads, height, width),
+                scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
+                                pltpu.VMEM((bq, LANES), jnp.float32),
+                                pltpu.VMEM((bq, head_dim), jnp.float32)]),
+            compiler_params=_compiler_params(("parallel", "parallel", "arbitrary", "arbitrary"),
+                                             device_kind),
+        )(data_next, block_mask, jnp.reshape(width, (1,)), q_blocks, *args)
+    del kv_len
     return out, lse[..., 0]
 
 
-def backward_dq(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, mask_value, soft_cap,
-                interpret):
-    """Splash's dq kernel (the unfused backward): dq [heads, L, head_dim] float32."""
-    heads, L, head_dim = q.shape
-    grid_width = table_grid_size(info, axis=-1)
-    q_spec, kv_spec, seg_specs, seg_arrays, mask_spec = _row_major_specs(
-        info, q, k, segment_ids, bq, bkv)
-    row_spec = pl.BlockSpec((None, 1, bq), lambda h, i, *_: (h, 0, i))  # lse, di: [heads, 1, L]
-    kernel = functools.partial(
-        sk._flash_attention_dq_kernel,  # pylint: disable=protected-access
-        mask_value=mask_value, bq=bq, bkv=bkv,
-        attn_logits_soft_cap=soft_cap, mask_function=None, **_LAYOUTS)
-    _, dq = _call(
-        kernel, "longctx_splash_dq", (heads, L // bq, grid_width),
-        [q_spec, kv_spec, kv_spec, *seg_specs, None, row_spec, q_spec, row_spec, mask_spec, None],
-        [_scratch((bq, head_dim)), q_spec],
-        [_f32((bq, head_dim)), _f32(q.shape)],
-        ("arbitrary", "arbitrary", "arbitrary"), interpret, info,
-        q, k, v, *seg_arrays, None, lse[:, None], do, di[:, None], info.partial_mask_blocks, None)
-    return dq
+def _rows(x):
+    """[..., L] -> [..., L, LANES]: one value per row, repeated across the lanes (a query-side
+    block of the forward, a key-side block of the backward)."""
+    return lax.broadcast_in_dim(x, (*x.shape, LANES), tuple(range(x.ndim)))
 
 
-# ----------------------------------------------------------------------------- dk, dv (and fused dq)
-# Grid (kv block j, query head h, table row i): each kv block visits its live q blocks.
-
-def backward_dkv(info, q, k, v, segment_ids, lse, do, di, *, bq, bkv, bkv_compute, mask_value,
-                 soft_cap, fused, interpret):
-    """Splash's dkv kernel: (dq, dk, dv), float32. fused: the kernel also computes dq; else dq
-    is None.
-
-    The fused kernel is called on one kv block (as the ring calls it: ops/splash.py) and writes
-    each grid row's dq straight into the q block that the table fetched there, [heads, L,
-    head_dim] with no per-row copy to add up after (at 32,768 tokens per chip for the 8B shape,
-    those copies cost 1 GiB of the train step). That asks what packed tables give: within the
-    rows walked no q block is fetched twice, except by entries that compute nothing (which
-    write zeros) fetching their own block, as in splash's unpacked tables. The q blocks that no
-    row fetched are never written and come back as zeros."""
-    heads, L, head_dim = q.shape
-    kv_heads, kv_len, _ = k.shape
-    grid_height = table_grid_size(info, axis=-2)
-
-    def q_map(j, h, i, *tables):
-        return h, _next(h, i, j, tables, next_i=True)[0], 0
-
-    def row_map(j, h, i, *tables):  # lse, di: [heads, SUBLANES, L]
-        return h, 0, _next(h, i, j, tables, next_i=True)[0]
-
-    def kv_map(j, h, *_):
-        return _kv_head(h, heads, kv_heads), j, 0
-
-    q_spec = pl.BlockSpec((None, bq, head_dim), q_map)
-    kv_spec = pl.BlockSpec((None, bkv, head_dim), kv_map)
-    row_spec = pl.BlockSpec((None, SUBLANES, bq), row_map)
-    rows = lambda x: jnp.broadcast_to(x[:, None], (heads, SUBLANES, L))  # noqa: E731
-    if segment_ids is None:
-        seg_specs, seg_arrays = [None, None], [None, None]
-    else:
-        seg_specs = [pl.BlockSpec((SUBLANES, bq),
-                                  lambda j, h, i, *tables: (0, _next(h, i, j, tables, True)[0])),
-                     pl.BlockSpec((bkv, LANES), lambda j, *_: (j, 0))]
-        seg_arrays = [lax.broadcast_in_dim(segment_ids.q, (SUBLANES, L), (1,)),
-                      lax.broadcast_in_dim(segment_ids.kv, (kv_len, LANES), (0,))]
-    mask_spec = None if info.partial_mask_blocks is None else pl.BlockSpec(
-        (None, bkv, bq), lambda j, h, i, *tables: (_next(h, i, j, tables, True)[1], 0, 0))
-    if not fused:
-        dq_specs, dq_shapes = [None, None], [None, None]
-    else:
-        assert kv_len == bkv, "the fused kernel's dq is written per q block: one kv block a call"
-        dq_spec, dq_shape = q_spec, _f32(q.shape)
-        if bkv == bkv_compute:  # the kernel keeps no dq scratch then
-            dq_specs, dq_shapes = [None, dq_spec], [None, dq_shape]
-        else:
-            dq_specs = [_scratch((bq, head_dim)), dq_spec]
-            dq_shapes = [_f32((bq, head_dim)), dq_shape]
-    kernel = functools.partial(
-        sk._flash_attention_dkv_kernel,  # pylint: disable=protected-access
-        mask_value=mask_value, num_q_heads=heads, num_kv_heads=kv_heads, is_mqa=False,
-        bq=bq, bkv=bkv, bkv_compute=bkv_compute,
-        attn_logits_soft_cap=soft_cap, mask_function=None, **_LAYOUTS)
-    # Every grid axis "arbitrary", as splash has it: dk/dv reduce over heads and q blocks, and
-    # its prefetch schedule assumes no megacore split of the kv axis.
-    _, _, _, dq, dk, dv = _call(
-        kernel, "longctx_splash_dkv", (kv_len // bkv, heads, grid_height),
-        [q_spec, kv_spec, kv_spec, *seg_specs, None, row_spec, q_spec, row_spec, mask_spec, None],
-        [dq_specs[0], _scratch((bkv, head_dim)), _scratch((bkv, head_dim)), dq_specs[1], kv_spec,
-         kv_spec],
-        [dq_shapes[0], _f32((bkv, head_dim)), _f32((bkv, head_dim)), dq_shapes[1], _f32(k.shape),
-         _f32(v.shape)],
-        ("arbitrary", "arbitrary", "arbitrary"), interpret, info,
-        q, k, v, *seg_arrays, None, rows(lse), do, rows(di), info.partial_mask_blocks, None)
-    if dq is None:
-        return None, dk, dv
-    return jnp.where(_fetched_q_blocks(info.data_next, grid_height, L, bq), dq, 0.0), dk, dv
+def _cols(x):
+    """[..., L] -> [..., SUBLANES, L]: one value per column, repeated down the sublanes."""
+    return lax.broadcast_in_dim(x, (*x.shape[:-1], SUBLANES, x.shape[-1]),
+                                tuple(range(x.ndim - 1)) + (x.ndim,))
 
 
-def _fetched_q_blocks(data_next, grid_height, L: int, bq: int):
-    """bool [1 or heads, L, 1]: the query positions whose q block some walked grid row of the
-    dkv tables (data_next [1 or heads, table rows, 1]) fetches; the rest are never written."""
-    rows = lax.broadcasted_iota(jnp.int32, data_next.shape, 1)
-    fetched = jnp.where(rows < grid_height, data_next, -1)[..., 0]  # [1 or heads, table rows]
-    blocks = jnp.any(fetched[:, :, None] == jnp.arange(L // bq), axis=1)
-    return jnp.repeat(blocks, bq, axis=1)[..., None]
+# ----------------------------------------------------------------------------- backward
+# Grid (batch row b, kv block j, query head h, table row i): each kv block visits its live q
+# blocks; dK and dV accumulate over the query heads of its kv head and their q blocks, in VMEM;
+# dQ accumulates over kv blocks, in HBM.
+
+class _DqAccumulator:
+    """dQ[b, h, q block] += a block's share, in HBM, from inside the backward's grid.
+
+    A live step starts reading its q block's dQ into one of two VMEM buffers (alternating), adds
+    its share once computed, and starts writing it back; nothing waits for the write until the
+    buffer comes round again. No read passes a write to the same block: the write from two live
+    steps back used this step's buffer and is waited for before it is reused, any older one was
+    waited for then, and the previous step's write is waited for when it went to the same
+    block. State lives in SMEM across grid steps: the previous step's block address, a pending
+    flag per buffer and the live-step count."""
+
+    def __init__(self, dq_hbm, buffers, semaphores, state):
+        self.dq, self.buffers, self.sems, self.state = dq_hbm, buffers, semaphores, state
+        self.bq = buffers.shape[1]
+
+    def _write(self, slot, b, h, block):
+        return pltpu.make_async_copy(self.buffers.at[slot],
+                                     self.dq.at[b, h, pl.ds(block * self.bq, self.bq)],
+                                     self.sems.at[1, slot])
+
+    def _read(self, slot, b, h, block):
+        return pltpu.make_async_copy(self.dq.at[b, h, pl.ds(block * self.bq, self.bq)],
+                                     self.buffers.at[slot], self.sems.at[0, slot])
+
+    def _wait_write(self, slot):
+        @pl.when(self.state[1 + slot] == 1)
+        def _():
+            self._write(slot, 0, 0, 0).wait()
+            self.state[1 + slot] = 0
+
+    def reset(self):
+        self.state[0] = -1
+        self.state[1] = 0
+        self.state[2] = 0
+        self.state[3] = 0
+
+    def start(self, address, b, h, block):
+        """Begins a live step: returns its slot, with the read of the block under way."""
+        slot = lax.rem(self.state[3], 2)
+        self._wait_write(slot)
+
+        @pl.when(self.state[0] == address)
+        def _():
+            self._wait_write(1 - slot)
+
+        self._read(slot, b, h, block).start()
+        return slot
+
+    def finish(self, slot, address, b, h, block, share):
+        self._read(slot, b, h, block).wait()
+        self.buffers[slot] = self.buffers[slot] + share
+        self._write(slot, b, h, block).start()
+        self.state[1 + slot] = 1
+        self.state[0] = address
+        self.state[3] = self.state[3] + 1
+
+    def drain(self):
+        """Waits for every write still in flight (at the grid's last step)."""
+        self._wait_write(0)
+        self._wait_write(1)
+
+
+def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_lo_ref,
+                     q_hi_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, lse_ref, do_ref, di_ref,
+                     dq_in, dq_hbm, dk_ref, dv_ref, dk_acc, dv_acc, dq_share, dq_buffers,
+                     semaphores, state, *, heads, kv_heads, bkv_compute, mask_value, soft_cap):
+    del dq_in  # the same buffer as dq_hbm (aliased): zeros, which the live steps add into
+    b, j, h, i = (pl.program_id(a) for a in range(4))
+    n_b, n_j, n_h = (pl.num_programs(a) for a in range(3))
+    bq, bkv = q_ref.shape[0], k_ref.shape[0]
+    dq = _DqAccumulator(dq_hbm, dq_buffers, semaphores, state)
+    block, cls = _table_entry((data_next, block_mask), b, h, i, j)
+    per_kv = heads // kv_heads
+    first_of_group = (i == 0) & (lax.rem(h, per_kv) == 0)
+    last_of_group = (i == grid_height[0] - 1) & (lax.rem(h, per_kv) == per_kv - 1)
+
+    @pl.when((b == 0) & (j == 0) & (h == 0) & (i == 0))
+    def _():
+        dq.reset()
+
+    @pl.when(first_of_group)
+    def _():
+        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dv_acc[...] = jnp.zeros_like(dv_acc)
+
+    def visit(masked: bool):
+        address = (b * n_h + h) * (dq_hbm.shape[2] // bq) + block
+        slot = dq.start(address, b, h, block)
+        q, do = q_ref[...], do_ref[...]
+        lse, di = lse_ref[:1, :], di_ref[:1, :]                             # [1, bq]
+        dq_share[...] = jnp.zeros_like(dq_share)
+
+        def body(c, _):
+            keys = pl.ds(c * bkv_compute, bkv_compute)
+            k, v = k_ref[keys, :], v_ref[keys, :]
+            s_raw = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32)  # [kc, bq]
+            s = _soft_cap(s_raw, soft_cap)
+            if masked:
+                shape = s.shape
+                row = lambda r: None if r is None else jnp.broadcast_to(r[:1, :], shape)  # noqa: E731
+                col = lambda r: None if r is None else _lanes(r[keys, :], bq)  # noqa: E731
+                allowed = _mask(row(q_lo_ref), row(q_hi_ref), col(kv_pos_ref), row(q_seg_ref),
+                                col(kv_seg_ref), shape)
+                s = jnp.where(allowed, s, mask_value)
+            p = jnp.exp(s - lse)
+            dv_acc[keys, :] += lax.dot_general(p.astype(do.dtype), do, NN,
+                                               preferred_element_type=jnp.float32)
+            dp = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
+            ds = (dp - di) * p
+            if soft_cap is not None:
+                t = jnp.tanh(s_raw / soft_cap)
+                ds = ds * (1 - t * t)
+            ds = ds.astype(q.dtype)
+            dk_acc[keys, :] += lax.dot_general(ds, q, NN, preferred_element_type=jnp.float32)
+            dq_share[...] += lax.dot_general(ds.T, k, NN, preferred_element_type=jnp.float32)
+
+        lax.fori_loop(0, bkv // bkv_compute, body, None, unroll=True)
+        dq.finish(slot, address, b, h, block, dq_share[...])
+
+    masking = any(r is not None for r in (kv_pos_ref, kv_seg_ref))
+    pl.when(cls == FULL if masking else cls != EMPTY)(lambda: visit(False))
+    if masking:
+        pl.when(cls == PARTIAL)(lambda: visit(True))
+
+    @pl.when(last_of_group)
+    def _():
+        dk_ref[...] = dk_acc[...]
+        dv_ref[...] = dv_acc[...]
+
+    @pl.when((b == n_b - 1) & (j == n_j - 1) & (h == n_h - 1) & (i == grid_height[0] - 1))
+    def _():
+        dq.drain()
+
+
+def backward(tables, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, lse, do, di, *, bq, bkv,
+             bkv_compute, mask_value, soft_cap, interpret, device_kind=None):
+    """One fused pass over the live blocks: (dQ [b, heads, L, head_dim], dK, dV [b, kv_heads,
+    L_kv, head_dim]), float32. tables: (data_next, block_mask) packed per kv-block column
+    ([..., rows, kv blocks]); lse, di [b, heads, L] float32; the rest as `forward`'s. dQ
+    starts as zeros that the kernel adds into (an aliased buffer: an output's HBM is otherwise
+    uninitialised); a q or kv block with no live block gets zeros."""
+    data_next, block_mask = tables
+    batch, heads, L, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    height = table_grid_size(block_mask, axis=-2)
+
+    def q_block(b, j, h, i, dn, bm):
+        return _table_entry((dn, bm), b, h, i, j)[0]
+
+    q_map = lambda b, j, h, i, dn, bm, g: (b, h, q_block(b, j, h, i, dn, bm), 0)  # noqa: E731
+    kv_map = lambda b, j, h, i, *_: (b, _kv_head(h, heads, kv_heads), j, 0)  # noqa: E731
+    stat_map = lambda b, j, h, i, dn, bm, g: (b, h, 0, q_block(b, j, h, i, dn, bm))  # noqa: E731
+    q_row = lambda: pl.BlockSpec((SUBLANES, bq), lambda b, j, h, i, dn, bm, g: (  # noqa: E731
+        0, q_block(b, j, h, i, dn, bm)))
+    kv_col = lambda: pl.BlockSpec((bkv, LANES), lambda b, j, *_: (j, 0))  # noqa: E731
+    seg_q = lambda: pl.BlockSpec((None, SUBLANES, bq), lambda b, j, h, i, dn, bm, g: (  # noqa: E731
+        b, 0, q_block(b, j, h, i, dn, bm)))
+    seg_kv = lambda: pl.BlockSpec((None, bkv, LANES), lambda b, j, *_: (b, j, 0))  # noqa: E731
+    positions = q_lo is not None
+    segments = q_seg is not None
+    stats = lambda x: jnp.broadcast_to(x[:, :, None, :], (batch, heads, SUBLANES, L))  # noqa: E731
+    in_specs = [pl.BlockSpec((None, None, bq, head_dim), q_map),
+                pl.BlockSpec((None, None, bkv, head_dim), kv_map),
+                pl.BlockSpec((None, None, bkv, head_dim), kv_map),
+                q_row() if positions else None, q_row() if positions else None,
+                kv_col() if positions else None,
+                seg_q() if segments else None, seg_kv() if segments else None,
+                pl.BlockSpec((None, None, SUBLANES, bq), stat_map),
+                pl.BlockSpec((None, None, bq, head_dim), q_map),
+                pl.BlockSpec((None, None, SUBLANES, bq), stat_map),
+                pl.BlockSpec(memory_space=pl.ANY)]
+    args = [q, k, v,
+            _cols(q_lo) if positions else None, _cols(q_hi) if positions else None,
+            _rows(kv_pos) if positions else None,
+            _cols(q_seg) if segments else None, _rows(kv_seg) if segments else None,
+            stats(lse), do, stats(di), jnp.zeros(q.shape, jnp.float32)]
+    dkv_spec = pl.BlockSpec((None, None, bkv, head_dim), kv_map)
+    dq_index = sum(x is not None for x in args[:-1])
+    kernel = functools.partial(_backward_kernel, heads=heads, kv_heads=kv_heads,
+                               bkv_compute=bkv_compute, mask_value=mask_value, soft_cap=soft_cap)
+    with jax.named_scope("longctx_attention_bwd"):
+        dq, dk, dv = pl.pallas_call(
+            kernel, name="longctx_attention_bwd", interpret=interpret,
+            out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                       jax.ShapeDtypeStruct((batch, kv_heads, kv_len, head_dim), jnp.float32),
+                       jax.ShapeDtypeStruct((batch, kv_heads, kv_len, head_dim), jnp.float32)],
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=3, in_specs=in_specs,
+                out_specs=[pl.BlockSpec(memory_space=pl.ANY), dkv_spec, dkv_spec],
+                grid=(batch, kv_len // bkv, heads, height),
+                scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
+                                pltpu.VMEM((bkv, head_dim), jnp.float32),
+                                pltpu.VMEM((bq, head_dim), jnp.float32),
+                                pltpu.VMEM((2, bq, head_dim), jnp.float32),
+                                pltpu.SemaphoreType.DMA((2, 2)),
+                                pltpu.SMEM((4,), jnp.int32)]),
+            # Every axis in order: dQ's read-modify-write spans the whole grid, and dK, dV
+            # reduce over the heads and q blocks.
+            compiler_params=_compiler_params(("arbitrary",) * 4, device_kind),
+            input_output_aliases={3 + dq_index: 0},
+        )(data_next, block_mask, jnp.reshape(height, (1,)), *args)
+    return dq, dk, dv

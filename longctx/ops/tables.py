@@ -13,14 +13,11 @@ steps with work on some device), the kernels' grid sizes, and the schedule repor
 blocks per (device, step) and the efficiency
     useful blocks / (sp * sum over run steps of max over devices of computed blocks)).
 
-The host also keeps the few distinct patterns of partial blocks, each named by a signature
-that decides it (`block_signatures`).
-
 Device (per ring step, inside the ring): each device computes its own step's classes from its
 index and the step (`step_blocks`, the same formula as the host's), then the kernels' tables:
-splash `MaskInfo` arrays packed from the live blocks (`grid_tables`, each partial block
-pointing at its pattern by signature: `partial_index`), or the list of (q block, kv block)
-pairs for the XLA path (`step_pairs`). Tables built on the host and indexed by device would be
+the live blocks packed per row or column (`grid_tables`; a partial block's mask is computed in
+the kernel from positions, ops/splash_kernels.py), or the list of (q block, kv block) pairs for
+the XLA path (`step_pairs`). Tables built on the host and indexed by device would be
 baked into the program as constants for every device at once: sp x steps x (L / block)^2
 entries, hundreds of MiB at 2M tokens.
 
@@ -219,11 +216,8 @@ class RingTables:
     classes: int8 [device, t, q_blocks, kv_blocks], the class of each block (0/1/2), for the
     schedule report and tests. active: bool [device, t], any block to compute. kv_source: int32
     [device, t], the device the visiting K/V started on. grid_width / grid_height: the most
-    blocks in one q-block row / kv-block column of a step (the forward and dq kernels' grid
-    width, the dkv kernel's grid height); max_pairs: the most blocks in one step.
-    partial: bool [P, bq, bkv], every distinct pattern of a partial block (None when there is
-    none), and partial_signatures: int32 [P, n], what decides each one (`block_signatures`):
-    small, shared by every device and step.
+    blocks in one q-block row / kv-block column of a step (the forward kernel's grid width,
+    the backward's grid height); max_pairs: the most blocks in one step.
     """
     run_steps: tuple[int, ...]
     active: np.ndarray
@@ -232,8 +226,6 @@ class RingTables:
     grid_width: int
     grid_height: int
     max_pairs: int
-    partial: np.ndarray | None
-    partial_signatures: np.ndarray | None
 
 
 def step_runs(steps):
@@ -264,7 +256,6 @@ def ring_tables(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
     cls = classes[:, list(run)]  # [sp, R, qb, kb]
     cls.setflags(write=False)
     kept = cls > 0
-    partial, signatures = _distinct_partial_blocks(spec, layout, seq_len, sp, bq, bkv, run, cls)
     return RingTables(
         run_steps=run,
         active=kept.any(axis=(2, 3)),
@@ -272,51 +263,7 @@ def ring_tables(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
         kv_source=np.array([[(d - s) % sp for s in run] for d in range(sp)], np.int32),
         grid_width=max(1, int(kept.sum(axis=3).max())),
         grid_height=max(1, int(kept.sum(axis=2).max())),
-        max_pairs=max(1, int(kept.sum(axis=(2, 3)).max())),
-        partial=partial, partial_signatures=signatures)
-
-
-def block_signatures(xp, spec: MaskSpec, layout: str, seq_len: int, num_shards: int, bq: int,
-                     bkv: int, q_positions, kv_positions):
-    """int [q_blocks, kv_blocks, n]: what decides the pattern of block (i, j) of one step, given
-    the global positions of the queries and of the visiting keys; numpy or jax (xp).
-
-    A block's queries are q0 + f(a) and its keys k0 + g(b), where f and g depend only on the run
-    structure (`block_runs`: each run's length and the offset of its start from the block's
-    first position), so masks of position differences (causal, windows) depend on
-    (structures, k0 - q0), and chunks also on the phase q0 mod chunk. Blocks with equal
-    signatures have equal patterns."""
-    (qf, ql, _), (kf, kl, _) = (block_runs(layout, seq_len, num_shards, b) for b in (bq, bkv))
-    q0, k0 = q_positions[qf[:, 0]], kv_positions[kf[:, 0]]
-    q_offsets = q_positions[qf[:, 1:]] - q0[:, None]
-    k_offsets = kv_positions[kf[:, 1:]] - k0[:, None]
-    phase = q0 % spec.chunk if spec.chunk is not None else 0 * q0
-    shape = (len(qf), len(kf))
-    parts = ([ql[:, r, None] for r in range(ql.shape[1])]
-             + [q_offsets[:, r, None] for r in range(q_offsets.shape[1])]
-             + [kl[None, :, r] for r in range(kl.shape[1])]
-             + [k_offsets[None, :, r] for r in range(k_offsets.shape[1])]
-             + [k0[None, :] - q0[:, None], phase[:, None]])
-    return xp.stack([xp.broadcast_to(xp.asarray(p, q0.dtype), shape) for p in parts], axis=-1)
-
-
-def _distinct_partial_blocks(spec, layout, seq_len, sp, bq, bkv, run_steps, classes):
-    """(bool [P, bq, bkv], int32 [P, n]): one pattern per distinct signature among the partial
-    blocks of every (device, run step), computed once from the first block that has it."""
-    pos = layout_lib.shard_positions(layout, seq_len, sp).astype(np.int64)
-    found: dict[tuple, np.ndarray] = {}
-    for d in range(sp):
-        for t, s in enumerate(run_steps):
-            src = (d - s) % sp
-            sig = block_signatures(np, spec, layout, seq_len, sp, bq, bkv, pos[d], pos[src])
-            for i, j in zip(*np.nonzero(classes[d, t] == 1)):
-                key = tuple(int(x) for x in sig[i, j])
-                if key not in found:
-                    q, k = pos[d, i * bq:(i + 1) * bq], pos[src, j * bkv:(j + 1) * bkv]
-                    found[key] = spec.allowed(q[:, None], k[None, :])
-    if not found:
-        return None, None
-    return np.stack(list(found.values())), np.array(list(found), np.int32)
+        max_pairs=max(1, int(kept.sum(axis=(2, 3)).max())))
 
 
 # ----------------------------------------------------------------------------- per step, on device
@@ -344,48 +291,35 @@ def step_blocks(spec: MaskSpec, layout: str, seq_len: int, num_shards: int, bq: 
     return StepBlocks(classes, q_positions, kv_positions)
 
 
-def partial_index(tables: RingTables, spec: MaskSpec, layout: str, seq_len: int,
-                  num_shards: int, bq: int, bkv: int, blocks: StepBlocks):
-    """int32 [q_blocks, kv_blocks]: for each partial block of the step, the index of its pattern
-    in `tables.partial` (found by signature; other blocks get 0). None without partial blocks."""
-    if tables.partial is None:
-        return None
-    sig = block_signatures(jnp, spec, layout, seq_len, num_shards, bq, bkv, blocks.q_positions,
-                           blocks.kv_positions)
-    same = (sig[:, :, None, :] == jnp.asarray(tables.partial_signatures)).all(axis=-1)
-    return jnp.argmax(same, axis=-1).astype(jnp.int32)
-
-
-def grid_tables(classes, partial_index, live, size: int, axis: int):
-    """Splash MaskInfo arrays (data_next, block_mask, mask_next) of one step, each
-    [rows, 1, q_blocks, size] packed along the kv axis (axis=-1: the forward and dq kernels) or
-    [rows, 1, size, kv_blocks] along the q axis (axis=-2: the dkv kernel): the live blocks of
-    each row/column in order, then entries that compute and fetch nothing (skip_dead_entries).
-    So the first n entries of every row/column are a table of grid size n wherever no
-    row/column has more than n live blocks. live: bool [rows, q_blocks, kv_blocks];
-    partial_index may be None."""
-    move = lambda x: jnp.moveaxis(jnp.broadcast_to(x, live.shape), axis, -1)  # noqa: E731
+def grid_tables(classes, size: int, axis: int):
+    """The kernels' tables (data_next, block_mask) of one step, each [rows, 1, q_blocks, size]
+    packed along the kv axis (axis=-1: the forward) or [rows, 1, size, kv_blocks] along the q
+    axis (axis=-2: the backward): the live blocks of each row/column in order, then entries
+    that compute and fetch nothing (skip_dead_entries). So the first n entries of every
+    row/column are a table of grid size n wherever no row/column has more than n live blocks.
+    classes: int32 [rows, q_blocks, kv_blocks], the kernel's class of each block (0 not
+    computed, 1 partial, 2 full: `kernel_classes`)."""
+    live = classes != 0
+    move = lambda x: jnp.moveaxis(x, axis, -1)  # noqa: E731
     # stable sort: the live entries first, in block order
     order = jnp.argsort(jnp.logical_not(move(live)), axis=-1, stable=True)[..., :size]
     order = order.astype(jnp.int32)
-    take = lambda x: None if x is None else jnp.take_along_axis(move(x), order, axis=-1)  # noqa: E731
-    data, block, nxt = skip_dead_entries(order, take(classes), take(partial_index),
-                                         take(live), axis=-1)
-    back = lambda x: None if x is None else jnp.moveaxis(x, -1, axis)[:, None]  # noqa: E731
-    return back(data), back(block), back(nxt)
+    take = lambda x: jnp.take_along_axis(move(x), order, axis=-1)  # noqa: E731
+    data, block = skip_dead_entries(order, take(classes), take(live), axis=-1)
+    back = lambda x: jnp.moveaxis(x, -1, axis)[:, None]  # noqa: E731
+    return back(data), back(block)
 
 
-def live_rows_first(data_next, block_mask, mask_next):
+def live_rows_first(data_next, block_mask):
     """The forward kernel's tables (grid_tables(axis=-1): [..., q_blocks, width]) with their
     q-block rows reordered: the rows that hold a live entry first, in block order, then the
-    rest. Returns ((data_next, block_mask, mask_next), q_blocks int32 [..., q_blocks]: the q
-    block of each table row). With documents most q blocks have nothing to compute at most ring
-    steps; a kernel whose grid ends after the live rows walks none of them."""
+    rest. Returns ((data_next, block_mask), q_blocks int32 [..., q_blocks]: the q block of each
+    table row). With documents most q blocks have nothing to compute at most ring steps; a
+    kernel whose grid ends after the live rows walks none of them."""
     dead = jnp.logical_not(jnp.any(block_mask != 0, axis=-1))
     order = jnp.argsort(dead, axis=-1, stable=True).astype(jnp.int32)
-    take = lambda x: None if x is None else jnp.take_along_axis(  # noqa: E731
-        x, order[..., None], axis=-2)
-    return (take(data_next), take(block_mask), take(mask_next)), order
+    take = lambda x: jnp.take_along_axis(x, order[..., None], axis=-2)  # noqa: E731
+    return (take(data_next), take(block_mask)), order
 
 
 def step_pairs(blocks, max_pairs: int):
@@ -424,20 +358,41 @@ def live_blocks(static_classes, q_ranges, kv_ranges):
     return kept[None] & overlap
 
 
-def skip_dead_entries(data_next, block_mask, mask_next, live, axis: int = -1):
-    """Splash MaskInfo arrays, grid-packed along `axis`, with the entries that are not `live`
-    switched off: block_mask 0 (not computed), and data_next / mask_next repeating the index of
-    the nearest earlier live entry (the first live one at the start of a row), so the kernel's
-    pipeline sees an unchanged block index and fetches nothing for them."""
-    move = lambda x: None if x is None else jnp.moveaxis(x, axis, -1)  # noqa: E731
-    data_next, block_mask, mask_next, live = map(move, (data_next, block_mask, mask_next, live))
+def block_documents(segment_ids, block: int):
+    """int32 [b, L // block]: the document id that fills each block of `block` tokens whole, or
+    0 where the block holds two documents or any padding."""
+    b, L = segment_ids.shape
+    ids = segment_ids.reshape(b, L // block, block)
+    first = ids[..., 0]
+    whole = jnp.all(ids == first[..., None], axis=-1) & (first > PADDING)
+    return jnp.where(whole, first, 0).astype(jnp.int32)
+
+
+def kernel_classes(static_classes, live, q_documents, kv_documents):
+    """int32 [b or 1, q_blocks, kv_blocks]: how the kernels treat each block of the step. 0 not
+    computed (not `live`); 2 full, no element masked: a block the static mask keeps whole whose
+    queries and keys all belong to one document (`block_documents` of each side; None without
+    documents); 1 partial, masked element by element, otherwise."""
+    full = jnp.asarray(static_classes) == 2
+    if q_documents is not None:
+        full = full & ((q_documents[:, :, None] == kv_documents[:, None, :])
+                       & (q_documents[:, :, None] > 0))
+    return jnp.where(live, jnp.where(full, 2, 1), 0).astype(jnp.int32)
+
+
+def skip_dead_entries(data_next, block_mask, live, axis: int = -1):
+    """Kernel tables, grid-packed along `axis`, with the entries that are not `live` switched
+    off: block_mask 0 (not computed), and data_next repeating the index of the nearest earlier
+    live entry (the first live one at the start of a row), so the kernel's pipeline sees an
+    unchanged block index and fetches nothing for them."""
+    move = lambda x: jnp.moveaxis(x, axis, -1)  # noqa: E731
+    data_next, block_mask, live = map(move, (data_next, block_mask, live))
     index = jnp.arange(live.shape[-1], dtype=jnp.int32)
     earlier = lax.cummax(jnp.where(live, index, -1), axis=live.ndim - 1)
     first = jnp.argmax(live, axis=-1).astype(jnp.int32)[..., None]
     source = jnp.where(earlier >= 0, earlier, first)
-    take = lambda x: None if x is None else jnp.take_along_axis(x, source, axis=-1)  # noqa: E731
-    back = lambda x: None if x is None else jnp.moveaxis(x, -1, axis)  # noqa: E731
-    return back(take(data_next)), back(jnp.where(live, block_mask, 0)), back(take(mask_next))
+    back = lambda x: jnp.moveaxis(x, -1, axis)  # noqa: E731
+    return back(jnp.take_along_axis(data_next, source, axis=-1)), back(jnp.where(live, block_mask, 0))
 
 
 @dataclasses.dataclass(frozen=True)

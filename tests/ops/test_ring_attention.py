@@ -75,12 +75,8 @@ def _inputs(seed, batch, seq_len, kv_heads, dtype=np.float32):
 
 @functools.lru_cache(maxsize=None)
 def _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_seg, with_aux,
-                  kv_segments_differ=False, split_backward=False, block=BLOCK):
+                  kv_segments_differ=False, block=BLOCK):
     mesh = _mesh(sp, fsdp)
-    if split_backward:  # splash's dq and dkv kernels instead of its fused backward
-        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-        block = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK,
-                              use_fused_bwd_kernel=False)
     kw = dict(mask_items)
     # "auto": the data pipeline permutes rows with the layout resolve_layout names
     perm = layout_lib.permutation(resolve_layout(layout, seq_len, sp, **kw), seq_len, sp)
@@ -120,7 +116,7 @@ def _ref_program(mask_items, soft_cap):
 
 
 def _check(*, impl, layout, mask, with_seg, kv_heads, with_aux, soft_cap, sp=4, fsdp=2,
-           seed=0, segments=None, shard=SHARD, split_backward=False, block=BLOCK):
+           seed=0, segments=None, shard=SHARD, block=BLOCK):
     """`segments`, if given, replaces the random documents: natural-order ids [batch, S]."""
     seq_len, batch = shard * sp, 2 * fsdp
     q, k, v, seg, aux, dout = _inputs(seed, batch, seq_len, kv_heads)
@@ -129,7 +125,7 @@ def _check(*, impl, layout, mask, with_seg, kv_heads, with_aux, soft_cap, sp=4, 
     aux = aux if with_aux else None
     mask_items = tuple(sorted(MASKS[mask].items()))
     ring = _ring_program(sp, fsdp, seq_len, layout, impl, mask_items, soft_cap, with_seg, with_aux,
-                         split_backward=split_backward, block=block)
+                         block=block)
     out, grads = ring(q, k, v, qs, None, aux, dout)
     ref_out, ref_grads = _ref_program(mask_items, soft_cap)(q, k, v, qs, None, aux, dout)
     oracle.assert_matches_reference(out, grads, ref_out, ref_grads, FWD_TOL, GRAD_TOL)
@@ -174,13 +170,18 @@ def test_splash_ring_matches_reference(layout, mask, with_seg, kv_heads, with_au
            with_aux=with_aux, soft_cap=soft_cap)
 
 
-@pytest.mark.parametrize("split_backward", [False, True])
-def test_splash_backward_fused_per_kv_block_and_split(split_backward):
-    """Shards of 4 blocks: splash's fused backward runs one kv block at a time, each adding its
-    dq into the ring's (ops/splash.py), and the split one (dq and dkv kernels) still works."""
+@pytest.mark.parametrize("compute", [None, BLOCK])
+def test_splash_backward_adds_dq_over_many_kv_blocks(compute):
+    """Shards of 4 blocks: the fused backward's dQ is read, added to and written back in HBM by
+    every live (kv block, q block) step of one call, over several kv blocks, heads and batch
+    rows (splash_kernels._DqAccumulator); and with blocks of 256 computed 128 keys at a time,
+    each step's share sums two sub-tiles first."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    block = BLOCK if compute is None else sk.BlockSizes(
+        block_q=2 * BLOCK, block_kv=2 * BLOCK, block_kv_compute=compute,
+        block_kv_dkv_compute=compute, use_fused_bwd_kernel=True)
     _check(impl="splash", layout="zigzag", mask="causal_window", with_seg=True, kv_heads=2,
-           with_aux=True, soft_cap=None, sp=2, fsdp=1, shard=4 * BLOCK,
-           split_backward=split_backward)
+           with_aux=True, soft_cap=None, sp=2, fsdp=1, shard=4 * BLOCK, block=block)
 
 
 @pytest.mark.parametrize("impl,shard,block,mask", [
@@ -573,6 +574,10 @@ def test_bad_input_names_the_argument_and_the_numbers():
                block_sizes=251)
     with pytest.raises(ValueError, match=r"axis_name='ring' is not bound"):
         _trace(axis_name="ring")
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    with pytest.raises(ValueError, match=r"use_fused_bwd_kernel=False: the ring's backward is one"):
+        _trace(block_sizes=sk.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128,
+                                         use_fused_bwd_kernel=False))
 
 
 @pytest.mark.parametrize("impl", ["splash"])  # the kernel's local shard_map must survive re-tracing

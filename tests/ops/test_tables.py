@@ -25,46 +25,57 @@ def _dense(spec, qpos, kpos):
 
 
 def _tables_on_device(spec, layout, seq_len, sp, bq, bkv):
-    """f(d, t) -> the step's classes, splash tables and pairs as the ring builds them on device
-    (without documents: every kept block is live)."""
+    """f(d, t) -> the step's classes, kernel tables, element-mask inputs and pairs as the ring
+    builds them on device (without documents: every kept block is live)."""
     tb = tables.ring_tables(spec, layout, seq_len, sp, bq, bkv)
 
     @jax.jit
     def step(d, t):
         blocks = tables.step_blocks(spec, layout, seq_len, sp, bq, bkv, d,
                                     jnp.asarray(tb.kv_source)[d, t])
-        index = tables.partial_index(tb, spec, layout, seq_len, sp, bq, bkv, blocks)
         live = (blocks.classes > 0)[None]
-        return dict(classes=blocks.classes, partial=tb.partial,
-                    fwd=tables.grid_tables(blocks.classes, index, live, tb.grid_width, axis=-1),
-                    dkv=tables.grid_tables(blocks.classes, index, live, tb.grid_height, axis=-2),
+        classes = tables.kernel_classes(blocks.classes, live, None, None)
+        q_lo, q_hi = spec.bounds(blocks.q_positions)
+        return dict(classes=blocks.classes, q_lo=q_lo, q_hi=q_hi, kv_pos=blocks.kv_positions,
+                    fwd=tables.grid_tables(classes, tb.grid_width, axis=-1),
+                    dkv=tables.grid_tables(classes, tb.grid_height, axis=-2),
                     pairs=tables.step_pairs(blocks.classes, tb.max_pairs))
 
     return tb, lambda d, t: jax.tree.map(np.asarray, step(d, t))
 
 
+def _block_mask(step, i, j, bq, bkv, full):
+    """What the kernels compute of block (i, j): all of a full block, and of a partial one the
+    keys inside each query's interval (ops/splash_kernels._mask)."""
+    if full:
+        return True
+    lo, hi = step["q_lo"][i * bq:(i + 1) * bq, None], step["q_hi"][i * bq:(i + 1) * bq, None]
+    kv = step["kv_pos"][None, j * bkv:(j + 1) * bkv]
+    return (kv >= lo) & (kv <= hi)
+
+
 def _from_fwd_tables(step, shard_len, bq, bkv):
-    """The dense [L, L] mask that the forward/dq kernels' tables of one step compute."""
+    """The dense [L, L] mask that the forward kernel's tables of one step compute."""
     out = np.zeros((shard_len, shard_len), bool)
     seen = np.zeros((shard_len // bq, shard_len // bkv), int)
-    data, blk, nxt = (None if x is None else x[0, 0] for x in step["fwd"])
+    data, blk = (x[0, 0] for x in step["fwd"])
     for i, e in zip(*np.nonzero(blk)):
         j = data[i, e]
         seen[i, j] += 1
         rows, cols = slice(i * bq, (i + 1) * bq), slice(j * bkv, (j + 1) * bkv)
-        out[rows, cols] = True if blk[i, e] == 2 else step["partial"][nxt[i, e]]
+        out[rows, cols] = _block_mask(step, i, j, bq, bkv, blk[i, e] == 2)
     assert seen.max(initial=0) <= 1, "a block is visited twice"
     return out
 
 
 def _from_dkv_tables(step, shard_len, bq, bkv):
-    """The same from the dkv kernel's tables (packed along q; partial blocks read as [kv, q])."""
+    """The same from the backward kernel's tables (packed along q)."""
     out = np.zeros((shard_len, shard_len), bool)
-    data, blk, nxt = (None if x is None else x[0, 0] for x in step["dkv"])
+    data, blk = (x[0, 0] for x in step["dkv"])
     for e, j in zip(*np.nonzero(blk)):
         i = data[e, j]
         rows, cols = slice(i * bq, (i + 1) * bq), slice(j * bkv, (j + 1) * bkv)
-        out[rows, cols] = True if blk[e, j] == 2 else step["partial"].swapaxes(1, 2)[nxt[e, j]].T
+        out[rows, cols] = _block_mask(step, i, j, bq, bkv, blk[e, j] == 2)
     return out
 
 
@@ -124,8 +135,8 @@ def test_host_tables_are_the_dense_mask(name, layout, seq_len, bq, bkv):
                                                    *STRIPED_SHAPES])
 def test_device_tables_reproduce_the_dense_mask(name, layout, seq_len, bq, bkv):
     """Every table the ring builds on device, against the dense mask of global positions, for
-    every (device, step): its block classes, the forward/dq and dkv MaskInfo rebuilt into a dense
-    mask, and the XLA path's pairs."""
+    every (device, step): its block classes, the forward and backward kernels' tables and
+    element masks rebuilt into a dense mask, and the XLA path's pairs."""
     sp = 4
     shard_len = seq_len // sp
     spec = masks.make_mask_spec(**MASKS[name])
@@ -168,10 +179,21 @@ def test_host_classes_from_runs_are_the_row_counts():
                                               f"sp={sp} bq={bq} bkv={bkv} device {d} step {s}")
 
 
-def test_partial_blocks_are_deduplicated():
-    tb = tables.ring_tables(masks.make_mask_spec(causal=True), "contiguous", 1024, 4, 64, 64)
-    assert tb.partial.shape[0] == 1  # only diagonal blocks are partial, all with one pattern
-    assert tb.partial_signatures.shape == (1, 4)  # q run length, kv run length, offset, phase
+def test_kernel_classes_leave_unmasked_only_blocks_of_one_document():
+    """A block the static mask keeps whole is full for the kernels only where its queries and
+    keys all belong to one document; two documents, padding (ids <= 0) or a different document
+    make it partial (masked element by element), and a block that is not live is 0."""
+    ids = jnp.asarray([[1, 1, 1, 1, 1, 1, 2, 2, 3, 3, 0, 0]], jnp.int32)  # blocks of 2 tokens
+    docs = tables.block_documents(ids, 2)
+    np.testing.assert_array_equal(docs, [[1, 1, 1, 2, 3, 0]])
+    static = jnp.full((6, 6), 2, jnp.int32).at[0, 1].set(1)
+    live = jnp.ones((1, 6, 6), bool).at[0, 5, 5].set(False)
+    got = np.asarray(tables.kernel_classes(static, live, docs, docs))[0]
+    assert got[0, 0] == 2 and got[0, 2] == 2   # one document on both sides
+    assert got[0, 1] == 1                       # the static mask's own partial block
+    assert got[0, 3] == 1 and got[3, 4] == 1    # different documents
+    assert got[4, 4] == 2 and got[5, 4] == 1    # a block of padding is never unmasked
+    assert got[5, 5] == 0                       # not live
 
 
 def test_schedule_targets_at_131072_tokens_on_8_devices():
@@ -347,19 +369,16 @@ def test_xla_visits_compute_each_rows_own_live_blocks_once():
 
 
 def test_dead_entries_are_off_and_fetch_nothing():
-    """Grid entries that are not live: block_mask 0, and data_next / mask_next repeating the
-    previous live entry (the first live one before any), so the DMA index does not change."""
+    """Grid entries that are not live: block_mask 0, and data_next repeating the previous live
+    entry (the first live one before any), so the DMA index does not change."""
     data = np.array([[3, 5, 6, 7]], np.int32)
     block = np.array([[2, 1, 2, 1]], np.int32)
-    nxt = np.array([[0, 4, 0, 9]], np.int32)
     live = np.array([[False, True, False, True]])
-    d, b, n = (np.asarray(x) for x in tables.skip_dead_entries(data, block, nxt, live))
+    d, b = (np.asarray(x) for x in tables.skip_dead_entries(data, block, live))
     np.testing.assert_array_equal(b, [[0, 1, 0, 1]])
     np.testing.assert_array_equal(d, [[5, 5, 5, 7]])
-    np.testing.assert_array_equal(n, [[4, 4, 4, 9]])
-    # along the other axis (the dkv tables pack q blocks along axis -2)
-    d2, b2, _ = (None if x is None else np.asarray(x)
-                 for x in tables.skip_dead_entries(data.T, block.T, None, live.T, axis=-2))
+    # along the other axis (the backward's tables pack q blocks along axis -2)
+    d2, b2 = (np.asarray(x) for x in tables.skip_dead_entries(data.T, block.T, live.T, axis=-2))
     np.testing.assert_array_equal(d2, d.T)
     np.testing.assert_array_equal(b2, b.T)
 

@@ -1,0 +1,412 @@
+"""Attention kernels side by side on one TPU chip: longctx's path against stock splash and
+MaxText's tokamax splash, same inputs, same run.
+
+  longctx   ops.ring_attention on a one-device mesh (sp=1, contiguous, impl=splash): the
+            kernels of ops/splash_kernels.py with the ring's tables around them
+  stock     jax.experimental.pallas.ops.tpu.splash_attention (CausalMask / LocalMask / FullMask;
+            segment ids for documents), fused backward, keys computed 512 at a time
+  tokamax   MaxText 0.2.5's kernels.tokamax_splash_attention, the same settings (where it is
+            importable: `bash ../shared/tpu/fetch-wheels.sh` puts it on the TPU host's path)
+
+bf16, batch 1, heads-major for the splash kernels; time of jit(vjp) forward + backward and of
+the forward alone, median of --reps after a compile. TFLOP/s count the pairs the mask keeps
+(causal half and the diagonal, a window its band, documents their own squares): 4 x pairs x
+heads x head_dim for the forward, 3.5x that for forward + backward; % of peak against the chip's
+bf16 peak. Stock and tokamax run at the compiler's default scoped VMEM and, in a second process,
+at MaxText's raised limit (`--xla_tpu_scoped_vmem_limit_kib=98304` in LIBTPU_INIT_ARGS); longctx
+sets its own limit from the chip (ops/splash_kernels.vmem_limit_bytes). With --check, output and
+gradients against a float32 reference at the first length, relative max error beside stock's.
+
+On a TPU VM (docs/tpu.md):
+  .venv/bin/python benchmarks/bench_tpu_kernels.py --seqs 32768,65536
+Writes docs/tpu_kernels.json (a later run replaces the rows it measures and keeps the others) and
+docs/tpu_kernels.md. Nothing here runs on CPU: the kernels' speed is the chip's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
+
+RAISED_VMEM_KIB = 98304
+WINDOW = 4096
+DOCUMENTS = 32
+KEY = ("impl", "vmem", "mask", "S", "heads", "kv_heads", "head_dim", "block")
+RUN = time.strftime("%Y-%m-%d %H:%M", time.gmtime())  # rows measured in one invocation share it
+
+
+def _arguments(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", default="32768,65536")
+    p.add_argument("--masks", default="causal,window,documents,full")
+    p.add_argument("--impls", default="longctx,stock,tokamax")
+    p.add_argument("--blocks", default="512,1024,2048")
+    p.add_argument("--heads", default="8/8,32/8", help="query heads / kv heads, comma separated")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--vmem", choices=("default", "raised", "both"), default="both",
+                   help="stock and tokamax's scoped VMEM limit (longctx sets its own)")
+    p.add_argument("--check", action="store_true", help="errors against float32 at the first S")
+    p.add_argument("--budget-s", type=float, default=1e9,
+                   help="start no new measurement after this many seconds")
+    bc.add_page_arguments(p, "tpu_kernels")
+    p.add_argument("--child", choices=("default", "raised"), help=argparse.SUPPRESS)
+    p.add_argument("--run", default=RUN, help=argparse.SUPPRESS)  # the parent's, for its children
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- measuring (chip)
+
+def _segments(S):
+    rng = np.random.default_rng(S)
+    cuts = np.sort(rng.choice(np.arange(1, S), size=DOCUMENTS - 1, replace=False))
+    starts = np.zeros(S, np.int32)
+    starts[cuts] = 1
+    return np.cumsum(starts).astype(np.int32) + 1
+
+
+def _pairs(mask, S, seg):
+    i = np.arange(S, dtype=np.int64)
+    if mask == "full":
+        return S * S
+    if mask == "causal":
+        return S * (S + 1) // 2
+    if mask == "window":
+        return int(np.sum(np.minimum(i, WINDOW) + 1))
+    _, counts = np.unique(seg, return_counts=True)
+    return int(np.sum(counts.astype(np.int64) * (counts + 1) // 2))
+
+
+def _attention(impl, mask, S, block, seg, heads, head_dim):
+    """attn(q, k, v): [S, heads, head_dim] -> [S, heads, head_dim], or None where `impl` is
+    not importable here."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    causal, window = mask != "full", WINDOW if mask == "window" else None
+    ids = jnp.asarray(seg) if mask == "documents" else None
+    scale = head_dim ** -0.5
+    if impl == "longctx":
+        from longctx.ops import ring_attention
+        mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("dp", "fsdp", "sp"))
+        spec = P(None, "sp")
+
+        def local(q, k, v, *s):
+            return ring_attention(q, k, v, *s, causal=causal, sliding_window=window,
+                                  softmax_scale=scale, layout="contiguous", impl="splash",
+                                  block_sizes=block)
+
+        documents = () if ids is None else (ids[None],)
+        f = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * (3 + len(documents)),
+                          out_specs=spec, check_vma=False)
+        return lambda q, k, v: f(q[None], k[None], v[None], *documents)[0]
+    if impl == "stock":
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+        one = (sm.FullMask((S, S)) if mask == "full" else
+               sm.LocalMask((S, S), window_size=(window, 0), offset=0) if window else
+               sm.CausalMask((S, S)))
+        sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=min(block, 512),
+                              block_q_dkv=block, block_kv_dkv=block,
+                              block_kv_dkv_compute=min(block, 512), use_fused_bwd_kernel=True)
+        make = lambda heads: sk.make_splash_mha(sm.MultiHeadMask([one] * heads),  # noqa: E731
+                                                block_sizes=sizes, head_shards=1, q_seq_shards=1)
+        segments = None if ids is None else sk.SegmentIds(ids, ids)
+    elif impl == "tokamax":
+        try:
+            from maxtext.kernels.tokamax_splash_attention import base as tb
+            from maxtext.kernels.tokamax_splash_attention import splash_attention_kernel as tk
+            from maxtext.kernels.tokamax_splash_attention import splash_attention_mask as tm
+        except ImportError:
+            return None
+        one = (tm.FullMask((S, S)) if mask == "full" else
+               tm.LocalMask((S, S), window_size=(window, 0), offset=0) if window else
+               tm.CausalMask((S, S)))
+        config = tk.SplashConfig(block_q=block, block_kv=block, block_kv_compute=min(block, 512),
+                                 block_q_dkv=block, block_kv_dkv=block,
+                                 block_kv_dkv_compute=min(block, 512), use_fused_bwd_kernel=True)
+        make = lambda heads: tk.make_splash_mha(one, config=config, q_seq_shards=1)  # noqa: E731
+        segments = None if ids is None else tb.SegmentIds(ids, ids)
+    else:
+        raise ValueError(impl)
+    kernel = make(heads)  # built outside any trace: its mask tables are constants
+
+    def attn(q, k, v):
+        q = (q * scale).transpose(1, 0, 2)
+        if impl == "stock":
+            o = kernel(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), segment_ids=segments)
+        else:
+            o = kernel(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), segments)
+        o = o[0] if isinstance(o, tuple) else o
+        return o.transpose(1, 0, 2)
+    return attn
+
+
+def _reference(mask, S, seg, q, k, v, do):
+    """float32, highest precision: (out, dq, dk, dv)."""
+    import jax
+    import jax.numpy as jnp
+    scale = q.shape[-1] ** -0.5
+    i = jnp.arange(S)
+    allowed = jnp.ones((S, S), bool)
+    if mask != "full":
+        allowed &= i[None, :] <= i[:, None]
+    if mask == "window":
+        allowed &= i[None, :] >= i[:, None] - WINDOW
+    if mask == "documents":
+        allowed &= jnp.asarray(seg)[:, None] == jnp.asarray(seg)[None, :]
+    per_kv = q.shape[1] // k.shape[1]
+
+    def attend(q, k, v):
+        with jax.default_matmul_precision("highest"):
+            k, v = jnp.repeat(k, per_kv, axis=1), jnp.repeat(v, per_kv, axis=1)
+            s = jnp.einsum("qhd,khd->hqk", q, k) * scale
+            p = jax.nn.softmax(jnp.where(allowed[None], s, -jnp.inf), axis=-1)
+            return jnp.einsum("hqk,khd->qhd", p, v)
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out, vjp = jax.vjp(attend, f32(q), f32(k), f32(v))
+    return (out, *vjp(f32(do)))
+
+
+def _median_time(f, args, reps):
+    import jax
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(args, vmem: str) -> list[dict]:
+    """The rows this process measures (stock and tokamax at `vmem`; longctx only at "default",
+    its limit being its own)."""
+    import jax
+    import jax.numpy as jnp
+    device = jax.devices()[0]
+    from longctx.plan import hardware
+    chip = hardware.chip_for_device_kind(device.device_kind)
+    if chip is None:
+        raise SystemExit(f"{device.device_kind} is not a TPU chip this script knows: run it on a "
+                         "TPU host (docs/tpu.md)")
+    peak = chip.peak_flops
+    print(f"device {device.device_kind}, scoped VMEM {vmem}, peak {peak / 1e12:.0f} TFLOP/s",
+          flush=True)
+    impls = [i for i in args.impls.split(",") if i != "longctx" or vmem == "default"]
+    rows, start = [], time.perf_counter()
+    seqs = [int(s) for s in args.seqs.split(",")]
+    for heads, kv_heads in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
+        for S in seqs:
+            seg = _segments(S)
+            rng = np.random.default_rng(S)
+            draw = lambda n: jnp.asarray(  # noqa: E731
+                rng.standard_normal((S, n, args.head_dim), np.float32), jnp.bfloat16)
+            q, k, v, do = draw(heads), draw(kv_heads), draw(kv_heads), draw(heads)
+            for mask in args.masks.split(","):
+                pairs = _pairs(mask, S, seg)
+                flops = 4.0 * pairs * heads * args.head_dim
+                reference = None
+                if args.check and S == seqs[0]:
+                    reference = [np.asarray(x) for x in jax.jit(
+                        lambda *a: _reference(mask, S, seg, *a))(q, k, v, do)]
+                for impl in impls:
+                    for block in (int(b) for b in args.blocks.split(",")):
+                        if time.perf_counter() - start > args.budget_s:
+                            print("budget spent: stopping", flush=True)
+                            return rows
+                        row = dict(run=args.run, impl=impl,
+                                   vmem=vmem if impl != "longctx" else "own",
+                                   mask=mask, S=S, heads=heads, kv_heads=kv_heads,
+                                   head_dim=args.head_dim, block=block, pairs=pairs)
+                        row.update(_one(impl, mask, S, block, seg, (q, k, v, do), flops, peak,
+                                        reference, args))
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+    return rows
+
+
+def _one(impl, mask, S, block, seg, operands, flops, peak, reference, args) -> dict:
+    import jax
+    q, k, v, do = operands
+    try:
+        attn = _attention(impl, mask, S, block, seg, q.shape[1], args.head_dim)
+        if attn is None:
+            return dict(error="not importable here")
+        forward = jax.jit(attn)
+
+        @jax.jit
+        def forward_backward(q, k, v, do):
+            out, vjp = jax.vjp(attn, q, k, v)
+            return (out, *vjp(do))
+
+        t0 = time.perf_counter()
+        outs = jax.block_until_ready(forward_backward(q, k, v, do))
+        result = dict(compile_s=round(time.perf_counter() - t0, 1))
+        fwd = _median_time(forward, (q, k, v), args.reps)
+        both = _median_time(forward_backward, (q, k, v, do), args.reps)
+        result.update(fwd_ms=round(fwd * 1e3, 3), fwdbwd_ms=round(both * 1e3, 3),
+                      fwd_tflops=round(flops / fwd / 1e12, 1),
+                      fwdbwd_tflops=round(3.5 * flops / both / 1e12, 1),
+                      pct_peak=round(100 * 3.5 * flops / both / peak, 1))
+        if reference is not None:
+            result["rel_err"] = {
+                name: float(np.max(np.abs(np.asarray(g, np.float32) - r)) / np.max(np.abs(r)))
+                for name, g, r in zip(("out", "dq", "dk", "dv"), outs, reference)}
+        return result
+    except Exception as e:  # a block that does not compile is a result too
+        traceback.print_exc(limit=2)
+        return dict(error=(type(e).__name__ + ": " + str(e)).splitlines()[0][:300])
+
+
+# ----------------------------------------------------------------------------- the page
+
+def _best(rows, **match):
+    """The fastest fwd+bwd row matching `match`, over blocks and VMEM settings."""
+    ok = [r for r in rows if "fwdbwd_ms" in r and all(r[k] == v for k, v in match.items())]
+    return min(ok, key=lambda r: r["fwdbwd_ms"]) if ok else None
+
+
+def _ms(r):
+    return "—" if r is None else (
+        f"{r['fwdbwd_ms']:.1f} ({r['block']}{', raised VMEM' if r['vmem'] == 'raised' else ''})")
+
+
+def _ratio(a, b):
+    return "—" if a is None or b is None else f"{a['fwdbwd_ms'] / b['fwdbwd_ms']:.2f}"
+
+
+def markdown(data) -> str:
+    rows = data["rows"]
+    lines = ["# Attention kernels on a TPU chip", "",
+             "Measured on the chip by `benchmarks/bench_tpu_kernels.py` (its docstring says how); "
+             "forward + backward of jit(vjp), bf16, batch 1, median of the repeats; TFLOP/s "
+             "count the pairs each mask keeps (forward 4 x pairs x heads x head_dim, forward + "
+             "backward 3.5x that). Ratios below 1: longctx is faster.", "",
+             f"Device: {data.get('device', '?')}. Runs (each row names its run):", ""]
+    lines += [f"    {c}" for c in data.get("commands", [])]
+    masks = ("causal", "window", "documents", "full")
+    label = lambda m: f"window {WINDOW:,}" if m == "window" else m  # noqa: E731
+    for heads, kv_heads in sorted({(r["heads"], r["kv_heads"]) for r in rows}):
+        shape = dict(heads=heads, kv_heads=kv_heads)
+        lines += ["", f"## {heads} query heads over {kv_heads} K/V heads, head_dim "
+                      f"{rows[0]['head_dim']}", "",
+                  "Side by side: longctx and stock splash in the same run, at the same block and "
+                  "stock's default scoped VMEM.", ""]
+        table = []
+        for r in sorted((r for r in rows if r["impl"] == "longctx" and "fwdbwd_ms" in r
+                         and all(r[k] == v for k, v in shape.items())),
+                        key=lambda r: (r["S"], masks.index(r["mask"]), r["block"])):
+            stock = _best(rows, impl="stock", vmem="default", run=r["run"], S=r["S"],
+                          mask=r["mask"], block=r["block"], **shape)
+            if stock is not None:
+                table.append([f"{r['S']:,}", label(r["mask"]), r["block"], stock["fwdbwd_ms"],
+                              r["fwdbwd_ms"], _ratio(r, stock), r["run"]])
+        lines.append(bc.table(["S", "mask", "block", "stock ms", "longctx ms", "longctx / stock",
+                               "run"], table))
+        lines += ["", "Each at its best over the blocks and VMEM limits measured (rows of "
+                      "different runs compared: see each row's run).", ""]
+        table = []
+        for S in sorted({r["S"] for r in rows}):
+            for mask in masks:
+                match = dict(S=S, mask=mask, **shape)
+                best = {i: _best(rows, impl=i, **match) for i in ("longctx", "stock", "tokamax")}
+                lc = best["longctx"]
+                if lc is None:
+                    continue
+                table.append([f"{S:,}", label(mask), _ms(best["stock"]), _ms(best["tokamax"]),
+                              _ms(lc), _ratio(lc, best["stock"]), _ratio(lc, best["tokamax"]),
+                              f"{lc['fwdbwd_tflops']} ({lc['pct_peak']}%)"])
+        lines.append(bc.table(["S", "mask", "stock ms (block)", "tokamax ms (block)",
+                               "longctx ms (block)", "longctx / stock", "longctx / tokamax",
+                               "longctx TFLOP/s (% of peak)"], table))
+    blocks = sorted({r["block"] for r in rows if r["impl"] == "longctx"})
+    per_block = []
+    for S, mask, heads, kv_heads in sorted({(r["S"], r["mask"], r["heads"], r["kv_heads"])
+                                            for r in rows if r["impl"] == "longctx"},
+                                           key=lambda x: (x[2], x[0], masks.index(x[1]))):
+        cells = []
+        for block in blocks:
+            r = _best(rows, impl="longctx", S=S, mask=mask, heads=heads, kv_heads=kv_heads,
+                      block=block)
+            cells.append("—" if r is None else f"{r['fwd_ms']:.1f} / {r['fwdbwd_ms']:.1f}")
+        per_block.append([f"{S:,}", label(mask), f"{heads}/{kv_heads}", *cells])
+    lines += ["", "## longctx by block: forward / forward + backward ms", "",
+              bc.table(["S", "mask", "heads", *(f"block {b}" for b in blocks)], per_block)]
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        lines += ["", "## Did not run", "",
+                  bc.table(["impl", "VMEM", "mask", "S", "heads", "block", "error"],
+                           [[r["impl"], r["vmem"], r["mask"], f"{r['S']:,}",
+                             f"{r['heads']}/{r['kv_heads']}", r["block"], r["error"][:120]]
+                            for r in failed])]
+    checked = [r for r in rows if "rel_err" in r]
+    if checked:
+        lines += ["", "## Error against float32 (relative max)", "",
+                  bc.table(["impl", "mask", "S", "heads", "block", "out", "dq", "dk", "dv"],
+                           [[r["impl"], r["mask"], f"{r['S']:,}", f"{r['heads']}/{r['kv_heads']}",
+                             r["block"], *(f"{r['rel_err'][n]:.2e}" for n in ("out", "dq", "dk", "dv"))]
+                            for r in checked])]
+    return "\n".join(lines)
+
+
+def _merge(path, rows, device, command):
+    data = json.load(open(path)) if os.path.exists(path) else {"rows": [], "commands": []}
+    new = {tuple(r[k] for k in KEY) for r in rows}
+    data["rows"] = [r for r in data["rows"] if tuple(r[k] for k in KEY) not in new] + rows
+    data["device"] = device or data.get("device")
+    if command not in data["commands"]:
+        data["commands"].append(command)
+    return data
+
+
+def main(argv=None):
+    args = _arguments(argv)
+    if bc.render_only(args, markdown):
+        return
+    if args.child:
+        rows = measure(args, args.child)
+        import jax
+        print("ROWS " + json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}),
+              flush=True)
+        return
+    settings = ["default", "raised"] if args.vmem == "both" else [args.vmem]
+    rows, device = [], None
+    for vmem in settings:
+        env = dict(os.environ)
+        if vmem == "raised":
+            env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") +
+                                       f" --xla_tpu_scoped_vmem_limit_kib={RAISED_VMEM_KIB}").strip()
+        child_args = [a for a in (argv if argv is not None else sys.argv[1:])]
+        if vmem == "raised":  # longctx sets its own limit: measured once, in the default process
+            child_args += ["--impls", ",".join(i for i in args.impls.split(",") if i != "longctx")]
+        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), *child_args,
+                                  "--child", vmem, "--run", args.run], env=env,
+                                 stdout=subprocess.PIPE, text=True)
+        for line in child.stdout:  # streamed: a run cut short keeps what it printed
+            if line.startswith("ROWS "):
+                got = json.loads(line[5:])
+                rows += got["rows"]
+                device = got["device"]
+            else:
+                print(line, end="", flush=True)
+        child.wait()
+    data = _merge(args.json, rows, device, bc.command_line())
+    bc.write_json(args.json, data)
+    bc.write_markdown(args.md, markdown(data))
+    print(f"wrote {args.json} and {args.md}: {len(rows)} rows measured")
+
+
+if __name__ == "__main__":
+    main()
