@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from longctx.model import layer_types
+from longctx.model import layer_types, remat
 
 # Dense bf16 peak per jax device, TFLOP/s (vendor figures): a chip, except on TPU7x, whose two
 # TensorCores are two devices.
@@ -145,20 +145,23 @@ def _dense_flops_per_layer(config, tokens: int) -> tuple[float, float]:
 def recomputed_flops_per_step(config) -> float:
     """Forward FLOPs run a second time in the backward, per step (not counted by MFU).
 
-    Under attention.residuals=save_qkv, remat_policy "nothing_saveable" recomputes each block's
-    q/k/v projections and its output projection + MLP; the "*_saveable" policies keep the
-    matmul outputs and recompute only elementwise work, counted as none. recompute_qkv puts the
-    layer under one VJP that recomputes all of them whatever the remat policy; offload_qkv the
-    same but q, k, v, which come back from the host. The attention ring is never recomputed."""
+    Under attention.residuals=save_qkv, the block's matmuls whose outputs the remat policy does not
+    keep (model/remat.py `kept_matmuls`): all of them under "nothing_saveable" (each block's q/k/v
+    projections, its output projection and MLP), none under "none" and the dots policies, the
+    others under a named policy; elementwise work counts as none. recompute_qkv puts the layer
+    under one VJP that recomputes all of them whatever the remat policy; offload_qkv the same but
+    q, k, v, which come back from the host. The attention ring is never recomputed."""
     m, d = config.model, config.data
-    qkv, rest = _dense_flops_per_layer(config, d.global_batch_size * d.seq_len)
+    tokens = d.global_batch_size * d.seq_len
+    qkv, rest = _dense_flops_per_layer(config, tokens)
     residuals = config.attention.get("residuals", "save_qkv")
     if residuals == "recompute_qkv":
         per_layer = qkv + rest
     elif residuals == "offload_qkv":
         per_layer = rest
     else:
-        per_layer = qkv + rest if m.remat_policy == "nothing_saveable" else 0
+        weights = remat.matmul_weights(m)
+        per_layer = qkv + rest - sum(2 * tokens * weights[name] for name in remat.kept_matmuls(m))
     return float(m.num_layers * per_layer)
 
 

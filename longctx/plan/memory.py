@@ -165,10 +165,19 @@ def layer_residuals(config, mesh, layout: str, setup) -> list[dict]:
             key = "constant" if isinstance(v, jax_core.Literal) else argument.get(v, "constant")
             source, per_layer = _SHARED_RESIDUALS[key]
         else:
-            source, per_layer = _residual_source(producer[v]), True
+            source, per_layer = _residual_source(_through_precision_marks(producer[v], producer)), True
         out.append({"shape": list(shape), "dtype": str(v.aval.dtype),
                     "bytes": _nbytes(shape, v.aval.dtype), "source": source, "per_layer": per_layer})
     return sorted(out, key=lambda r: (not r["per_layer"], -r["bytes"]))
+
+
+def _through_precision_marks(eqn, producer: dict):
+    """The equation behind a value a checkpoint saves: JAX's remat marks each value it keeps with a
+    reduce_precision of the value's own precision (a no-op), which names nothing; the value's maker
+    (a dot_general, or a `name` for checkpoint_name's named outputs) does."""
+    while eqn.primitive.name == "reduce_precision" and eqn.invars[0] in producer:
+        eqn = producer[eqn.invars[0]]
+    return eqn
 
 
 def _residual_source(eqn) -> str:

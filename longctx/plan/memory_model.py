@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from longctx import config as config_lib
+from longctx.model import remat
 from longctx.ops import ulysses
 from longctx.plan import collectives
 
@@ -39,8 +40,8 @@ class MemoryEstimate:
                    + self.scale * (self.saved_bytes + self.working_bytes))
 
 
-def _saved_per_token(config) -> float:
-    """Bytes one layer keeps per token for its backward."""
+def _saved_per_token(config, sp: int) -> float:
+    """Bytes one layer keeps per token for its backward on a mesh of `sp` sequence shards."""
     m, a = config.model, config.attention
     e = 2 if m.dtype == "bfloat16" else 4
     qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * e
@@ -50,8 +51,13 @@ def _saved_per_token(config) -> float:
     kept_qkv = qkv if residuals == "save_qkv" else 0
     if m.remat_policy == "nothing_saveable":
         return carry + kept_qkv + attention_out
-    if m.remat_policy in ("dots_saveable", "dots_with_no_batch_dims_saveable"):
+    if m.remat_policy in remat.NAMED_POLICIES:  # what it names that the backward reads
+        return carry + kept_qkv + attention_out + sum(remat.output_width(m, name)
+                                                      for name in remat.kept_names(config, sp)) * e
+    if m.remat_policy in remat.DOTS_POLICIES:
         return carry + qkv + attention_out + (2 * m.d_model + 2 * m.mlp_dim) * e
+    if m.remat_policy != "none":
+        raise ValueError(f"the memory model has no figure for model.remat_policy={m.remat_policy!r}.")
     # no remat: every intermediate of the layer
     return carry + qkv + attention_out + (4 * m.d_model + 4 * m.mlp_dim) * e
 
@@ -94,7 +100,7 @@ def per_device_bytes(config, mesh_sizes: dict[str, int]) -> MemoryEstimate:
     rows = d.global_batch_size // (dp * fsdp)
     tokens = rows * d.seq_len // sp
     e = 2 if m.dtype == "bfloat16" else 4
-    saved = m.num_layers * tokens * _saved_per_token(config)
+    saved = m.num_layers * tokens * _saved_per_token(config, sp)
     chunk = min(m.get("mlp_chunk_size") or d.seq_len // sp, d.seq_len // sp)
     mlp = rows * chunk * m.mlp_dim * e * 3 * 2  # gate, up, activation; and their gradients
     logits = rows * min(t.loss_chunk_size, d.seq_len // sp) * m.vocab_size * 4 * 2

@@ -90,8 +90,9 @@ OPTIMIZER_BYTES = {"parameter": 12, "moments": 16}
 def recompute_passes(config) -> float:
     """Forward passes over the layers' matmuls the backward runs again, as model/flops.py counts
     their FLOPs (the remat policy and attention.residuals): 1 under nothing_saveable or
-    recompute_qkv, 0 under the *_saveable policies with save_qkv, the rest of a layer but its
-    q/k/v under offload_qkv. The matmuls' HBM passes follow it as their compute does."""
+    recompute_qkv, 0 under the dots policies with save_qkv, what a named policy does not keep
+    with it (model/remat.py), the rest of a layer but its q/k/v under offload_qkv. The matmuls'
+    HBM passes follow it as their compute does."""
     m, d = config.model, config.data
     forward = m.num_layers * 2.0 * flops_lib.matmul_params_per_layer(config) * d.global_batch_size * d.seq_len
     return flops_lib.recomputed_flops_per_step(config) / forward
