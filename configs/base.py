@@ -193,6 +193,10 @@ def _base() -> ml_collections.ConfigDict:
             # RULER's synthetic tasks (longctx/evals/ruler.py) by task and length every N steps; 0 = never.
             eval_ruler_every=0,
             loss_chunk_size=512,  # tokens per chunk of the output projection + cross-entropy
+            # Micro-batches each step's data.global_batch_size rows are split into: their gradients
+            # are summed (float32) into one update, so a batch larger than a step can hold trains
+            # as the whole batch would (each micro-batch a multiple of dp x fsdp rows).
+            grad_accum_steps=1,
             on_nonfinite="stop",  # stop | skip
             # With skip: stop (as stop does) once this many steps in a row were non-finite. A bad
             # batch or two is data; ten in a row from unchanged parameters is a run that skipping

@@ -18,6 +18,7 @@ from jax.extend import core as jax_core
 
 from longctx.model.decoder import DecoderBlock
 from longctx.parallel import mesh as mesh_lib
+from longctx.train import steps as train_steps
 
 
 @dataclasses.dataclass
@@ -137,7 +138,8 @@ def layer_residuals(config, mesh, layout: str, setup) -> list[dict]:
 
     block_state = jax.tree.map(one_layer_slice, setup.abstract_state.params["blocks"],
                                setup.state_shardings.params["blocks"])
-    tokens = (config.data.global_batch_size, config.data.seq_len)
+    # one micro-batch's rows: what the step's scan over them differentiates at a time
+    tokens = (config.data.global_batch_size // train_steps.grad_accum_steps(config), config.data.seq_len)
     x = jax.ShapeDtypeStruct((*tokens, m.d_model), jax.numpy.dtype(m.dtype),
                              sharding=mesh_lib.logical_sharding(mesh, _LAYER_INPUT_LOGICAL))
     ids = jax.ShapeDtypeStruct(tokens, jax.numpy.int32, sharding=setup.batch_sharding)

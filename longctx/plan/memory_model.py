@@ -5,7 +5,8 @@
 Counted, as plan/memory.py measures them on a compiled step: parameters and AdamW state (split
 over fsdp x sp, the state over dp too with ZeRO-1), gradients (sharded as the parameters), what
 each layer keeps for its backward (the remat and residual policies), and the largest working set
-of one layer's backward (the strategy's K/V or heads, the MLP chunk, the loss chunk's logits).
+of one layer's backward (the strategy's K/V or heads, the MLP chunk, the loss chunk's logits),
+for one micro-batch where train.grad_accum_steps splits the batch.
 The compiler's own figure holds more than the arrays named here (copies, padding to tiles,
 buffers it keeps alive across a fusion), so the activation terms are scaled by ACTIVATION_SCALE,
 fitted on whole-step TPU compiles (benchmarks/calibrate_planner.py: the points and their error are
@@ -20,6 +21,7 @@ from longctx import config as config_lib
 from longctx.model import remat
 from longctx.ops import ulysses
 from longctx.plan import collectives
+from longctx.train import steps as train_steps
 
 # Fitted on the AOT compiles of docs/fit_*.json and docs/fit_strategies.json
 # (benchmarks/calibrate_planner.py).
@@ -97,7 +99,12 @@ def per_device_bytes(config, mesh_sizes: dict[str, int]) -> MemoryEstimate:
     state_ways = param_ways * (dp if config.optimizer.get("shard_state_over_dp", False) else 1)
     state = params * p_bytes / param_ways + params * 2 * p_bytes / state_ways
     gradients = params * p_bytes / param_ways
-    rows = d.global_batch_size // (dp * fsdp)
+    # With gradient accumulation, activations are one micro-batch's, and the float32 sum of the
+    # micro-batches' gradients lives beside each micro-batch's own.
+    accum = train_steps.grad_accum_steps(config)
+    if accum > 1:
+        gradients += params * 4 / param_ways
+    rows = d.global_batch_size // (dp * fsdp * accum)
     tokens = rows * d.seq_len // sp
     e = 2 if m.dtype == "bfloat16" else 4
     saved = m.num_layers * tokens * _saved_per_token(config, sp)
