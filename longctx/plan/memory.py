@@ -18,6 +18,7 @@ from jax.extend import core as jax_core
 
 from longctx.model.decoder import DecoderBlock
 from longctx.parallel import mesh as mesh_lib
+from longctx.train import state as train_state
 from longctx.train import steps as train_steps
 
 
@@ -56,16 +57,11 @@ class MemoryBreakdown:
         return max(0, temp_bytes - self.gradient_bytes - self.saved_activation_bytes)
 
 
-def shard_bytes(tree) -> int:
-    """Bytes of one device's shards of a tree of sharded ShapeDtypeStructs."""
-    return sum(_nbytes(x.sharding.shard_shape(x.shape), x.dtype) for x in jax.tree.leaves(tree))
-
-
 def memory_breakdown(config, mesh, layout: str, setup, state, batch, hlo: str | None, *,
                      measure_remat_remedy: bool = False) -> MemoryBreakdown:
     """Per-device bytes by what they hold (see `MemoryBreakdown`); `hlo` is the compiled step's
     text (None when the compiler refused it: then no largest buffers)."""
-    params = shard_bytes(state.params)
+    params = train_state.shard_bytes(state.params)
     residuals = layer_residuals(config, mesh, layout, setup)
     nothing_saveable = None
     if measure_remat_remedy and config.model.remat_policy != "nothing_saveable":
@@ -75,10 +71,10 @@ def memory_breakdown(config, mesh, layout: str, setup, state, batch, hlo: str | 
         nothing_saveable = sum(r["bytes"] for r in layer_residuals(c, mesh, layout, setup)
                                if r["per_layer"])
     return MemoryBreakdown(
-        parameter_bytes=params, optimizer_bytes=shard_bytes(state.opt_state),
+        parameter_bytes=params, optimizer_bytes=train_state.shard_bytes(state.opt_state),
         # A cotangent has its primal's shape and dtype; XLA is free to shard (or not to
         # materialise) it differently, hence an estimate.
-        gradient_bytes=params, batch_bytes=shard_bytes(batch), num_layers=config.model.num_layers,
+        gradient_bytes=params, batch_bytes=train_state.shard_bytes(batch), num_layers=config.model.num_layers,
         saved_bytes_per_layer=sum(r["bytes"] for r in residuals if r["per_layer"]),
         residuals=residuals, largest_buffers=[] if hlo is None else largest_buffers(hlo),
         state_bytes_by_axes={"parameters": _global_bytes_by_axes(state.params),

@@ -21,7 +21,7 @@ from longctx.data import packing
 from longctx.model.decoder import model_nll
 from longctx.parallel import mesh as mesh_lib
 from longctx.train.optimizer import applied_updates, learning_rate_schedule
-from longctx.train.state import Setup, TrainState
+from longctx.train.state import Setup, TrainState, abstract_with_shardings
 
 BATCH_KEYS = packing.KEYS  # the arrays of a packed batch, each [global_batch, seq_len]
 
@@ -127,6 +127,21 @@ def make_eval_step(config, setup: Setup):
         return jax.tree.map(lambda x: jnp.sum(x, axis=0), parts)
 
     return eval_step
+
+
+def abstract_batch(config, setup: Setup) -> dict:
+    """The batch the train step is compiled for: int32 [global_batch, seq_len] arrays, sharded as
+    the data pipeline delivers them."""
+    shape = (config.data.global_batch_size, config.data.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding) for k in BATCH_KEYS}
+
+
+def compile_ahead(train_step, config, setup: Setup):
+    """The jitted `train_step` compiled for the run's state and batch before any step runs, so
+    that a program the compiler refuses (out of memory) fails before anything is trained or
+    written. The step's calls then use this executable (jit's cache holds it: one compile)."""
+    state = abstract_with_shardings(setup.abstract_state, setup.state_shardings)
+    return train_step.lower(state, abstract_batch(config, setup)).compile()
 
 
 def jit_steps(config, setup: Setup):
