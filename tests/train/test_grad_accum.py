@@ -16,6 +16,7 @@ from longctx.plan import memory_model
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
 from tests import synthetic
+from tests.model.test_attention_residuals import assert_trees_close
 
 
 def _config(accum: int, sp: int = 4):
@@ -52,15 +53,6 @@ def _step(accum: int):
             jax.tree.map(np.asarray, nnx.to_pure_dict(state.params)), sums)
 
 
-def _assert_close_trees(got, want, rtol):
-    flat = dict(jax.tree_util.tree_leaves_with_path(want))
-    for path, g in jax.tree_util.tree_leaves_with_path(got):
-        w = flat[path]
-        assert np.any(w != 0), jax.tree_util.keystr(path)
-        err = np.max(np.abs(g - w)) / np.max(np.abs(w))
-        assert err <= rtol, f"{jax.tree_util.keystr(path)}: {err:.2e}"
-
-
 def test_accumulated_step_is_the_one_pass_step():
     """4 micro-batches of 2 rows (one per fsdp rank) against the 8 rows at once: the same loss,
     gradients and update (AdamW's eps is 1e-3, as in tests/train/test_train.py, so that the update
@@ -69,8 +61,8 @@ def test_accumulated_step_is_the_one_pass_step():
     assert acc_metrics["loss_tokens"] == one_metrics["loss_tokens"] == ROWS["loss_mask"].sum()
     assert acc_metrics["loss"] == pytest.approx(one_metrics["loss"], rel=1e-6)
     assert acc_metrics["grad_norm"] == pytest.approx(one_metrics["grad_norm"], rel=1e-6)
-    _assert_close_trees(acc_grads, one_grads, rtol=1e-5)
-    _assert_close_trees(acc_params, one_params, rtol=1e-6)
+    assert_trees_close(acc_grads, one_grads, rtol=1e-5)
+    assert_trees_close(acc_params, one_params, rtol=1e-6)
     np.testing.assert_allclose(acc_sums["nll_sum"], one_sums["nll_sum"], rtol=1e-6)
     np.testing.assert_array_equal(acc_sums["count_by_position"], one_sums["count_by_position"])
     np.testing.assert_allclose(acc_sums["nll_by_position"], one_sums["nll_by_position"], rtol=1e-5)
