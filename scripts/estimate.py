@@ -12,8 +12,8 @@ arguments, outputs, temporaries and total (the compiler's peak for the step); a 
 (parameters, optimizer state, batch, gradients, saved activations per layer with what each
 residual is, the largest arrays of the compiled program); the chip's HBM, whether it fits and,
 when it does not, the overrides that should make it fit, most bytes saved first; and the
-planner's memory model's figure for the same run. `--json` prints the same as one JSON object. Exit status 0 fits, 1 does not
-fit, 2 bad input (one line on stderr, `longctx: ...`).
+planner's memory model's figure for the same run. `--json` prints the same as one JSON object.
+Exit status 0 fits, 1 does not fit, 2 bad input (one line on stderr, `longctx: ...`).
 
 Sweep: the longest sequence that fits, per chip type and sp (docs/fit_llama3_8b.md + .json):
   .venv/bin/python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --sweep \\

@@ -28,7 +28,6 @@ from longctx.model import block_options
 # The matmul outputs of a block that a policy can keep by name, in the order the block makes them.
 SAVEABLE_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_down")
 _QKV = ("query_proj", "key_proj", "value_proj")
-_MLP = ("mlp_gate", "mlp_up", "mlp_down")
 
 # MaxText's named policies and what each keeps of one block.
 NAMED_POLICIES = {
