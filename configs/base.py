@@ -17,6 +17,9 @@ Presets:
   long_mix_cpu     long_cpu's model on a ProLong-shaped mixture at 16,384 tokens (docs/data.md,
                    "Mixtures"): 60% whole stdlib packages, 40% single files, long files upsampled:
     .venv/bin/python scripts/train.py --config=configs/base.py:long_mix_cpu --workdir=runs/long_mix
+  v5e_0p5b         a 0.5B model at 32,768 tokens on one TPU v5e chip (one host, mesh 1 x 1 x 1):
+    .venv/bin/python scripts/estimate.py --config=configs/base.py:v5e_0p5b --topology=v5e:1x1
+    .venv/bin/python scripts/train.py --config=configs/base.py:v5e_0p5b --workdir=runs/v5e_0p5b
   llama3_8b_128k   Llama-3-8B shape, 131,072 tokens per sequence, ring over sp=16 on v5p-128.
   llama3_8b_extend_128k   Llama-3-8B converted from Hugging Face, extended to 131,072 tokens with
                    llama3 RoPE scaling (docs/extend.md):
@@ -107,7 +110,10 @@ def _base() -> ml_collections.ConfigDict:
             # Tokens of each sequence shard per MLP chunk (model._mlp_in_chunks); None = all at
             # once. Long shards need it: the [tokens, mlp_dim] intermediates outgrow the rest.
             mlp_chunk_size=_optional_int(),
-            remat_policy="nothing_saveable",  # none | nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable
+            # none | nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable | MaxText's
+            # named ones: save_qkv_proj | save_out_proj | save_dot_except_mlp | save_dot_except_mlpwi |
+            # minimal (longctx/model/remat.py says what each keeps)
+            remat_policy="nothing_saveable",
         )
     )
 
@@ -187,6 +193,10 @@ def _base() -> ml_collections.ConfigDict:
             # RULER's synthetic tasks (longctx/evals/ruler.py) by task and length every N steps; 0 = never.
             eval_ruler_every=0,
             loss_chunk_size=512,  # tokens per chunk of the output projection + cross-entropy
+            # Micro-batches each step's data.global_batch_size rows are split into: their gradients
+            # are summed (float32) into one update, so a batch larger than a step can hold trains
+            # as the whole batch would (each micro-batch a multiple of dp x fsdp rows).
+            grad_accum_steps=1,
             on_nonfinite="stop",  # stop | skip
             # With skip: stop (as stop does) once this many steps in a row were non-finite. A bad
             # batch or two is data; ten in a row from unchanged parameters is a run that skipping
@@ -269,6 +279,25 @@ def _long_mix_cpu(c):
         "packages": dict(path="embedded:packages", weight=0.6),
         "files": dict(path="embedded:files", weight=0.4, upsample_factor=2.0, upsample_above=8192),
     })
+    return c
+
+
+def _v5e_0p5b(c):
+    """A 511.7M-parameter Llama-shaped model (8 layers, d_model 2,048, 16 heads of 128 over 8 K/V
+    heads, MLP 5,632, vocabulary 32,768) at 32,768 tokens on one TPU v5e chip (15.75 GiB of HBM):
+    one host, one process, mesh 1 x 1 x 1, bf16 compute over float32 parameters, the splash kernel
+    with blocks of 512 (1,024 overflows its 16 MiB of scoped VMEM), on the embedded corpus's
+    packed documents. Parameters, AdamW state and gradients take 7.6 GiB; each layer keeps its
+    input, q, k, v and the attention's output for the backward (nothing_saveable)."""
+    c.mesh.update(dp=1, fsdp=1, sp=1)
+    c.model.update(vocab_size=32_768, d_model=2048, num_layers=8, num_heads=16, num_kv_heads=8,
+                   head_dim=128, mlp_dim=5632, dtype="bfloat16", param_dtype="float32",
+                   remat_policy="nothing_saveable")
+    c.attention.update(impl="splash", block_size=512, layout="contiguous")
+    c.data.update(seq_len=32_768, global_batch_size=1)
+    c.optimizer.update(learning_rate=3e-4, warmup_steps=20)
+    c.train.update(num_steps=200, log_every=10, eval_every=100, eval_steps=2, loss_chunk_size=1024)
+    c.checkpoint.update(every_steps=100)
     return c
 
 
@@ -435,7 +464,7 @@ def _olmo3_7b_64k(c):
 
 
 PRESETS = {"": lambda c: c, "base": lambda c: c, "tiny": _tiny, "tiny_hybrid": _tiny_hybrid, "long_cpu": _long_cpu,
-           "long_mix_cpu": _long_mix_cpu,
+           "long_mix_cpu": _long_mix_cpu, "v5e_0p5b": _v5e_0p5b,
            "llama3_8b_128k": _llama3_8b_128k, "llama3_70b_128k": _llama3_70b_128k,
            "llama3_8b_extend_128k": _llama3_8b_extend_128k, "llama3_8b_prolong_64k": _llama3_8b_prolong_64k,
            "gemma3_12b_128k": _gemma3_12b_128k,

@@ -26,8 +26,8 @@ Exit status:
   0    success (or whatever `main` returns)
   1    a run that failed: RunError (non-finite loss, a save that could not be written) or an
        unexpected exception
-  2    input that cannot run: ConfigError (config key, data file, workdir, checkpoint directory),
-       bad command-line flags
+  2    input that cannot run: ConfigError (config key, data file, workdir, checkpoint directory, a
+       train step the compiler refuses for lack of device memory), bad command-line flags
   130  interrupted
 
 `--verbose` anywhere on a script's command line (removed before the script parses its flags) or

@@ -258,6 +258,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(d.global_batch_size % (dp * fsdp) == 0,
              f"data.global_batch_size={d.global_batch_size} is not divisible by dp*fsdp = {dp}*{fsdp} = {dp * fsdp}: "
              f"set --config.data.global_batch_size={_multiple_above(d.global_batch_size, dp * fsdp)}.")
+    accum = t.get("grad_accum_steps", 1)  # (absent from configs saved before it existed)
+    _require(isinstance(accum, int) and accum >= 1,
+             f"train.grad_accum_steps={accum!r} must be a whole number of micro-batches, at least 1.")
+    _require(d.global_batch_size % (dp * fsdp * accum) == 0,
+             f"data.global_batch_size={d.global_batch_size} does not split into train.grad_accum_steps={accum} "
+             f"micro-batches of whole rows for each of dp*fsdp = {dp * fsdp} data-parallel ranks: set "
+             f"--config.data.global_batch_size={_multiple_above(d.global_batch_size, dp * fsdp * accum)} or a "
+             f"train.grad_accum_steps that divides {d.global_batch_size // (dp * fsdp)}.")
 
     # Optimiser and loop.
     _require(o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")

@@ -7,12 +7,13 @@
 
 Runs on any machine with `libtpu` installed (the [tpu] extra): the model, the ring-splash Mosaic
 kernels and the optimizer go through the real TPU compiler for the named topology (v4, v5e, v5p,
-v6e, e.g. "v5p:4x4x4", "v5e:8x8"), nothing runs. Prints per-device arguments, outputs,
-temporaries and total; a breakdown of them (parameters, optimizer state, batch, gradients, saved
-activations per layer with what each residual is, the largest arrays of the compiled program);
-the chip's HBM, whether it fits and, when it does not, the overrides that should make it fit,
-most bytes saved first. `--json` prints the same as one JSON object. Exit status 0 fits, 1 does not
-fit, 2 bad input (one line on stderr, `longctx: ...`).
+v6e, e.g. "v5p:4x4x4", "v5e:8x8", "v5e:1x1" for one chip), nothing runs. Prints per-device
+arguments, outputs, temporaries and total (the compiler's peak for the step); a breakdown of them
+(parameters, optimizer state, batch, gradients, saved activations per layer with what each
+residual is, the largest arrays of the compiled program); the chip's HBM, whether it fits and,
+when it does not, the overrides that should make it fit, most bytes saved first; and the
+planner's memory model's figure for the same run. `--json` prints the same as one JSON object.
+Exit status 0 fits, 1 does not fit, 2 bad input (one line on stderr, `longctx: ...`).
 
 Sweep: the longest sequence that fits, per chip type and sp (docs/fit_llama3_8b.md + .json):
   .venv/bin/python scripts/estimate.py --config=configs/base.py:llama3_8b_128k --sweep \\
@@ -42,7 +43,7 @@ from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from longctx.model import block_options, layer_types  # noqa: E402
-from longctx.plan import aot, auto, collectives, planner  # noqa: E402
+from longctx.plan import aot, auto, collectives, memory_model, planner  # noqa: E402
 from longctx.train import state as train_state  # noqa: E402
 from longctx import config as config_lib  # noqa: E402
 from longctx import reports  # noqa: E402
@@ -124,12 +125,20 @@ def _communication_lines(config, mesh_shape: dict) -> str:
     return "\n".join(lines)
 
 
+def memory_model_bytes(config, mesh_shape: dict) -> int:
+    """The planner's memory model's bytes per device for the run as compiled (what a plan prunes
+    by), beside the compiler's figure."""
+    sizes = {ax: mesh_shape[ax] for ax in (mesh_lib.DP, mesh_lib.FSDP, mesh_lib.SP)}
+    return memory_model.per_device_bytes(config, sizes).total_bytes
+
+
 def result_dict(config, result: aot.CompiledStep) -> dict:
     out = dataclasses.asdict(result)
     out.pop("hlo", None)
     out.update(total_bytes=result.total_bytes, hbm_bytes=result.hbm_bytes, fits=result.fits,
                seq_len=config.data.seq_len, global_batch_size=config.data.global_batch_size,
                remat_policy=config.model.remat_policy, impl=config.attention.impl,
+               memory_model_bytes=memory_model_bytes(config, result.mesh_shape),
                remedies=aot.suggest_remedies(config, result),
                remedy_estimates=[dataclasses.asdict(r) for r in aot.remedy_estimates(config, result)],
                attention_communication_bytes_per_layer={
@@ -377,6 +386,8 @@ def main(argv):
         print(json.dumps(result_dict(config, result), indent=1))
     else:
         print(aot.format_report(config, result))
+        print(f"memory model {memory_model_bytes(config, result.mesh_shape) / aot.GIB:8.2f} GiB per device, the "
+              "planner's estimate (longctx/plan/memory_model.py)")
         print(_communication_lines(config, result.mesh_shape))
     sys.exit(0 if result.fits in (True, None) else 1)
 

@@ -3,7 +3,9 @@ evaluator of longctx.evals.needle when --config.train.eval_needle_every > 0, RUL
 longctx.evals.ruler when --config.train.eval_ruler_every > 0). With
 --config.attention.cp=auto the planner (longctx.plan.auto) chooses the strategy and the mesh's -1
 axes first (with --config.attention.block_size=auto the block), says what it chose in one line and
-records its best rows in run_info.json.
+records its best rows in run_info.json. A train step the compiler refuses for lack of memory
+stops the run before its first step with one line: the memory, the bytes, and the nearest change
+that fits (longctx.plan.fit_remedy).
 
   .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/demo
   .venv/bin/python scripts/train.py --config=configs/base.py:tiny --workdir=runs/x --config.model.num_layers=4
@@ -31,7 +33,7 @@ from longctx import train  # noqa: E402
 from longctx.evals import needle  # noqa: E402
 from longctx.evals import ruler  # noqa: E402
 from longctx.parallel import mesh as mesh_lib  # noqa: E402
-from longctx.plan import auto  # noqa: E402
+from longctx.plan import auto, fit_remedy  # noqa: E402
 
 # Rows of the planner's table run_info.json keeps when the planner chose (an auto key).
 PLAN_ROWS_KEPT = 5
@@ -55,7 +57,10 @@ def main(argv):
     run_info["predicted"] = auto.prediction(config, jax.devices())  # None off the planner's chips
     # The loop runs evaluations it is given; it never imports them (they live above it).
     evaluators = [e for e in (needle.PASSKEY_EVALUATOR, ruler.RULER_EVALUATOR) if e.every(config) > 0]
-    train.train_and_evaluate(config, _WORKDIR.value, evaluators=evaluators, run_info=run_info)
+    # A step the compiler refuses for lack of memory is one line with the planner's nearest fit.
+    advice = lambda config, oom: fit_remedy.out_of_memory_advice(config, oom, jax.devices())  # noqa: E731
+    train.train_and_evaluate(config, _WORKDIR.value, evaluators=evaluators, run_info=run_info,
+                             memory_advice=advice)
 
 
 if __name__ == "__main__":

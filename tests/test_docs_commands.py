@@ -80,7 +80,8 @@ READS_DATA = ("scripts/train.py",)
 # Presets for hardware this machine lacks: validated against that many (virtual CPU) devices.
 DEVICES_OF = {"configs/base.py:llama3_8b_extend_128k": (64, "a v5p:4x4x4 pod (64 chips), as the README says"),
               "configs/base.py:llama3_8b_prolong_64k": (64, "a v5p:4x4x4 pod (64 chips), as docs/data.md says"),
-              "configs/base.py:qwen3_8b_128k": (64, "v5p-128 (64 chips), as docs/extend.md says")}
+              "configs/base.py:qwen3_8b_128k": (64, "v5p-128 (64 chips), as docs/extend.md says"),
+              "configs/base.py:v5e_0p5b": (1, "one TPU v5e chip, as its preset says")}
 # Text that looks like a command but stands for several (a table header, "...").
 NOT_A_COMMAND = {
     "--config.attention.impl=xla ...": "a table header: the rows below complete it",

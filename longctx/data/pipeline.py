@@ -386,9 +386,13 @@ class BatchIterator:
         return next(self.grain_iterator)
 
     def __next__(self):
+        return self.next_with_local()[0]
+
+    def next_with_local(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """(the global batch, this process's rows of it as numpy): what the host counts of a batch
+        (MFU's attention pairs) it reads from its own copy, not back from the devices."""
         local = self.next_local()
-        return sharding_lib.make_global_batch(local, self.mesh, self.global_batch_size,
-                                              self.seq_len)
+        return sharding_lib.make_global_batch(local, self.mesh, self.global_batch_size, self.seq_len), local
 
     def get_state(self) -> dict:
         return self.grain_iterator.get_state()

@@ -1,6 +1,6 @@
 """The decoder: embedding, blocks of attention and gated MLP, the loss (decoder.py); the attention
-layer that runs longctx.ops' ring over the mesh (attention.py); rotary embeddings and their
-long-context scalings (rope.py); FLOPs per token, for MFU (flops.py).
+layer that runs longctx.ops' ring over the mesh (attention.py); the remat policies (remat.py);
+rotary embeddings and their long-context scalings (rope.py); FLOPs per step, for MFU (flops.py).
 
 Imports: longctx.ops, longctx.parallel, longctx.errors. Nothing here knows about training, data
 files or checkpoints.

@@ -25,10 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from longctx.model import attention as attention_lib
 from longctx.model import block_options
 from longctx.model import layer_types as layer_types_lib
+from longctx.model import remat
 from longctx.model import rope as rope_lib
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
@@ -37,12 +39,7 @@ from longctx.parallel import mesh as mesh_lib
 # so flax must not try to place them eagerly at construction time.
 nnx.use_eager_sharding(False)
 
-REMAT_POLICIES = {
-    "none": None,
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+REMAT_POLICIES = remat.POLICIES  # model.remat_policy's values (longctx/model/remat.py)
 
 _EMBED_ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
 
@@ -150,9 +147,9 @@ def project_qkv(x, weights, positions, *, logical_axes, config, rotary, temperat
     o = block_options.options(m)
     w = _layer_weights(weights, logical_axes, jnp.dtype(m.dtype))
     y = rms_norm(x, w["attn_norm"], m.norm_eps, o.norm_plus_one) if "attn_norm" in w else x
-    q = jnp.einsum("btd,dnh->btnh", y, w["wq"])
-    k = jnp.einsum("btd,dkh->btkh", y, w["wk"])
-    v = jnp.einsum("btd,dkh->btkh", y, w["wv"])
+    q = checkpoint_name(jnp.einsum("btd,dnh->btnh", y, w["wq"]), "query_proj")
+    k = checkpoint_name(jnp.einsum("btd,dkh->btkh", y, w["wk"]), "key_proj")
+    v = checkpoint_name(jnp.einsum("btd,dkh->btkh", y, w["wv"]), "value_proj")
     if "bq" in w:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if "q_norm" in w:
@@ -176,7 +173,7 @@ def output_and_mlp(x, attention_out, weights, *, logical_axes, config):
     m = config.model
     o = block_options.options(m)
     w = _layer_weights(weights, logical_axes, jnp.dtype(m.dtype))
-    attended = jnp.einsum("btnh,nhd->btd", attention_out, w["wo"])
+    attended = checkpoint_name(jnp.einsum("btnh,nhd->btd", attention_out, w["wo"]), "out_proj")
     if "post_attn_norm" in w:
         attended = rms_norm(attended, w["post_attn_norm"], m.norm_eps, o.norm_plus_one)
     x = x + _constrain(attended, _EMBED_ACTIVATION)
@@ -189,9 +186,10 @@ def output_and_mlp(x, attention_out, weights, *, logical_axes, config):
 
 def _swiglu(y, w, activation: str = "silu"):
     """The gated MLP: SwiGLU, or GeGLU with activation="gelu_tanh" (block_options.py)."""
-    gate = block_options.activation(activation)(jnp.einsum("...d,df->...f", y, w["w_gate"]))
-    up = jnp.einsum("...d,df->...f", y, w["w_up"])
-    return jnp.einsum("...f,fd->...d", gate * up, w["w_down"])
+    gate = block_options.activation(activation)(checkpoint_name(jnp.einsum("...d,df->...f", y, w["w_gate"]),
+                                                                "mlp_gate"))
+    up = checkpoint_name(jnp.einsum("...d,df->...f", y, w["w_up"]), "mlp_up")
+    return checkpoint_name(jnp.einsum("...f,fd->...d", gate * up, w["w_down"]), "mlp_down")
 
 
 def _mlp_in_chunks(y, w, chunk_size: int | None, activation: str = "silu"):

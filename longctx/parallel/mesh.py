@@ -17,6 +17,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from longctx import errors
+
 # Mesh axis names: data parallel, fully-sharded data parallel, sequence parallel (the ring).
 DP, FSDP, SP = "dp", "fsdp", "sp"
 MESH_AXES = (DP, FSDP, SP)
@@ -130,8 +132,12 @@ def maybe_initialize_distributed(dist_config) -> None:
     """Starts jax.distributed when this run has several processes.
 
     Explicit coordinator settings (or the LONGCTX_COORDINATOR/... environment that launch/local.py
-    sets) start a loopback or cluster job; on a TPU pod jax.distributed auto-detects everything;
-    a single process on CPU skips it.
+    sets) start a loopback or cluster job. On TPU, `tpu_worker_hosts` says how many hosts the
+    slice has: several (a pod), or a multi-slice job (MEGASCALE_COORDINATOR_ADDRESS), and
+    jax.distributed auto-detects everything; one host is one process and needs no jax.distributed
+    (its auto-detection asks the metadata server for the pod's hosts, which a single TPU VM
+    without one, TPU_SKIP_MDS_QUERY=true, does not answer). A single process on CPU skips it.
+    A start that fails says in one sentence which variable sets what it could not find.
     """
     if jax.distributed.is_initialized():
         return
@@ -157,8 +163,27 @@ def maybe_initialize_distributed(dist_config) -> None:
             process_id=process_id,
             local_device_ids=list(range(local)) if local else None,
         )
-    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize()  # TPU pod: everything is auto-detected
+        return
+    hosts = tpu_worker_hosts()
+    multi_slice = bool(os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
+    if len(hosts) <= 1 and not multi_slice:
+        return  # one host: one process (or a CPU run)
+    try:
+        jax.distributed.initialize()  # TPU pod or multi-slice: everything is auto-detected
+    except Exception as e:  # noqa: BLE001  (whatever auto-detection raised: said in one sentence)
+        what = (f"TPU_WORKER_HOSTNAMES names {len(hosts)} hosts ({', '.join(hosts[:3])}"
+                f"{', ...' if len(hosts) > 3 else ''})" if len(hosts) > 1
+                else "MEGASCALE_COORDINATOR_ADDRESS is set")
+        raise errors.ConfigError(
+            f"jax.distributed could not start ({errors.first_line(e)}); it was started because {what}: "
+            "on a single host unset it (or set TPU_WORKER_HOSTNAMES=localhost), and on several hosts "
+            "whose coordinator cannot be found set LONGCTX_COORDINATOR=HOST:PORT with "
+            "LONGCTX_NUM_PROCESSES and LONGCTX_PROCESS_ID on every host.") from None
+
+
+def tpu_worker_hosts() -> list[str]:
+    """The hosts TPU_WORKER_HOSTNAMES names (comma-separated; a TPU VM and GKE set it), [] if unset."""
+    return [h.strip() for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
 
 
 def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:

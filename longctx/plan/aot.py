@@ -26,6 +26,7 @@ import ml_collections
 from jax.experimental import topologies
 
 from longctx import config as config_lib
+from longctx import errors
 from longctx.parallel import devices as devices_lib
 from longctx.parallel import mesh as mesh_lib
 from longctx.plan import auto, hardware, memory
@@ -59,11 +60,19 @@ def _topology(name: str):
     alone while it starts, it prints nothing and compiles the same (the llama3_8b_128k step on
     v5p:4x4x4: 15.93 GiB either way). The settings are taken back at once: a process started
     from this one would read TPU_WORKER_HOSTNAMES as a TPU pod's (mesh.maybe_initialize_distributed).
-    On a TPU VM nothing is set."""
+    On a TPU VM nothing is set. A slice smaller than a host of its chip (v5e:1x1, the single-chip
+    VM: libtpu's default host is 2x2 chips, which "1x1" does not divide) is its own host."""
     with contextlib.ExitStack() as stack:
         if not devices_lib.has_accelerator():
             stack.enter_context(_environment(_ONE_HOST_ALONE))
-        return topologies.get_topology_desc(platform="tpu", topology_name=name)
+        try:
+            return topologies.get_topology_desc(platform="tpu", topology_name=name)
+        except Exception as e:  # noqa: BLE001  (libtpu's own error: kept where this is not it)
+            if "chips_per_host_bounds" not in str(e):
+                raise
+            dims = [int(n) for n in name.partition(":")[2].split("x")]
+            return topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                                chips_per_host_bounds=tuple(dims + [1] * (3 - len(dims))))
 
 
 @contextlib.contextmanager
@@ -148,28 +157,15 @@ class CompiledStep:
         return None if self.hbm_bytes is None else self.total_bytes <= self.hbm_bytes
 
 
-_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\).*?available HBM \(([\d.]+)([KMGT])\)", re.S)
-
-
-_OOM_TOTAL = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
-_UNIT = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
-
-
 def _oom_bytes(message: str, argument_bytes: int = 0):
-    """(temporaries, available) bytes from the TPU compiler's out-of-memory message, or None.
-
-    Two forms: "HLO temporaries (203.11G) exceeds available HBM (95.74G)" (temporaries alone),
-    and "CompileTimeHbmOom ... Used 15.88G of 15.75G hbm" (everything: temporaries are the
-    rest after the arguments)."""
-    m = _OOM.search(message)
-    if m:
-        return (int(float(m.group(1)) * _UNIT[m.group(2)]),
-                int(float(m.group(3)) * _UNIT[m.group(4)]))
-    m = _OOM_TOTAL.search(message)
-    if m:
-        used = int(float(m.group(1)) * _UNIT[m.group(2)])
-        return max(0, used - argument_bytes), int(float(m.group(3)) * _UNIT[m.group(4)])
-    return None
+    """(temporaries, available) bytes from the TPU compiler's out-of-HBM message, or None
+    (errors.out_of_memory reads it): where it counts the whole program, the temporaries are the
+    rest after the arguments."""
+    oom = errors.out_of_memory(message)
+    if oom is None or oom.memory != errors.HBM:
+        return None
+    temporaries = oom.needed if oom.counts == "temporaries" else max(0, oom.needed - argument_bytes)
+    return temporaries, oom.available
 
 
 def compile_duration(config: ml_collections.ConfigDict) -> str:
@@ -214,21 +210,18 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str | None =
     with jax.set_mesh(mesh):
         train_step, _ = train_steps.jit_steps(config, setup)
         state = train_state.abstract_with_shardings(setup.abstract_state, setup.state_shardings)
-        shape = (config.data.global_batch_size, config.data.seq_len)
-        batch = {k: jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=setup.batch_sharding)
-                 for k in train_steps.BATCH_KEYS}
+        batch = train_steps.abstract_batch(config, setup)
         start, cpu_start = time.perf_counter(), time.process_time()
         lowered = train_step.lower(state, batch)
         hlo = None
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as e:
-            state_bytes = memory.shard_bytes(state)
-            oom = (_oom_bytes(str(e), state_bytes + memory.shard_bytes(batch))
-                   if "RESOURCE_EXHAUSTED" in str(e) else None)
+            state_bytes = train_state.shard_bytes(state)
+            oom = _oom_bytes(str(e), state_bytes + train_state.shard_bytes(batch))
             if oom is None:
                 raise
-            result = CompiledStep(**common, argument_bytes=state_bytes + memory.shard_bytes(batch),
+            result = CompiledStep(**common, argument_bytes=state_bytes + train_state.shard_bytes(batch),
                                   output_bytes=state_bytes, alias_bytes=state_bytes,
                                   temp_bytes=oom[0], compile_seconds=time.perf_counter() - start,
                                   compile_cpu_seconds=time.process_time() - cpu_start,

@@ -18,6 +18,8 @@ from jax.extend import core as jax_core
 
 from longctx.model.decoder import DecoderBlock
 from longctx.parallel import mesh as mesh_lib
+from longctx.train import state as train_state
+from longctx.train import steps as train_steps
 
 
 @dataclasses.dataclass
@@ -55,16 +57,11 @@ class MemoryBreakdown:
         return max(0, temp_bytes - self.gradient_bytes - self.saved_activation_bytes)
 
 
-def shard_bytes(tree) -> int:
-    """Bytes of one device's shards of a tree of sharded ShapeDtypeStructs."""
-    return sum(_nbytes(x.sharding.shard_shape(x.shape), x.dtype) for x in jax.tree.leaves(tree))
-
-
 def memory_breakdown(config, mesh, layout: str, setup, state, batch, hlo: str | None, *,
                      measure_remat_remedy: bool = False) -> MemoryBreakdown:
     """Per-device bytes by what they hold (see `MemoryBreakdown`); `hlo` is the compiled step's
     text (None when the compiler refused it: then no largest buffers)."""
-    params = shard_bytes(state.params)
+    params = train_state.shard_bytes(state.params)
     residuals = layer_residuals(config, mesh, layout, setup)
     nothing_saveable = None
     if measure_remat_remedy and config.model.remat_policy != "nothing_saveable":
@@ -74,10 +71,10 @@ def memory_breakdown(config, mesh, layout: str, setup, state, batch, hlo: str | 
         nothing_saveable = sum(r["bytes"] for r in layer_residuals(c, mesh, layout, setup)
                                if r["per_layer"])
     return MemoryBreakdown(
-        parameter_bytes=params, optimizer_bytes=shard_bytes(state.opt_state),
+        parameter_bytes=params, optimizer_bytes=train_state.shard_bytes(state.opt_state),
         # A cotangent has its primal's shape and dtype; XLA is free to shard (or not to
         # materialise) it differently, hence an estimate.
-        gradient_bytes=params, batch_bytes=shard_bytes(batch), num_layers=config.model.num_layers,
+        gradient_bytes=params, batch_bytes=train_state.shard_bytes(batch), num_layers=config.model.num_layers,
         saved_bytes_per_layer=sum(r["bytes"] for r in residuals if r["per_layer"]),
         residuals=residuals, largest_buffers=[] if hlo is None else largest_buffers(hlo),
         state_bytes_by_axes={"parameters": _global_bytes_by_axes(state.params),
@@ -137,7 +134,8 @@ def layer_residuals(config, mesh, layout: str, setup) -> list[dict]:
 
     block_state = jax.tree.map(one_layer_slice, setup.abstract_state.params["blocks"],
                                setup.state_shardings.params["blocks"])
-    tokens = (config.data.global_batch_size, config.data.seq_len)
+    # one micro-batch's rows: what the step's scan over them differentiates at a time
+    tokens = (config.data.global_batch_size // train_steps.grad_accum_steps(config), config.data.seq_len)
     x = jax.ShapeDtypeStruct((*tokens, m.d_model), jax.numpy.dtype(m.dtype),
                              sharding=mesh_lib.logical_sharding(mesh, _LAYER_INPUT_LOGICAL))
     ids = jax.ShapeDtypeStruct(tokens, jax.numpy.int32, sharding=setup.batch_sharding)
@@ -165,10 +163,19 @@ def layer_residuals(config, mesh, layout: str, setup) -> list[dict]:
             key = "constant" if isinstance(v, jax_core.Literal) else argument.get(v, "constant")
             source, per_layer = _SHARED_RESIDUALS[key]
         else:
-            source, per_layer = _residual_source(producer[v]), True
+            source, per_layer = _residual_source(_through_precision_marks(producer[v], producer)), True
         out.append({"shape": list(shape), "dtype": str(v.aval.dtype),
                     "bytes": _nbytes(shape, v.aval.dtype), "source": source, "per_layer": per_layer})
     return sorted(out, key=lambda r: (not r["per_layer"], -r["bytes"]))
+
+
+def _through_precision_marks(eqn, producer: dict):
+    """The equation behind a value a checkpoint saves: JAX's remat marks each value it keeps with a
+    reduce_precision of the value's own precision (a no-op), which names nothing; the value's maker
+    (a dot_general, or a `name` for checkpoint_name's named outputs) does."""
+    while eqn.primitive.name == "reduce_precision" and eqn.invars[0] in producer:
+        eqn = producer[eqn.invars[0]]
+    return eqn
 
 
 def _residual_source(eqn) -> str:

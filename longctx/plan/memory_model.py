@@ -5,7 +5,8 @@
 Counted, as plan/memory.py measures them on a compiled step: parameters and AdamW state (split
 over fsdp x sp, the state over dp too with ZeRO-1), gradients (sharded as the parameters), what
 each layer keeps for its backward (the remat and residual policies), and the largest working set
-of one layer's backward (the strategy's K/V or heads, the MLP chunk, the loss chunk's logits).
+of one layer's backward (the strategy's K/V or heads, the MLP chunk, the loss chunk's logits),
+for one micro-batch where train.grad_accum_steps splits the batch.
 The compiler's own figure holds more than the arrays named here (copies, padding to tiles,
 buffers it keeps alive across a fusion), so the activation terms are scaled by ACTIVATION_SCALE,
 fitted on whole-step TPU compiles (benchmarks/calibrate_planner.py: the points and their error are
@@ -17,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 
 from longctx import config as config_lib
+from longctx.model import remat
 from longctx.ops import ulysses
 from longctx.plan import collectives
+from longctx.train import steps as train_steps
 
 # Fitted on the AOT compiles of docs/fit_*.json and docs/fit_strategies.json
 # (benchmarks/calibrate_planner.py).
@@ -39,8 +42,8 @@ class MemoryEstimate:
                    + self.scale * (self.saved_bytes + self.working_bytes))
 
 
-def _saved_per_token(config) -> float:
-    """Bytes one layer keeps per token for its backward."""
+def _saved_per_token(config, sp: int) -> float:
+    """Bytes one layer keeps per token for its backward on a mesh of `sp` sequence shards."""
     m, a = config.model, config.attention
     e = 2 if m.dtype == "bfloat16" else 4
     qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * e
@@ -50,8 +53,13 @@ def _saved_per_token(config) -> float:
     kept_qkv = qkv if residuals == "save_qkv" else 0
     if m.remat_policy == "nothing_saveable":
         return carry + kept_qkv + attention_out
-    if m.remat_policy in ("dots_saveable", "dots_with_no_batch_dims_saveable"):
+    if m.remat_policy in remat.NAMED_POLICIES:  # what it names that the backward reads
+        return carry + kept_qkv + attention_out + sum(remat.output_width(m, name)
+                                                      for name in remat.kept_names(config, sp)) * e
+    if m.remat_policy in remat.DOTS_POLICIES:
         return carry + qkv + attention_out + (2 * m.d_model + 2 * m.mlp_dim) * e
+    if m.remat_policy != "none":
+        raise ValueError(f"the memory model has no figure for model.remat_policy={m.remat_policy!r}.")
     # no remat: every intermediate of the layer
     return carry + qkv + attention_out + (4 * m.d_model + 4 * m.mlp_dim) * e
 
@@ -91,10 +99,15 @@ def per_device_bytes(config, mesh_sizes: dict[str, int]) -> MemoryEstimate:
     state_ways = param_ways * (dp if config.optimizer.get("shard_state_over_dp", False) else 1)
     state = params * p_bytes / param_ways + params * 2 * p_bytes / state_ways
     gradients = params * p_bytes / param_ways
-    rows = d.global_batch_size // (dp * fsdp)
+    # With gradient accumulation, activations are one micro-batch's, and the float32 sum of the
+    # micro-batches' gradients lives beside each micro-batch's own.
+    accum = train_steps.grad_accum_steps(config)
+    if accum > 1:
+        gradients += params * 4 / param_ways
+    rows = d.global_batch_size // (dp * fsdp * accum)
     tokens = rows * d.seq_len // sp
     e = 2 if m.dtype == "bfloat16" else 4
-    saved = m.num_layers * tokens * _saved_per_token(config)
+    saved = m.num_layers * tokens * _saved_per_token(config, sp)
     chunk = min(m.get("mlp_chunk_size") or d.seq_len // sp, d.seq_len // sp)
     mlp = rows * chunk * m.mlp_dim * e * 3 * 2  # gate, up, activation; and their gradients
     logits = rows * min(t.loss_chunk_size, d.seq_len // sp) * m.vocab_size * 4 * 2

@@ -401,11 +401,13 @@ def _open_groups(config):
                        if g != SHARED and _own_settings(config, g).get("cp") == AUTO}
 
 
-def smallest_memory(config, topology: hardware.Topology, open_keys=SEARCHABLE) -> int | None:
+def smallest_memory(config, topology: hardware.Topology, open_keys=SEARCHABLE,
+                    scale: float = memory_model.ACTIVATION_SCALE) -> int | None:
     """The fewest bytes per chip any valid candidate needs by the memory model (None: no
     candidate is valid); stops at the first that fits. The memory model alone (which the layout
     and the block do not change: one valid of each mesh and strategy is priced), no step time:
-    fast enough to ask of many slices and lengths (plan/fit_remedy.py)."""
+    fast enough to ask of many slices and lengths (plan/fit_remedy.py). `scale`: the model's
+    activation scale (MemoryEstimate.scale; fit_remedy fits it to a compile's own figure)."""
     a, m = config.attention, config.model
     residual_choices = (_residual_policies(topology) if "attention.residuals" in open_keys
                         else (a.residuals,))
@@ -422,7 +424,7 @@ def smallest_memory(config, topology: hardware.Topology, open_keys=SEARCHABLE) -
         c.unlock()
         for residuals, remat in itertools.product(residual_choices, remat_choices):
             c.attention.residuals, c.model.remat_policy = residuals, remat
-            need = memory_model.per_device_bytes(c, mesh).total_bytes
+            need = dataclasses.replace(memory_model.per_device_bytes(c, mesh), scale=scale).total_bytes
             best = need if best is None else min(best, need)
             if best <= HBM_HEADROOM * topology.device.hbm_bytes:
                 return best

@@ -90,8 +90,9 @@ OPTIMIZER_BYTES = {"parameter": 12, "moments": 16}
 def recompute_passes(config) -> float:
     """Forward passes over the layers' matmuls the backward runs again, as model/flops.py counts
     their FLOPs (the remat policy and attention.residuals): 1 under nothing_saveable or
-    recompute_qkv, 0 under the *_saveable policies with save_qkv, the rest of a layer but its
-    q/k/v under offload_qkv. The matmuls' HBM passes follow it as their compute does."""
+    recompute_qkv, 0 under the dots policies with save_qkv, what a named policy does not keep
+    with it (model/remat.py), the rest of a layer but its q/k/v under offload_qkv. The matmuls'
+    HBM passes follow it as their compute does."""
     m, d = config.model, config.data
     forward = m.num_layers * 2.0 * flops_lib.matmul_params_per_layer(config) * d.global_batch_size * d.seq_len
     return flops_lib.recomputed_flops_per_step(config) / forward
@@ -266,25 +267,16 @@ def _activation_bytes_per_token(config) -> float:
                 + m.d_model + 2 * m.mlp_dim + m.mlp_dim + m.d_model)   # MLP in, gate/up, down
 
 
-@functools.lru_cache(maxsize=4096)
-def _kept_pairs(length: int, causal: bool, sliding_window, chunk_size) -> int:
-    return flops_lib.kept_pairs(length, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size)
-
-
 def document_pairs(config, segment_ids: np.ndarray | None) -> float:
     """(query, key) pairs the mask keeps per row, each document attending only to itself (as the
     ring runs segment ids: positions, windows and chunks restart at each document; padding, an id
     <= 0, attends to nothing), averaged over the rows of `segment_ids` [rows, seq_len] (natural
     order); None: a row of one document."""
     a = config.attention
-    mask = (bool(a.causal), a.sliding_window, a.chunk_size)
+    mask = dict(causal=bool(a.causal), sliding_window=a.sliding_window, chunk_size=a.chunk_size)
     if segment_ids is None:
-        return float(_kept_pairs(config.data.seq_len, *mask))
-    total = 0
-    for row in np.asarray(segment_ids):
-        _, lengths = np.unique(row[row > 0], return_counts=True)
-        total += sum(_kept_pairs(int(n), *mask) for n in lengths)
-    return total / len(segment_ids)
+        return float(flops_lib.kept_pairs(config.data.seq_len, **mask))
+    return flops_lib.pairs_in_documents(flops_lib.document_lengths(segment_ids), **mask) / len(segment_ids)
 
 
 def model_flops_per_step(config, pairs_per_row: float | None = None) -> float:

@@ -36,8 +36,8 @@ from longctx.train import source_eval
 from longctx.train import workdir as workdir_lib
 from longctx.train.metrics import MetricsWindow, MetricsWriter
 from longctx.train.optimizer import applied_updates, optimizer_notes
-from longctx.train.state import make_setup, resolve_layout
-from longctx.train.steps import jit_steps
+from longctx.train.state import abstract_with_shardings, make_setup, resolve_layout, shard_bytes
+from longctx.train.steps import abstract_batch, compile_ahead, jit_steps
 
 
 class _StopRequest:
@@ -217,13 +217,18 @@ def check_inputs(config, workdir: str, sizes: dict) -> str:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       evaluators: Sequence[hooks.Evaluator] = (), run_info: dict | None = None) -> dict:
+                       evaluators: Sequence[hooks.Evaluator] = (), run_info: dict | None = None,
+                       memory_advice: Callable[[ml_collections.ConfigDict, errors.OutOfMemory], str] | None = None
+                       ) -> dict:
     """Trains (resuming if `workdir` holds a checkpoint) and returns the last logged metrics.
 
     `evaluators`: evaluations of the parameters being trained, each run every
     `config.train[evaluator.every_key]` steps (longctx.train.hooks; scripts/train.py passes the
     passkey evaluator of longctx.evals.needle when train.eval_needle_every > 0). `run_info`: more
-    entries for run_info.json (scripts/train.py: what attention.cp=auto chose and why)."""
+    entries for run_info.json (scripts/train.py: what attention.cp=auto chose and why).
+    `memory_advice(config, out_of_memory)`: the nearest change that fits, in words, when the
+    compiler refuses the train step for lack of memory (scripts/train.py passes the planner's,
+    longctx.plan.fit_remedy.out_of_memory_advice; the error says it in its one sentence)."""
     mesh_lib.maybe_initialize_distributed(config.distributed)
     stop = _StopRequest(starting=True)  # from here a signal is one line (until the loop: a stop now)
     try:
@@ -236,13 +241,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         data_dir = cli.agreed(lambda: _local_inputs(config, workdir))
         with lease_lib.hold(workdir) as lease:  # one run per workdir: a second one is refused here
             return _train_and_evaluate_held(config, workdir, sizes, data_dir, evaluators, run_info or {}, lease,
-                                            stop)
+                                            stop, memory_advice)
     finally:
         stop.restore()
 
 
 def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, sizes: dict, data_dir: str,
-                             evaluators: Sequence[hooks.Evaluator], run_info: dict, lease, stop) -> dict:
+                             evaluators: Sequence[hooks.Evaluator], run_info: dict, lease, stop,
+                             memory_advice=None) -> dict:
     """`train_and_evaluate` once the inputs are checked and this run holds `workdir`."""
     checkpointer = checkpoint_lib.Checkpointer(workdir, config)  # checks the workdir's checkpoints
     writer = train_iter = None
@@ -256,8 +262,6 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
         layout = resolve_layout(config, sizes[mesh_lib.SP], documents)
         mix = (data_lib.achieved_shares(config, sizes[mesh_lib.SP])  # (data/mixture.py)
                if config.data.get("sources") and jax.process_index() == 0 else None)
-        _write_run_info(config, workdir, mesh, layout, data_dir, documents,
-                        {**run_info, "data_mixture": mix} if mix else run_info)
         if jax.process_index() == 0:
             chosen = (f" (auto, chosen on the documents of {len(documents)} sampled rows)" if by_documents
                       else f" (auto, the layout data.packer={config.data.packer} places documents for)"
@@ -290,8 +294,12 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
                     print(f"longctx: nothing to do: the checkpoint is at step {first_step} and "
                           f"train.num_steps={config.train.num_steps} (raise it to train further).", flush=True)
                 return {}
-            writer = MetricsWriter(workdir, resume_step=first_step)
             train_step, eval_step = jit_steps(config, setup)
+            # Before anything is written: a step the compiler refuses leaves the workdir as it was.
+            compile_info = _compile_ahead(config, setup, train_step, memory_advice)
+            _write_run_info(config, workdir, mesh, layout, data_dir, documents,
+                            {**run_info, **compile_info, **({"data_mixture": mix} if mix else {})})
+            writer = MetricsWriter(workdir, resume_step=first_step)
             context = hooks.RunContext(config, setup, mesh, layout, data_dir, workdir)
             hooked = tuple((e, e.build(context)) for e in evaluators if e.every(config) > 0)
             run = _Run(config, workdir, train_step, eval_step, make_eval_iterator, checkpointer, writer,
@@ -329,6 +337,72 @@ def _start_up_notes(config, checkpointer, state) -> list[str]:
     if step > 0:  # (a fresh start, init_from included, is at step 0)
         saved = checkpointer.saved_config(step)
     return optimizer_notes(config, saved, int(jax.device_get(applied_updates(state.opt_state))))
+
+
+def _compile_ahead(config, setup, train_step, memory_advice) -> dict:
+    """Compiles the train step before the first step (steps.compile_ahead) and says how long it
+    took and the per-device bytes the compiler planned; returns those for run_info.json. A compile
+    refused for lack of memory is an OutOfMemoryError: one sentence with the memory, the bytes and
+    the nearest change that fits (`memory_advice`)."""
+    start = time.perf_counter()
+    try:
+        compiled = compile_ahead(train_step, config, setup)
+    except jax.errors.JaxRuntimeError as e:
+        oom = errors.out_of_memory(str(e))
+        if oom is None:
+            raise
+        raise _out_of_memory_error(config, setup, oom, memory_advice) from None
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    planned = (None if stats is None else stats.argument_size_in_bytes + stats.output_size_in_bytes
+               - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    if jax.process_index() == 0:
+        bytes_note = "" if planned is None else f": {errors.byte_size(planned)} per device by the compiler"
+        print(f"longctx: compiled the train step in {seconds:.1f} s{bytes_note}.", flush=True)
+    return {"compile_seconds": seconds, "compiled_bytes_per_device": planned}
+
+
+def _out_of_memory_error(config, setup, oom: errors.OutOfMemory, memory_advice) -> errors.OutOfMemoryError:
+    """The sentence for a train step the compiler refused: which memory, the bytes (HBM: the
+    whole step per device, the state and batch added where the compiler counted only its
+    temporaries), and the nearest change that fits."""
+    size = errors.byte_size
+    if oom.memory == errors.HBM:
+        arguments = (shard_bytes(abstract_with_shardings(setup.abstract_state, setup.state_shardings))
+                     + shard_bytes(abstract_batch(config, setup)))
+        total = oom.needed + (arguments if oom.counts == "temporaries" else 0)
+        parts = (f" ({size(oom.needed)} of temporaries, over the device's memory by themselves, and "
+                 f"{size(arguments)} of state and batch)" if oom.counts == "temporaries" else "")
+        what = f"needs {size(total)} of HBM per device{parts} where the device has {size(oom.available)}"
+        oom = errors.OutOfMemory(errors.HBM, total, oom.available, "program")
+    else:
+        what = (f"has a kernel that asks for {size(oom.needed)} of scoped VMEM, over its limit of "
+                f"{size(oom.available)}")
+    advice = (memory_advice(config, oom) if memory_advice is not None else
+              "scripts/estimate.py with this config and the slice's --topology lists the changes that should fit")
+    return errors.OutOfMemoryError(f"the train step does not fit: it {what} (the compiler's figure, before any "
+                                   f"step ran: nothing was trained or written); {advice}.")
+
+
+def _peak_memory(devices) -> dict:
+    """The most device memory in use so far (`peak_bytes_in_use`, the largest over `devices`) and
+    the memory there is (`bytes_limit`), where the backend reports them (TPU, GPU); {} where it
+    does not (CPU)."""
+    stats = [d.memory_stats() for d in devices]
+    if not stats or any(not s or "peak_bytes_in_use" not in s for s in stats):
+        return {}
+    out = {"peak_bytes_in_use": max(int(s["peak_bytes_in_use"]) for s in stats)}
+    if all("bytes_limit" in s for s in stats):
+        out["bytes_limit"] = min(int(s["bytes_limit"]) for s in stats)
+    return out
+
+
+def _add_run_info(workdir: str, entries: dict) -> None:
+    """`entries` added to run_info.json (process 0's, written at start-up)."""
+    if jax.process_index() != 0:
+        return
+    path = workdir_lib.resolve(workdir) / "run_info.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **entries}, indent=1))
 
 
 def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str, documents=None,
@@ -474,12 +548,15 @@ def _loop(run: _Run, state, train_iter, stop: _StopRequest) -> tuple[dict, int |
     try:
         for step in range(first_step, t.num_steps):
             profiler.before(step)
-            state, metrics = run.train_step(state, next(train_iter))
+            batch, local = train_iter.next_with_local()
+            state, metrics = run.train_step(state, batch)
+            # (counted on the host while the device runs the step)
+            pairs = flops_lib.attention_pairs(config, local["segment_ids"])
             if previous_loss is not None:
                 jax.block_until_ready(previous_loss)
             previous_loss = metrics["loss"]
             done = step + 1
-            window.add(done, metrics)
+            window.add(done, metrics, attention_pairs=pairs)
             profiler.after(done, state)
             if progress is not None:
                 progress.update(1)
@@ -510,11 +587,19 @@ def _loop(run: _Run, state, train_iter, stop: _StopRequest) -> tuple[dict, int |
                 raise _nonfinite_error(*streak[1], checkpointer, skipped_in_a_row=streak[0],
                                        limit=t.max_consecutive_skips)
             if log:
-                # The first step is logged on its own, untimed: it includes compilation.
+                # The first step is logged on its own, untimed: it includes the first transfers and
+                # allocations (the step is compiled before it, _compile_ahead).
                 now = time.perf_counter()
                 last = {**_step_metrics(metrics), **window.close(done, now, timed=step != first_step)}
+                if step == first_step:
+                    memory = _peak_memory(jax.local_devices())  # (the first step's: a sync point)
+                    if memory:
+                        last.update(memory)
+                        _add_run_info(run.workdir, {"after_first_step": memory})
+                        say(_peak_line(memory))
                 if "step_time_s" in last:
-                    last.update(_throughput(last["step_time_s"], tokens_per_step, config, peak))
+                    pairs = _batch_pairs(last.pop("attention_pairs"), train_iter.shard)
+                    last.update(_throughput(last["step_time_s"], tokens_per_step, config, peak, pairs))
                 run.writer.write(done, last, prefix="train/")
                 say(_log_line(done, last, now - compile_start))
             if evaluate_now:
@@ -568,16 +653,38 @@ def _step_metrics(metrics) -> dict:
     return {k: float(v) for k, v in jax.device_get(metrics).items() if k != "loss"}
 
 
-def _throughput(step_time: float, tokens_per_step: int, config, peak: float | None) -> dict:
-    model_tflops = flops_lib.flops_per_step(config) / step_time / 1e12 / jax.device_count()
+def _batch_pairs(local_pairs: float, shard) -> float:
+    """The global batch's attention pairs per step from each process's count of its own rows: one
+    count per data shard (the processes of one sp group feed the same rows). (Exchanged as
+    float32: a relative error of 1e-7 in MFU.)"""
+    if jax.process_count() == 1:
+        return local_pairs
+    counts = processes.allgather(np.array([shard.index, local_pairs], np.float32))
+    return float(sum(dict(zip(counts[:, 0].astype(int), counts[:, 1])).values()))
+
+
+def _throughput(step_time: float, tokens_per_step: int, config, peak: float | None, pairs: float) -> dict:
+    """Tokens/s and MFU, the attention counted over `pairs` (the batches' own: model/flops.py)."""
+    model_tflops = flops_lib.flops_per_step(config, pairs) / step_time / 1e12 / jax.device_count()
     return {"tokens_per_s": tokens_per_step / step_time, "model_tflops_per_device": model_tflops,
-            "mfu": model_tflops / peak if peak else "n/a"}
+            "mfu": model_tflops / peak if peak else "n/a", "attention_pairs": pairs,
+            "attention_pairs_share": pairs / flops_lib.attention_pairs(config),
+            "mfu_attention_counts": flops_lib.attention_convention(config)}
+
+
+def _peak_line(peak: dict) -> str:
+    limit = f" of {peak['bytes_limit'] / 2 ** 30:.2f}" if "bytes_limit" in peak else ""
+    return (f"longctx: peak device memory after the first step: {peak['peak_bytes_in_use'] / 2 ** 30:.2f}"
+            f"{limit} GiB (peak_bytes_in_use of the busiest device).")
 
 
 def _log_line(step: int, m: dict, since_start: float) -> str:
     if "step_time_s" not in m:
-        return f"step {step}: loss={m['loss']:.4f} (compiled and ran the first step in {since_start:.1f}s)"
+        return f"step {step}: loss={m['loss']:.4f} (the first step, in {since_start:.1f}s)"
     mfu = m["mfu"] if isinstance(m["mfu"], str) else f"{m['mfu']:.3f}"
     skipped = f" nonfinite_steps={m['nonfinite_steps']}" if m["nonfinite_steps"] else ""
+    share = m["attention_pairs_share"]
+    shown = f", {share:.1%} of whole rows' pairs" if share < 1 else ""
+    counted = f" (attention: {m['mfu_attention_counts']}{shown})"
     return (f"step {step}: loss={m['loss']:.4f} grad_norm={m['grad_norm']:.3g} lr={m['learning_rate']:.3g} "
-            f"step_time={m['step_time_s']:.3f}s tokens/s={m['tokens_per_s']:.0f} mfu={mfu}{skipped}")
+            f"step_time={m['step_time_s']:.3f}s tokens/s={m['tokens_per_s']:.0f} mfu={mfu}{counted}{skipped}")

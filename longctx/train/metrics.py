@@ -169,16 +169,20 @@ class MetricsWindow:
     sync points, where it waits anyway, so the host does not synchronise on every step. Every step
     is checked for a non-finite loss or gradient before anything is saved (`first_nonfinite`), and
     the logged loss is the mean over the window (`close`). Step time is measured from the window's
-    clock, which evaluation restarts so that it is not counted."""
+    clock, which evaluation restarts so that it is not counted; the attention pairs each step's
+    batch kept (model/flops.py, counted on the host) are averaged over the same steps, for MFU."""
 
     def __init__(self, step: int, now: float):
         self._entries: list = []  # (step, loss, grad_norm), device scalars until read
         self._host: list = []  # the same, read
         self._streak: tuple[int, tuple] | None = None  # the non-finite steps that end those read
+        self._pairs: dict[int, int] = {}  # step -> attention pairs of its batch
         self.restart_clock(step, now)
 
-    def add(self, step: int, metrics: Mapping) -> None:
+    def add(self, step: int, metrics: Mapping, attention_pairs: int | None = None) -> None:
         self._entries.append((step, metrics["loss"], metrics["grad_norm"]))
+        if attention_pairs is not None:
+            self._pairs[step] = attention_pairs
 
     def restart_clock(self, step: int, now: float) -> None:
         self._clock_step, self._clock_time = step, now
@@ -207,13 +211,18 @@ class MetricsWindow:
 
     def close(self, step: int, now: float, *, timed: bool) -> dict:
         """The window's summary, and a new window from `step`: mean loss over its finite steps,
-        how many steps it held and how many were non-finite, and the time per step (when timed)."""
+        how many steps it held and how many were non-finite, and the time per step and the mean
+        attention pairs per step over the same steps (when timed)."""
         self._read()
         losses = np.array([loss for _, loss, g in self._host if np.isfinite(loss) and np.isfinite(g)])
         out = {"loss": float(losses.mean()) if losses.size else float("nan"),
                "loss_window_steps": len(self._host), "nonfinite_steps": len(self._host) - losses.size}
         if timed and step > self._clock_step:
             out["step_time_s"] = (now - self._clock_time) / (step - self._clock_step)
+            timed_pairs = [p for s, p in self._pairs.items() if self._clock_step < s <= step]
+            if timed_pairs:
+                out["attention_pairs"] = float(np.mean(timed_pairs))
         self._host = []
+        self._pairs = {}
         self.restart_clock(step, now)
         return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Any, Callable
 
 import flax
@@ -104,6 +105,12 @@ def make_setup(config, mesh, layout: str) -> Setup:
                  batch_sharding=mesh_lib.batch_sharding(mesh), optimizer=optimizer,
                  init=jax.jit(init, out_shardings=shardings))
 
+
+
+def shard_bytes(tree) -> int:
+    """Bytes of one device's shards of a tree of sharded ShapeDtypeStructs (or arrays)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
 
 
 def abstract_with_shardings(abstract_tree, shardings):

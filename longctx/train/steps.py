@@ -19,27 +19,71 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from longctx.data import packing
 from longctx.model.decoder import model_nll
+from longctx.parallel import mesh as mesh_lib
 from longctx.train.optimizer import applied_updates, learning_rate_schedule
-from longctx.train.state import Setup, TrainState
+from longctx.train.state import Setup, TrainState, abstract_with_shardings
 
 BATCH_KEYS = packing.KEYS  # the arrays of a packed batch, each [global_batch, seq_len]
 
 
-def _masked_loss(graphdef, params, batch):
+def _masked_loss(graphdef, params, batch, count=None):
+    """The batch's mean NLL over its loss tokens, or its summed NLL over `count` (a micro-batch's
+    share of a whole batch's mean); (nll [b, S], the batch's own loss tokens) beside."""
     nll = model_nll(nnx.merge(graphdef, params), batch)
     weights = batch["loss_mask"].astype(jnp.float32)
-    total, count = jnp.sum(nll * weights), jnp.sum(weights)
-    return total / jnp.maximum(count, 1.0), (nll, count)
+    total, own = jnp.sum(nll * weights), jnp.sum(weights)
+    return total / jnp.maximum(own if count is None else count, 1.0), (nll, own)
+
+
+def grad_accum_steps(config) -> int:
+    """train.grad_accum_steps (1 in configs saved before it existed)."""
+    return int(config.train.get("grad_accum_steps", 1))
+
+
+def micro_batches(batch, steps: int):
+    """A batch of [B, S] arrays as `steps` micro-batches [steps, B / steps, S]: micro-batch k holds
+    rows k, k + steps, k + 2 * steps, ..., so that each device's rows (a contiguous run of the
+    batch axis, split over dp x fsdp) give every micro-batch its share without moving."""
+    spec = mesh_lib.logical_to_spec((None, "activation_batch", "activation_length"))
+
+    def split(x):
+        b, seq_len = x.shape
+        return jax.lax.with_sharding_constraint(jnp.swapaxes(x.reshape(b // steps, steps, seq_len), 0, 1), spec)
+
+    return jax.tree.map(split, batch)
+
+
+def _loss_and_grads(graphdef, params, batch, accum: int, param_shardings):
+    """(mean NLL over the batch's loss tokens, (its loss tokens), gradients): one pass, or `accum`
+    micro-batches under a scan whose float32 gradients add up to the one pass's (each micro-batch's
+    NLL is summed over the whole batch's loss tokens, so no token weighs more than another)."""
+    grad_fn = jax.value_and_grad(_masked_loss, argnums=1, has_aux=True)
+    if accum == 1:
+        (loss, (_, count)), grads = grad_fn(graphdef, params, batch)
+        return loss, count, grads
+    count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+
+    def add(summed, micro):
+        loss, grads = summed
+        (part, _), g = grad_fn(graphdef, params, micro, count)
+        grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+        return (loss + part, jax.lax.with_sharding_constraint(grads, param_shardings)), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (loss, grads), _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), zeros), micro_batches(batch, accum))
+    return loss, count, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
 def make_train_step(config, setup: Setup):
-    """The pure `train_step(state, batch) -> (state, metrics)`."""
+    """The pure `train_step(state, batch) -> (state, metrics)`: one optimizer update on the whole
+    batch, its gradients accumulated over train.grad_accum_steps micro-batches."""
     schedule = learning_rate_schedule(config)
     skip_nonfinite = config.train.on_nonfinite == "skip"
+    accum = grad_accum_steps(config)
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
-        grad_fn = jax.value_and_grad(_masked_loss, argnums=1, has_aux=True)
-        (loss, (_, count)), grads = grad_fn(setup.graphdef, state.params, batch)
+        loss, count, grads = _loss_and_grads(setup.graphdef, state.params, batch, accum,
+                                             setup.state_shardings.params)
         updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.global_norm(grads)
@@ -61,10 +105,12 @@ def num_position_buckets(seq_len: int) -> int:
 
 
 def make_eval_step(config, setup: Setup):
-    """`eval_step(params, batch)` -> summed NLL and counts, overall and by position bucket."""
+    """`eval_step(params, batch)` -> summed NLL and counts, overall and by position bucket (over
+    train.grad_accum_steps micro-batches, as the train step holds them)."""
     n_buckets = num_position_buckets(config.data.seq_len)
+    accum = grad_accum_steps(config)
 
-    def eval_step(params, batch):
+    def sums(params, batch):
         _, (nll, count) = _masked_loss(setup.graphdef, params, batch)
         weights = batch["loss_mask"].astype(jnp.float32)
         bucket = jnp.floor(jnp.log2(batch["positions"].astype(jnp.float32) + 1.0)).astype(jnp.int32)
@@ -74,7 +120,28 @@ def make_eval_step(config, setup: Setup):
         return {"nll_sum": jnp.sum(nll * weights), "count": count,
                 "nll_by_position": by_position, "count_by_position": by_position_count}
 
+    def eval_step(params, batch):
+        if accum == 1:
+            return sums(params, batch)
+        parts = jax.lax.map(lambda micro: sums(params, micro), micro_batches(batch, accum))
+        return jax.tree.map(lambda x: jnp.sum(x, axis=0), parts)
+
     return eval_step
+
+
+def abstract_batch(config, setup: Setup) -> dict:
+    """The batch the train step is compiled for: int32 [global_batch, seq_len] arrays, sharded as
+    the data pipeline delivers them."""
+    shape = (config.data.global_batch_size, config.data.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding) for k in BATCH_KEYS}
+
+
+def compile_ahead(train_step, config, setup: Setup):
+    """The jitted `train_step` compiled for the run's state and batch before any step runs, so
+    that a program the compiler refuses (out of memory) fails before anything is trained or
+    written. The step's calls then use this executable (jit's cache holds it: one compile)."""
+    state = abstract_with_shardings(setup.abstract_state, setup.state_shardings)
+    return train_step.lower(state, abstract_batch(config, setup)).compile()
 
 
 def jit_steps(config, setup: Setup):

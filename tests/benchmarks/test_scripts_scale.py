@@ -89,6 +89,22 @@ def test_estimate_tiny_on_v5p_fits_and_prints_memory():
 
 
 @needs_libtpu
+@pytest.mark.tpu_aot
+def test_estimate_on_one_v5e_chip():
+    """v5e:1x1, the single-chip VM: libtpu's default v5e host is 2x2 chips, so it refused the name
+    ("not divisible by the given (or default) chips_per_host_bounds"); now one chip is its own
+    host. The report has the compiler's total and the planner's memory model beside it."""
+    p = run("scripts/estimate.py", "--config=configs/base.py:tiny", "--topology=v5e:1x1", "--config.mesh.fsdp=1",
+            "--config.mesh.sp=1", "--config.attention.impl=splash", "--nobreakdown", "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["topology"] == "v5e:1x1" and out["num_devices"] == 1 and out["device_kind"] == "TPU v5 lite"
+    assert out["fits"] is True and out["mesh_shape"] == {"dp": 1, "fsdp": 1, "sp": 1}
+    _assert_memory_adds_up(out)
+    assert out["memory_model_bytes"] > _state_bytes(base.get_config("tiny"))
+
+
+@needs_libtpu
 def test_estimate_bad_topology_is_one_sentence():
     p = run("scripts/estimate.py", "--config=configs/base.py:tiny", "--topology=v5p:banana")
     assert p.returncode == 2

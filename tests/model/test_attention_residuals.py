@@ -60,6 +60,11 @@ def _loss_and_grads(config, rows):
 def _assert_same(got_result, want_result, rtol=1e-5):
     (got_loss, got), (want_loss, want) = got_result, want_result
     assert got_loss == pytest.approx(want_loss, rel=1e-6)
+    assert_trees_close(got, want, rtol)
+
+
+def assert_trees_close(got, want, rtol: float):
+    """Every leaf of `got` within `rtol` of the largest magnitude of `want`'s (none all zero)."""
     flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
     for path, g in jax.tree_util.tree_leaves_with_path(got):
         w = flat_want[path]

@@ -8,6 +8,7 @@ from configs import base
 from longctx.model import attention as attention_lib
 from longctx.model import flops
 from longctx.ops import masks
+from tests import synthetic
 
 
 @pytest.mark.parametrize("mask, expected", [
@@ -66,3 +67,83 @@ def test_recomputed_flops_by_hand(remat, residuals, expected):
     model_flops = flops.flops_per_step(c)
     c.model.remat_policy, c.attention.residuals = "none", "save_qkv"
     assert flops.flops_per_step(c) == model_flops
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def _dense_kept(segment_ids, positions, *, causal, sliding_window, chunk_size) -> int:
+    """The kept pairs of rows of packed documents, from the mask's definition on dense [S, S]
+    grids: a query sees keys of its own document (id > 0) only, at in-document positions p_i, p_j
+    with p_j <= p_i (causal, a window, chunks), p_i - p_j <= w (window), in one chunk (chunks
+    count from the document's start)."""
+    total = 0
+    for ids, pos in zip(np.asarray(segment_ids), np.asarray(positions)):
+        qi, kj = pos[:, None], pos[None, :]
+        keep = (ids[:, None] == ids[None, :]) & (ids[:, None] > 0)
+        if causal or sliding_window is not None or chunk_size is not None:
+            keep &= kj <= qi
+        if sliding_window is not None:
+            keep &= qi - kj <= sliding_window
+        if chunk_size is not None:
+            keep &= qi // chunk_size == kj // chunk_size
+        total += int(keep.sum())
+    return total
+
+
+MASKS = {"full": dict(causal=False, sliding_window=None, chunk_size=None),
+         "causal": dict(causal=True, sliding_window=None, chunk_size=None),
+         "window": dict(causal=True, sliding_window=37, chunk_size=None),
+         "chunk": dict(causal=True, sliding_window=None, chunk_size=48),
+         "window_in_chunks": dict(causal=True, sliding_window=13, chunk_size=48)}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_pairs_in_documents_against_a_dense_mask(mask):
+    """Rows of random documents (some of one token, some longer than the window and chunks, a
+    padded tail), counted in closed form and pair by pair; in the sp layout's token order too."""
+    rows = synthetic.packed_rows(3, 384, 97, seed=11, mean_doc_len=70)
+    want = _dense_kept(rows["segment_ids"], rows["positions"], **MASKS[mask])
+    lengths = flops.document_lengths(rows["segment_ids"])
+    assert flops.pairs_in_documents(lengths, **MASKS[mask]) == want
+    zigzag = synthetic.to_layout(rows, "zigzag", 4)["segment_ids"]
+    np.testing.assert_array_equal(np.sort(flops.document_lengths(zigzag)), np.sort(lengths))
+    # one document per row: the whole row's count
+    whole = np.ones((1, 384), np.int32)
+    assert flops.kept_pairs(384, **MASKS[mask]) == _dense_kept(whole, np.arange(384)[None], **MASKS[mask])
+
+
+def _config(**attention):
+    c = base.get_config("tiny")
+    c.model.update(num_layers=2, num_heads=2, head_dim=3)
+    c.data.update(seq_len=384, global_batch_size=3)
+    c.attention.update(**attention)
+    return c
+
+
+def test_a_batch_of_documents_counts_its_own_pairs():
+    """MFU of the work the mask needs: a batch of documents counts its same-document causal pairs,
+    a fraction of the rows' (a packed row credited with the whole row's causal attention read
+    high); without segment ids each row is one document, whatever the batch holds."""
+    rows = synthetic.packed_rows(3, 384, 97, seed=11, mean_doc_len=70)
+    c = _config(causal=True)
+    per_layer = _dense_kept(rows["segment_ids"], rows["positions"], **MASKS["causal"])
+    assert flops.attention_pairs(c, rows["segment_ids"]) == 2 * per_layer
+    assert flops.attention_pairs(c) == 2 * 3 * 384 * 385 // 2 > 4 * 2 * per_layer
+    assert flops.flops_per_step(c, 2 * per_layer) == (flops.dense_flops_per_step(c)
+                                                      + 3 * 4 * 2 * 3 * 2 * per_layer)
+    assert flops.attention_convention(c) == "causal pairs within documents"
+    c.attention.use_segment_ids = False
+    assert flops.attention_pairs(c, rows["segment_ids"]) == flops.attention_pairs(c)
+    assert flops.attention_convention(c) == "causal pairs of whole rows"
+
+
+def test_each_layer_type_counts_its_own_mask_within_documents():
+    rows = synthetic.packed_rows(2, 384, 97, seed=3, mean_doc_len=90)
+    c = _config(causal=True, pattern="local,global")
+    c.model.num_layers = 3  # local, global, local
+    c.attention.layer_types = ml_collections.ConfigDict({"local": dict(sliding_window=37), "global": {}})
+    local = _dense_kept(rows["segment_ids"], rows["positions"], **MASKS["window"])
+    full = _dense_kept(rows["segment_ids"], rows["positions"], **MASKS["causal"])
+    assert flops.attention_pairs(c, rows["segment_ids"]) == 2 * local + full
+    assert flops.attention_convention(c) == "each layer type's mask's pairs within documents"

@@ -1,10 +1,12 @@
 """The (dp, fsdp, sp) mesh and the logical-axis rules."""
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from longctx import errors
 from longctx.parallel import mesh as mesh_lib
 from longctx.plan import aot
 
@@ -194,3 +196,68 @@ def test_ring_cycle_reorders_whole_boxes_only():
     two_cores = ring([(0, 0, 0), (0, 0, 0), (1, 0, 0), (1, 0, 0)])
     for kept in (line, not_a_box, two_cores):
         assert mesh_lib.ring_cycle(kept) == kept
+
+
+# ----------------------------------------------------------------------------- distributed start-up
+
+
+class _FakeInitialize:
+    """jax.distributed.initialize as a TPU VM without a metadata server answers it: auto-detection
+    asks metadata.google.internal for the pod's hosts and fails."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        raise ConnectionError("Failed to establish a new connection to metadata.google.internal")
+
+
+@pytest.fixture
+def fake_tpu_host(monkeypatch):
+    """A single TPU v5e VM's start-up environment, with jax.distributed faked."""
+    for name in ("LONGCTX_COORDINATOR", "LONGCTX_NUM_PROCESSES", "LONGCTX_PROCESS_ID",
+                 "MEGASCALE_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "true")
+    initialize = _FakeInitialize()
+    monkeypatch.setattr(jax.distributed, "initialize", initialize)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    return initialize
+
+
+def _settings():
+    return ml_collections.ConfigDict(dict(coordinator_address="", num_processes=0, process_id=-1,
+                                          local_device_count=0))
+
+
+@pytest.mark.parametrize("hosts", ["localhost", "t1v-n-0a1b2c3d-w-0", None])
+def test_one_host_is_one_process(fake_tpu_host, monkeypatch, hosts):
+    """TPU_WORKER_HOSTNAMES=localhost (a single TPU VM), one named host, or none: no jax.distributed."""
+    if hosts is not None:
+        monkeypatch.setenv("TPU_WORKER_HOSTNAMES", hosts)
+    mesh_lib.maybe_initialize_distributed(_settings())
+    assert fake_tpu_host.calls == 0
+
+
+def test_several_hosts_start_jax_distributed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.delenv("LONGCTX_COORDINATOR", raising=False)
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2, 10.0.0.3")
+    mesh_lib.maybe_initialize_distributed(_settings())
+    assert calls == [((), {})]  # auto-detected: nothing passed
+
+
+def test_a_pod_that_cannot_start_says_which_variable_to_set(fake_tpu_host, monkeypatch):
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2,10.0.0.3")
+    with pytest.raises(errors.ConfigError) as raised:
+        mesh_lib.maybe_initialize_distributed(_settings())
+    assert fake_tpu_host.calls == 1
+    message = str(raised.value)
+    assert "\n" not in message and message.count(". ") == 0, message
+    assert message.startswith("jax.distributed could not start (ConnectionError: Failed to establish a new "
+                              "connection to metadata.google.internal); it was started because "
+                              "TPU_WORKER_HOSTNAMES names 2 hosts (10.0.0.2, 10.0.0.3): on a single host unset it")
+    assert "set LONGCTX_COORDINATOR=HOST:PORT" in message

@@ -49,7 +49,7 @@ OVERRIDES = [
 _env = child_env.script_env
 
 
-def _losses(workdir) -> dict[int, float]:
+def _losses(workdir, key: str = "train/loss") -> dict[int, float]:
     out = {}
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
@@ -62,8 +62,8 @@ def _losses(workdir) -> dict[int, float]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line being written right now
-            if "train/loss" in row:
-                out[int(row["step"])] = float(row["train/loss"])
+            if key in row:
+                out[int(row["step"])] = float(row[key])
     return out
 
 
@@ -147,6 +147,11 @@ def test_two_processes_match_one_and_resume(tmp_path):
     assert [s for s in common if s > stop_step], "no step after the resume to compare"
     np.testing.assert_allclose([after[s] for s in common], [reference[s] for s in common], rtol=LOSS_RTOL,
                                err_msg=f"steps {common}; stopped at {stop_step}")
+    # MFU's attention pairs: the processes of the one sp group feed the same rows, counted once.
+    # (a resumed run's first step is untimed: no MFU, no pairs)
+    pairs, pairs_two = _losses(one, "train/attention_pairs"), _losses(two, "train/attention_pairs")
+    assert len(set(pairs) & set(pairs_two)) >= NUM_STEPS - 2, (pairs, pairs_two)
+    assert all(pairs[s] == pairs_two[s] for s in set(pairs) & set(pairs_two)), (pairs, pairs_two)
     print("\nstep  1x8 loss    2x4 loss (stop at %d, resume)" % stop_step)
     for s in common:
         print(f"{s:4d}  {reference[s]:.6f}  {after[s]:.6f}")

@@ -60,6 +60,7 @@ def _diverge_at(monkeypatch, bad_step: int):
                 metrics = dict(metrics, loss=metrics["loss"] * jnp.nan)
             return state, metrics
 
+        step.lower = train_step.lower  # (the loop compiles the jitted step ahead of the first)
         return step, eval_step
 
     monkeypatch.setattr(train_loop, "jit_steps", jit_steps)
@@ -332,6 +333,7 @@ def _poison_from(monkeypatch, bad_step: int):
                 batch = dict(batch, targets=batch["targets"] + 100_000)
             return train_step(state, batch)
 
+        step.lower = train_step.lower  # (the loop compiles the jitted step ahead of the first)
         return step, eval_step
 
     monkeypatch.setattr(train_loop, "jit_steps", jit_steps)
@@ -465,6 +467,7 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(tmp_path, m
                 _take_the_lease_over(workdir)
             return train_step(state, batch)
 
+        step.lower = train_step.lower  # (the loop compiles the jitted step ahead of the first)
         return step, eval_step
 
     monkeypatch.setattr(train_loop, "jit_steps", jit_steps)
@@ -564,6 +567,7 @@ def test_a_checkpoints_directory_that_refuses_writes_fails_the_save_at_once(tmp_
                 refuse_writes(workdir / "checkpoints")
             return train_step(state, batch)
 
+        step.lower = train_step.lower  # (the loop compiles the jitted step ahead of the first)
         return step, eval_step
 
     monkeypatch.setattr(train_loop, "jit_steps", jit_steps)
