@@ -20,7 +20,9 @@ gradients against a float32 reference at the first length, relative max error be
 On a TPU VM (docs/tpu.md):
   .venv/bin/python benchmarks/bench_tpu_kernels.py --seqs 32768,65536
 Writes docs/tpu_kernels.json (a later run replaces the rows it measures and keeps the others) and
-docs/tpu_kernels.md. Nothing here runs on CPU: the kernels' speed is the chip's.
+docs/tpu_kernels.md, and the chip's longctx timings into longctx/plan/tpu_block_timings.json, from
+which `attention.block_size=auto` takes the fastest block on that chip (plan/measured_blocks.py).
+Nothing here runs on CPU: the kernels' speed is the chip's.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
+
+from longctx.plan import measured_blocks  # noqa: E402
 
 RAISED_VMEM_KIB = 98304
 WINDOW = 4096
@@ -60,6 +64,8 @@ def _arguments(argv=None):
     p.add_argument("--budget-s", type=float, default=1e9,
                    help="start no new measurement after this many seconds")
     bc.add_page_arguments(p, "tpu_kernels")
+    p.add_argument("--block-table", default=measured_blocks.TABLE,
+                   help="where attention.block_size=auto reads the chip's timings")
     p.add_argument("--child", choices=("default", "raised"), help=argparse.SUPPRESS)
     p.add_argument("--run", default=RUN, help=argparse.SUPPRESS)  # the parent's, for its children
     return p.parse_args(argv)
@@ -361,6 +367,13 @@ def markdown(data) -> str:
     return "\n".join(lines)
 
 
+def write_block_table(data, path) -> None:
+    """The chip's longctx timings, for attention.block_size=auto (the other chips' are kept)."""
+    table = measured_blocks.load(path)
+    table[data["device"]] = measured_blocks.table_rows(data["rows"])
+    bc.write_json(path, table)
+
+
 def _merge(path, rows, device, command):
     data = json.load(open(path)) if os.path.exists(path) else {"rows": [], "commands": []}
     new = {tuple(r[k] for k in KEY) for r in rows}
@@ -405,6 +418,7 @@ def main(argv=None):
     data = _merge(args.json, rows, device, bc.command_line())
     bc.write_json(args.json, data)
     bc.write_markdown(args.md, markdown(data))
+    write_block_table(data, args.block_table)
     print(f"wrote {args.json} and {args.md}: {len(rows)} rows measured")
 
 

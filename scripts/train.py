@@ -51,7 +51,7 @@ def main(argv):
     mesh_lib.maybe_initialize_distributed(config.distributed)  # all hosts' devices, for the planner
     resolution = auto.resolve(config, jax.devices())  # attention.cp / block_size=auto, if asked
     config = resolution.config
-    if resolution.chosen is not None and jax.process_index() == 0:
+    if (resolution.chosen or resolution.measured) and jax.process_index() == 0:
         print(f"longctx: {auto.describe(resolution)}", flush=True)
     run_info = resolution.run_info(PLAN_ROWS_KEPT)
     run_info["predicted"] = auto.prediction(config, jax.devices())  # None off the planner's chips

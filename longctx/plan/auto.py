@@ -5,7 +5,9 @@ when it starts.
 
 With attention.cp=auto the planner chooses the strategy (and its Ulysses degree), the mesh's -1
 axes (several may be -1 under auto) and attention.layout=auto; with attention.block_size=auto the
-block (planner.BLOCK_SIZES), and the layout too where it is auto. It chooses among the candidates
+block: on a chip whose kernels were timed, the block measured fastest for the run's mask at the
+nearest shard length (plan/measured_blocks.py), else the planner's (planner.BLOCK_SIZES), and the
+layout too where it is auto. It chooses among the candidates
 the config leaves open (planner.auto_keys), by the predicted step time of those the memory model
 fits. Everything else stays as configured.
 The choice depends only on the config and the devices' kind and count, so every host of a run
@@ -16,12 +18,15 @@ makes the same one, and a restart makes it again. Scripts resolve before the run
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
 
 from longctx.errors import ConfigError
-from longctx.plan import hardware, planner
+from longctx.ops import blocks as blocks_lib
+from longctx.parallel import mesh as mesh_lib
+from longctx.plan import hardware, measured_blocks, planner
 
 AUTO = planner.AUTO
 
@@ -67,6 +72,7 @@ class Resolution:
     chosen: planner.Row | None       # the planner's row it is (None: nothing was asked)
     rows: list                       # the planner's rows, best first
     asked: tuple = ()                # the keys left to the planner (planner.auto_keys)
+    measured: str | None = None      # how a measured block was chosen (measured_blocks)
 
     def run_info(self, rows: int = 5) -> dict:
         """What run_info.json records: the choice's predicted step and the best rows."""
@@ -78,9 +84,10 @@ class Resolution:
 
 def resolve(config, devices) -> Resolution:
     """The config with its auto keys resolved (as it is when it asks for nothing)."""
+    config, measured = _measured_block(config, devices)
     keys = planner.auto_keys(config)
     if not keys:
-        return Resolution(config, None, [])
+        return Resolution(config, None, [], measured=measured)
     topology = topology_of(devices, keys, config)
     rows = planner.plan(config, topology, open_keys=keys)
     fitting = [r for r in rows if r.fits]
@@ -91,7 +98,32 @@ def resolve(config, devices) -> Resolution:
         asked = ", ".join(f"{k}=auto" for k in keys)
         raise ConfigError(f"{asked}: no candidate fits {topology.name} by the memory model{need}: "
                           f"run scripts/plan.py to see what does, or set the keys yourself.")
-    return Resolution(fitting[0].config, fitting[0], rows, keys)
+    return Resolution(fitting[0].config, fitting[0], rows, keys, measured)
+
+
+def _measured_block(config, devices):
+    """(config, description): attention.block_size=auto set to the block measured fastest on
+    these devices' chip, where it was timed for the run's mask kind; else the config as it is
+    and None. The mesh's sp (for the shard length) must be known: with -1 axes, the planner
+    chooses the block with them."""
+    a = config.attention
+    if a.get("block_size") != AUTO or a.get("impl", "splash") != "splash":
+        return config, None
+    try:
+        sp = mesh_lib.resolve_mesh_shape(config.mesh, len(devices))[mesh_lib.SP]
+    except ValueError:  # several -1 axes (under cp=auto): the planner picks the block with them
+        return config, None
+    shard_len = config.data.seq_len // sp
+    kind = devices[0].device_kind
+    found = measured_blocks.best_block(
+        kind, measured_blocks.mask_kind(a), shard_len,
+        lambda b: blocks_lib.block_problem(b, shard_len, "splash") is None)
+    if found is None:
+        return config, None
+    config = copy.deepcopy(config)  # as the planner's candidates are made: the field keeps its type
+    with config.unlocked():
+        config.attention.update(block_size=found.block)
+    return config, found.describe(kind)
 
 
 def prediction(config, devices) -> dict | None:
@@ -106,7 +138,12 @@ def prediction(config, devices) -> dict | None:
 
 
 def describe(resolution: Resolution) -> str:
-    """The start-up line of an auto choice: what was asked, what was chosen, the predicted step."""
+    """The start-up line of an auto choice: what was asked, what was chosen, the predicted step
+    (and how a measured block was chosen, on a line before)."""
+    if resolution.chosen is None:
+        return resolution.measured or ""
+    if resolution.measured:
+        return resolution.measured + "\n" + describe(dataclasses.replace(resolution, measured=None))
     row, asked = resolution.chosen, ", ".join(f"{k}=auto" for k in resolution.asked)
     mesh = ", ".join(f"{a}={n}" for a, n in row.mesh.items())
     return (f"{asked}: the planner chose {row.strategy} ({row.layout}, mesh {mesh}, block "

@@ -182,7 +182,7 @@ def test_on_one_v5e_chip_the_issue_s_refused_run_gets_the_planner_s_nearest_fit(
         "and --config.data.seq_len=32768 fits these chips")
     assert fit_remedy.out_of_memory_advice(_v5e_0p5b(), errors.OutOfMemory(
         errors.SCOPED_VMEM, int(16.14 * 2 ** 20), 16 * 2 ** 20, "kernel"), [V5E_CHIP]).startswith(
-        "the nearest change that should fit: --config.attention.block_size=256 ")
+        "the nearest change that should fit: --config.attention.block_size=512 ")
 
 
 def test_four_sequences_that_do_not_fit_are_accumulated():
