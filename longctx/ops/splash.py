@@ -134,7 +134,7 @@ def _fwd_kernel(cfg, ctx, k, v, ks, blocks, live):
     (data, block), q_blocks = tables_lib.live_rows_first(data, block)
     masks = _step_masks(cfg, blocks, ctx.qs, ks)
     call = lambda *args: kernels.forward(  # noqa: E731
-        *args, bkv_compute=cfg.bkv_compute, out_dtype=jnp.float32, **_common(cfg))
+        *args, bkv_compute=cfg.bkv_compute, **_common(cfg))
     out, lse = _local(call, ctx.q, (data, block), q_blocks[:, 0], ctx.q, k, v, *masks)
     # A row with no allowed key in this step has lse ~ MASK_VALUE (masked scores in a computed
     # block), or sits in a q block with no live block, which the kernel never wrote: either way

@@ -17,8 +17,8 @@ docs/tpu_kernels.md):
     share and writes it back, with asynchronous copies into two alternating buffers, ordered so
     that no read can pass a write to the same block (`_DqAccumulator`). The backward's
     traffic and memory then follow the live blocks, as the forward's do.
-  - Results in the dtype asked for: float32 partials for a ring that merges several steps, the
-    input dtype where one step is the whole result.
+  - Results in float32: a ring step's out, dQ, dK and dV are partials that the ring sums over
+    steps, so each is rounded to the input dtype once, at the end, as on one device.
   - The grid's table axis is sized at run time: it ends at the last live entry of the busiest
     row (column), since with documents most entries are dead (`table_grid_size`); the forward's
     grid also ends after the last q block with a live block (its `q_blocks`).
@@ -223,9 +223,9 @@ def _forward_kernel(data_next, block_mask, grid_width, q_blocks, q_ref, k_ref, v
 
 
 def forward(tables, q_blocks, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, *, bq, bkv,
-            bkv_compute, mask_value, soft_cap, out_dtype, interpret, device_kind=None):
-    """(out [b, heads, L, head_dim] in out_dtype, lse [b, heads, L] float32) of q against the
-    live blocks of k, v.
+            bkv_compute, mask_value, soft_cap, interpret, device_kind=None):
+    """(out [b, heads, L, head_dim], lse [b, heads, L]), float32, of q against the live blocks
+    of k, v.
 
     tables: (data_next, block_mask) packed per q-block row, the rows with a live block first;
     q_blocks int32 [1 or b, rows]: the q block of each table row. The grid ends after the last
@@ -235,7 +235,7 @@ def forward(tables, q_blocks, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, *, bq,
     [L_kv]: the keys' global positions; q_seg [b, L], kv_seg [b, L_kv] int32 or None."""
     data_next, block_mask = tables
     batch, heads, L, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    kv_heads = k.shape[1]
     width = table_grid_size(block_mask, axis=-1)
     height = table_grid_size(block_mask, axis=-2)
     per_row = lambda b: 0 if q_blocks.shape[0] == 1 else b  # noqa: E731
@@ -276,7 +276,7 @@ def forward(tables, q_blocks, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, *, bq,
     with jax.named_scope("longctx_attention_fwd"):
         out, lse = pl.pallas_call(
             kernel, name="longctx_attention_fwd", interpret=interpret,
-            out_shape=[jax.ShapeDtypeStruct((batch, heads, L, head_dim), out_dtype),
+            out_shape=[jax.ShapeDtypeStruct((batch, heads, L, head_dim), jnp.float32),
                        jax.ShapeDtypeStruct((batch, heads, L, LANES), jnp.float32)],
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=4, in_specs=in_specs, out_specs=out_specs,
@@ -287,7 +287,6 @@ def forward(tables, q_blocks, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, *, bq,
             compiler_params=_compiler_params(("parallel", "parallel", "arbitrary", "arbitrary"),
                                              device_kind),
         )(data_next, block_mask, jnp.reshape(width, (1,)), q_blocks, *args)
-    del kv_len
     return out, lse[..., 0]
 
 

@@ -95,7 +95,7 @@ def _run(operands, masks_in, classes, soft_cap, block, compute, interpret=True):
     fwd = tables.grid_tables(classes, classes.shape[-1], axis=-1)
     fwd, q_blocks = tables.live_rows_first(*fwd)
     out, lse = kernels.forward(fwd, q_blocks[:, 0], q, k, v, *masks_in, bkv_compute=compute,
-                               out_dtype=jnp.float32, **common)
+                               **common)
     # the backward's inputs as the ring gives them (ring.backward_inputs): di = rowsum(dO * O),
     # and a row with no allowed key (lse ~ MASK_VALUE) a finite lse, so that its p is 0
     empty = lse < 0.5 * MASK_VALUE
@@ -165,7 +165,7 @@ def test_forward_walks_only_the_q_blocks_with_a_live_block():
     np.testing.assert_array_equal(q_blocks[0, 0], [0, 2, 3, 1])
     out, lse = kernels.forward(fwd, q_blocks[:, 0], *operands[:3], *masks_in, bq=BLOCK, bkv=BLOCK,
                                bkv_compute=BLOCK, mask_value=MASK_VALUE, soft_cap=None,
-                               out_dtype=jnp.float32, interpret=True)
+                               interpret=True)
     want = _dense(operands, allowed, None)
     rows = slice(BLOCK, 2 * BLOCK)
     assert np.isnan(np.asarray(lse[:, :, rows])).all()
