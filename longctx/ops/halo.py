@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from longctx.ops import ring, shard_pairs
+from longctx.ops import ring, shard_pairs, strategy, strategy_schedule
 from longctx.ops import tables as tables_lib
 
 
@@ -145,3 +145,58 @@ def backward(cfg, res, do):
     dq = (shard_pairs.backward_end(cfg, dq)[0] * cfg.scale).astype(q.dtype)
     return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None,
             ring.sink_gradient(aux, lse_k, di))
+
+
+class Halo(strategy.Strategy):
+    name = "halo"
+    simplicity = 2
+    takes_degree = False
+    layout_matters = True
+    local_masks_only = True
+
+    @classmethod
+    def candidates(cls, heads, sp):
+        return [cls()]
+
+    @classmethod
+    def config_problem(cls, heads, sp, degree, cp_key, degree_key):
+        return None
+
+    def check(self, heads, sp):
+        pass
+
+    def forward(self, cfg, q, k, v, qs, ks, aux):
+        return forward(cfg, q, k, v, qs, ks, aux)
+
+    def backward(self, cfg, res, do):
+        return backward(cfg, res, do)
+
+    def from_step_blocks(self, per_step, ring_critical_path, kept, ring_steps, static_pairs):
+        # the same pairs as all-gather's, each after its own permute of the blocks it needs
+        return strategy_schedule.all_pairs_at_once(self, per_step, kept)
+
+    def dead_grid_steps(self, live):
+        return 0.0, 0.0  # per exchange, each call's tables its own: not counted
+
+    def steps_in_words(self, cfg):
+        return f"halo offsets {[ex.offset for ex in exchanges(cfg)]}"
+
+    def transfers(self, shape, cfg, steps=None):
+        # One permute per exchange, of its hull: K, V and ids (again in the backward), and in the
+        # backward the hull's dK, dV (float32) back to their owners.
+        sent = exchanges(cfg)
+        tokens = sum(ex.stop - ex.start for ex in sent)
+        L = shape.shard_len
+        per_token, per_token32 = (2 * shape.kv_bytes + shape.ids_bytes) // L, 2 * shape.kv32_bytes // L
+
+        def permute(nbytes):
+            return (strategy.Transfer("permute", nbytes, len(sent), 2, under_blocks=True),)
+
+        return {"forward": permute(tokens * per_token),
+                "backward": permute(tokens * (per_token + per_token32))}
+
+    def kernel_calls(self, cfg, travelled):
+        return 1.0 + len(exchanges(cfg))
+
+    def working_bytes(self, shape, cfg):
+        return 2 * (2 * shape.kv_bytes + 2 * shape.kv32_bytes)
