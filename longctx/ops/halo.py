@@ -20,7 +20,12 @@ Exact for every mask and layout. It pays where a mask reaches few blocks of othe
 and chunks in the contiguous and zigzag layouts (Gemma 3's window 1,024 at 131,072 tokens over
 sp = 16 sends 2 of 16 blocks of 512, where the ring sends a whole shard). Striped spreads every
 window over every device, so there the hulls are whole shards: the same bytes as all-gather, in
-sp - 1 permutes. `plan` and `tokens_sent` say what is sent (plan/collectives.py: the bytes).
+sp - 1 permutes, and the same memory. `plan` and `tokens_sent` say what is sent.
+
+As a strategy (`Halo`): a device computes all-gather's pairs, each after its own permute of the
+blocks it needs. Price: one permute per exchange of its hull (K, V, ids; in the backward again,
+and the hull's dK, dV home). Working memory: the 1 + E shard-sized K/V buffers it stacks (E
+exchanges) and float32 dK, dV for each.
 """
 from __future__ import annotations
 
@@ -199,4 +204,9 @@ class Halo(strategy.Strategy):
         return 1.0 + len(exchanges(cfg))
 
     def working_bytes(self, shape, cfg):
-        return 2 * (2 * shape.kv_bytes + 2 * shape.kv32_bytes)
+        # K, V of the 1 + E shards it holds (its own, and each exchange's hull placed in a
+        # shard-sized buffer), and their float32 dK, dV twice: the backward loop's zeros and its
+        # result are alive together (the compiled program's largest buffers). With E = sp - 1
+        # (striped, or a global mask) that is all-gather's whole sequence.
+        held = 1 + len(exchanges(cfg))
+        return held * 2 * (shape.kv_bytes + 2 * shape.kv32_bytes)
