@@ -24,7 +24,8 @@ sp - 1 permutes, and the same memory. `plan` and `tokens_sent` say what is sent.
 
 As a strategy (`Halo`): a device computes all-gather's pairs, each after its own permute of the
 blocks it needs. Price: one permute per exchange of its hull (K, V, ids; in the backward again,
-and the hull's dK, dV home). Working memory: the 1 + E shard-sized K/V buffers it stacks (E
+and the hull's dK, dV home), exposed: every kernel call waits for every hull, and the dK, dV
+hulls wait for every call. Working memory: the 1 + E shard-sized K/V buffers it stacks (E
 exchanges) and float32 dK, dV for each.
 """
 from __future__ import annotations
@@ -188,14 +189,16 @@ class Halo(strategy.Strategy):
 
     def transfers(self, shape, cfg, steps=None):
         # One permute per exchange, of its hull: K, V and ids (again in the backward), and in the
-        # backward the hull's dK, dV (float32) back to their owners.
+        # backward the hull's dK, dV (float32) back to their owners. None runs under the blocks:
+        # the one loop of kernel calls starts once every hull is stacked, and the dK, dV hulls go
+        # home after it (`_held_shards`, `backward`).
         sent = exchanges(cfg)
         tokens = sum(ex.stop - ex.start for ex in sent)
         L = shape.shard_len
         per_token, per_token32 = (2 * shape.kv_bytes + shape.ids_bytes) // L, 2 * shape.kv32_bytes // L
 
         def permute(nbytes):
-            return (strategy.Transfer("permute", nbytes, len(sent), 2, under_blocks=True),)
+            return (strategy.Transfer("permute", nbytes, len(sent), 2, under_blocks=False),)
 
         return {"forward": permute(tokens * per_token),
                 "backward": permute(tokens * (per_token + per_token32))}

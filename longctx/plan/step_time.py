@@ -19,11 +19,11 @@ What overlaps what (the model's assumptions: the mesh's here, each strategy's in
     compute cannot hide: max(0, collective - compute), per layer.
   - A context-parallel collective overlaps the pass's blocks where its strategy says it is
     issued under them (ops/strategy.py `Transfer.under_blocks`, in each strategy's module: the
-    ring's K/V pass, sent before a step computes, usp's pass between groups, the halo's
-    permutes), and takes
+    ring's K/V pass, sent before a step computes, and usp's pass between groups), and takes
     max(0, transfer - blocks) of the step; the others are exposed whole (all-gather's gather and
     reduce-scatter, which the TPU compiler runs before and after the kernel; Ulysses'
-    all-to-alls, whose result the kernel needs).
+    all-to-alls, whose result the kernel needs; the halo's permutes, whose hulls its one loop of
+    kernel calls waits for).
   - The dp all-reduce of gradients overlaps the backward: max(0, all-reduce - backward).
   - Collectives along a mesh axis use 2 link directions per torus axis it spans (a
     bidirectional ring; half that without wrap-around links), the ring's pass one direction of
