@@ -85,29 +85,12 @@ def backward(cfg, res, do):
             ring.sink_gradient(aux, lse_k, di))
 
 
-class AllGather(strategy.Strategy):
+class AllGather(strategy.AnyHeads, strategy.Strategy):
     name = "all_gather"
     simplicity = 1
-    takes_degree = False
-    layout_matters = True
-    local_masks_only = False
 
-    @classmethod
-    def candidates(cls, heads, sp):
-        return [cls()]
-
-    @classmethod
-    def config_problem(cls, heads, sp, degree, cp_key, degree_key):
-        return None
-
-    def check(self, heads, sp):
-        pass
-
-    def forward(self, cfg, q, k, v, qs, ks, aux):
-        return forward(cfg, q, k, v, qs, ks, aux)
-
-    def backward(self, cfg, res, do):
-        return backward(cfg, res, do)
+    forward = staticmethod(forward)
+    backward = staticmethod(backward)
 
     def from_step_blocks(self, per_step, ring_critical_path, kept, ring_steps, static_pairs):
         return strategy_schedule.all_pairs_at_once(self, per_step, kept)

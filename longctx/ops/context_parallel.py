@@ -38,9 +38,8 @@ DEFAULT = STRATEGIES[0]
 
 
 def _complete(cls) -> None:
-    """The planner's class attributes are set (abc checks the methods when one is made)."""
-    missing = [a for a in ("name", "simplicity", "takes_degree", "layout_matters", "local_masks_only")
-               if not hasattr(cls, a)]
+    """The class attributes with no default are set (abc checks the methods when one is made)."""
+    missing = [a for a in ("name", "simplicity") if not hasattr(cls, a)]
     if missing:
         raise TypeError(f"strategy {cls.__name__} does not set {', '.join(missing)}")
 

@@ -153,29 +153,13 @@ def backward(cfg, res, do):
             ring.sink_gradient(aux, lse_k, di))
 
 
-class Halo(strategy.Strategy):
+class Halo(strategy.AnyHeads, strategy.Strategy):
     name = "halo"
     simplicity = 2
-    takes_degree = False
-    layout_matters = True
     local_masks_only = True
 
-    @classmethod
-    def candidates(cls, heads, sp):
-        return [cls()]
-
-    @classmethod
-    def config_problem(cls, heads, sp, degree, cp_key, degree_key):
-        return None
-
-    def check(self, heads, sp):
-        pass
-
-    def forward(self, cfg, q, k, v, qs, ks, aux):
-        return forward(cfg, q, k, v, qs, ks, aux)
-
-    def backward(self, cfg, res, do):
-        return backward(cfg, res, do)
+    forward = staticmethod(forward)
+    backward = staticmethod(backward)
 
     def from_step_blocks(self, per_step, ring_critical_path, kept, ring_steps, static_pairs):
         # the same pairs as all-gather's, each after its own permute of the blocks it needs

@@ -16,29 +16,12 @@ from __future__ import annotations
 from longctx.ops import ring, strategy, strategy_schedule
 
 
-class Ring(strategy.Strategy):
+class Ring(strategy.AnyHeads, strategy.Strategy):
     name = "ring"
     simplicity = 0
-    takes_degree = False
-    layout_matters = True
-    local_masks_only = False
 
-    @classmethod
-    def candidates(cls, heads, sp):
-        return [cls()]
-
-    @classmethod
-    def config_problem(cls, heads, sp, degree, cp_key, degree_key):
-        return None
-
-    def check(self, heads, sp):
-        pass
-
-    def forward(self, cfg, q, k, v, qs, ks, aux):
-        return ring.forward(cfg, q, k, v, qs, ks, aux)
-
-    def backward(self, cfg, res, do):
-        return ring.backward(cfg, res, do)
+    forward = staticmethod(ring.forward)
+    backward = staticmethod(ring.backward)
 
     def from_step_blocks(self, per_step, ring_critical_path, kept, ring_steps, static_pairs):
         return strategy_schedule.StrategySchedule(self.name, 1, per_step.astype(float),

@@ -14,8 +14,11 @@ model, the planner, the memory model and the reports ask of it; none of them com
                   result); kernel_calls per pass; working_bytes per device
 
 Every method is abstract: a class that lacks one cannot be made, so nothing falls through to
-another strategy's price. The planner's preferences are class attributes (`simplicity`,
-`takes_degree`, `layout_matters`, `local_masks_only`), set by every strategy.
+another strategy's price (`AnyHeads` holds the three that a strategy splitting the sequence alone
+answers with "anything goes"). The planner's preferences are class attributes: `simplicity`,
+which every strategy sets (context_parallel refuses one that does not), and `takes_degree`,
+`layout_matters`, `local_masks_only`, whose defaults fit a strategy that splits the sequence
+alone.
 """
 from __future__ import annotations
 
@@ -96,9 +99,9 @@ class Strategy(abc.ABC):
 
     name: ClassVar[str]              # attention.cp
     simplicity: ClassVar[int]        # the planner's tie rule: how much its price rests on, 0 least
-    takes_degree: ClassVar[bool]     # attention.cp_ulysses is its Ulysses degree
-    layout_matters: ClassVar[bool]   # whether the data layout changes its work
-    local_masks_only: ClassVar[bool]  # the planner offers it only to window and chunked layers
+    takes_degree: ClassVar[bool] = False     # attention.cp_ulysses is its Ulysses degree
+    layout_matters: ClassVar[bool] = True    # whether the data layout changes its work
+    local_masks_only: ClassVar[bool] = False  # the planner offers it only to window and chunked layers
 
     def __str__(self) -> str:
         return self.name if self.degree is None else f"{self.name} x{self.degree}"
@@ -166,3 +169,19 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def working_bytes(self, shape: Shape, cfg) -> float:
         """The largest attention arrays of one call on one device (forward and backward)."""
+
+
+class AnyHeads:
+    """What a strategy that splits the sequence, not the heads, asks of them: nothing. Any head
+    count runs, there is one instance, and it takes no Ulysses degree."""
+
+    @classmethod
+    def candidates(cls, heads: int, sp: int) -> list[Strategy]:
+        return [cls()]
+
+    @classmethod
+    def config_problem(cls, heads: int, sp: int, degree, cp_key: str, degree_key: str) -> str | None:
+        return None
+
+    def check(self, heads: int, sp: int) -> None:
+        pass

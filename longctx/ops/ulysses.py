@@ -308,9 +308,7 @@ class UlyssesGroups(strategy.Strategy):
 class Ulysses(UlyssesGroups):
     name = "ulysses"
     simplicity = 3
-    takes_degree = False
     layout_matters = False  # every device computes every query shard, for its heads
-    local_masks_only = False
     kv_buffers = 1
 
     @classmethod

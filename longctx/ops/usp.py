@@ -15,9 +15,7 @@ class UlyssesRing(ulysses.UlyssesGroups):
     name = "usp"
     simplicity = 4
     takes_degree = True
-    layout_matters = True  # the ring of groups has the ring's balance question, per group
-    local_masks_only = False
-    kv_buffers = 2
+    kv_buffers = 2  # the ring of groups' pass in flight
 
     @classmethod
     def candidates(cls, heads, sp):

@@ -19,8 +19,7 @@ def _methods():
 def _lacking(method: str):
     """A strategy class with every abstract method but `method` (each one a stub: never called)."""
     body = {name: (lambda *args, **kwargs: None) for name in _methods() - {method}}
-    body.update(name="lacking", simplicity=9, takes_degree=False, layout_matters=True,
-                local_masks_only=False)
+    body.update(name="lacking", simplicity=9)
     return type("Lacking", (strategy.Strategy,), body)
 
 
