@@ -59,4 +59,3 @@ class Ring(strategy.AnyHeads, strategy.Strategy):
 
     def working_bytes(self, shape, cfg):
         return 2 * (2 * shape.kv_bytes + 2 * shape.kv32_bytes)
-

@@ -28,12 +28,6 @@ from typing import ClassVar, Sequence
 
 import numpy as np
 
-PASSES = ("forward", "backward")
-# The collective kinds a strategy's transfers use (plan/collectives.py reads the same from a
-# program's HLO under their HLO names).
-KINDS = ("permute", "all_gather", "reduce_scatter", "all_to_all")
-
-
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """One attention call over sp: per device b x L = S/sp tokens of n heads (kv_heads K/V heads)
@@ -71,7 +65,7 @@ class Shape:
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     """One kind of collective in one pass of one attention call, on one device."""
-    kind: str            # one of KINDS
+    kind: str            # "permute", "all_gather", "reduce_scatter" or "all_to_all"
     sent: int            # bytes one device sends (= receives), as a bandwidth-optimal algorithm
     calls: float         # collectives of this kind the pass issues: each pays a launch latency
     group: int           # devices in each collective (a permute: its sender and its receiver, 2)

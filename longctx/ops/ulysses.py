@@ -241,14 +241,16 @@ class UlyssesGroups(strategy.Strategy):
                               for g in range(groups)], float) / degree
         critical = float(sum(step_work[:, s].max() for s in range(groups)))
         visited = steps_with_pairs(static_pairs, degree)
-        return strategy_schedule.StrategySchedule(self.name, degree, np.repeat(step_work, degree, axis=0),
-                                                  critical, kept, len(visited))
+        return strategy_schedule.StrategySchedule(self.name, degree,
+                                                  np.repeat(step_work, degree, axis=0), critical,
+                                                  kept, len(visited))
 
     def dead_grid_steps(self, live):
         sp, nq = live.shape[0], live.shape[2]
         u = self.ulysses_degree(sp)
         groups = sp // u
-        rows, cols = live.sum(axis=3), live.sum(axis=2)  # [a, s, block]: a row's kv blocks, a column's q blocks
+        # [a, s, block]: the live kv blocks of each row, the live q blocks of each column
+        rows, cols = live.sum(axis=3), live.sum(axis=2)
         a = np.arange(sp)
         # [a, K/V shard c, block]: device a's rows (columns) against the K/V shard c
         shard_of_step = (a[:, None] - a[None, :]) % sp                  # [a, c] -> ring step
@@ -289,9 +291,9 @@ class UlyssesGroups(strategy.Strategy):
                     strategy.Transfer("permute", permute, max(1, len(steps)), 2, under_blocks=True,
                                       stride=u))
 
+        backward = 2 * a2a(q) + 2 * a2a(row32) + 2 * a2a(held) + a2a(q32) + 2 * a2a(held32)
         return {"forward": kinds(a2a(q) + 2 * a2a(held) + a2a(q32) + a2a(row32), sends * travel),
-                "backward": kinds(2 * a2a(q) + 2 * a2a(row32) + 2 * a2a(held) + a2a(q32) + 2 * a2a(held32),
-                                  sends * (travel + 2 * held32) + home * 2 * held32)}
+                "backward": kinds(backward, sends * (travel + 2 * held32) + home * 2 * held32)}
 
     def kernel_calls(self, cfg, travelled):
         return max(1.0, float(travelled))

@@ -35,4 +35,5 @@ class UlyssesRing(ulysses.UlyssesGroups):
         return int(self.degree)
 
     def steps_in_words(self, cfg):
-        return f"{len(ulysses.group_steps(cfg, self.ulysses_degree(cfg.sp)))} steps of the ring of groups"
+        steps = ulysses.group_steps(cfg, self.ulysses_degree(cfg.sp))
+        return f"{len(steps)} steps of the ring of groups"

@@ -82,7 +82,8 @@ def static_schedule(strategy, spec: masks.MaskSpec, layout: str, seq_len: int, s
     critical = float(sum(per_step[:, s].max() for s in run))
     schedule = strategy.from_step_blocks(per_step, critical, int(per_step.sum()), len(run),
                                          strategy_schedule.by_pair(per_step) > 0)
-    dead_rows, dead_columns = strategy.dead_grid_steps(static_live_blocks(spec, layout, seq_len, sp, block))
+    live = static_live_blocks(spec, layout, seq_len, sp, block)
+    dead_rows, dead_columns = strategy.dead_grid_steps(live)
     return GridSchedule(**{f.name: getattr(schedule, f.name)
                            for f in dataclasses.fields(strategy_schedule.StrategySchedule)},
                         dead_rows=dead_rows, dead_columns=dead_columns)

@@ -183,8 +183,9 @@ def _prepared(base, point: Point, cache: dict):
     if point not in cache:
         config = point_config(base, point)
         spec = masks.make_mask_spec(**attention_lib.mask_kwargs(config.attention))
-        schedule = attention_work.static_schedule(context_parallel.named(point.cp, point.degree), spec,
-                                                  point.layout, point.seq_len, point.mesh[2], point.block)
+        chosen = context_parallel.named(point.cp, point.degree)
+        schedule = attention_work.static_schedule(chosen, spec, point.layout, point.seq_len,
+                                                  point.mesh[2], point.block)
         cache[point] = (config, hardware.parse_topology(point.topology), schedule,
                         dict(zip(("dp", "fsdp", "sp"), point.mesh)))
     return cache[point]

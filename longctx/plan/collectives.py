@@ -424,10 +424,15 @@ def formula_parts(strategy: str, shape: Shape, *, degree: int | None = None, ste
     return by_kind(chosen.transfers(shape, layer_config(shape, **mask), steps))
 
 
+def per_pass(parts: dict) -> dict:
+    """{"forward": bytes, "backward": bytes} of `formula_parts`' (or `by_kind`'s) bytes by kind."""
+    return {p: sum(kinds.values()) for p, kinds in parts.items()}
+
+
 def formula(strategy: str, shape: Shape, **kwargs) -> dict:
     """{"forward": bytes, "backward": bytes} one device sends (= receives) in one attention call
     (`formula_parts`' arguments)."""
-    return {p: sum(kinds.values()) for p, kinds in formula_parts(strategy, shape, **kwargs).items()}
+    return per_pass(formula_parts(strategy, shape, **kwargs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -492,7 +497,7 @@ def layer_type_traffic(config, *, sp: int, rows: int, layout: str) -> dict[str, 
         a = layer_type.attention
         shape = type_shape(config, a, sp, max(1, rows))
         cfg = type_config(a, shape, layout)
-        per = {label(s): {p: sum(kinds.values()) for p, kinds in by_kind(s.transfers(shape, cfg)).items()}
+        per = {label(s): per_pass(by_kind(s.transfers(shape, cfg)))
                for s in context_parallel.candidates(config.model.num_heads, sp)}
         # a strategy the registry does not name (cp=auto, unresolved) is not priced
         own = attention_lib.cp_name(a)

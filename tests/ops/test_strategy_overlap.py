@@ -61,9 +61,10 @@ class _Graph:
         if name == "cond":
             outs = [self._walk(branch.jaxpr, ins[1:]) for branch in p["branches"]]
             return [ins[0].union(*column) for column in zip(*outs)]
-        inner = [v for v in p.values() if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")]
+        inner = [getattr(v, "jaxpr", v) for v in p.values()]
+        inner = [j for j in inner if hasattr(j, "eqns")]
         if len(inner) == 1:
-            sub = inner[0] if hasattr(inner[0], "eqns") else inner[0].jaxpr
+            sub = inner[0]
             if len(sub.invars) == len(ins):
                 return self._walk(sub, ins)
         return [before] * len(eqn.outvars)

@@ -37,8 +37,8 @@ STRATEGIES = [("ring", None), ("all_gather", None), ("ulysses", None), ("usp", 2
 def test_every_strategy_computes_exactly_the_kept_blocks(layout, mask):
     spec = masks.make_mask_spec(**mask)
     seg = _documents(seed=len(layout))
-    schedules = {s: strategy_schedule.strategy_schedule(context_parallel.named(s, u), spec, layout, SEQ_LEN, SP,
-                                                     BLOCK, seg)
+    schedules = {s: strategy_schedule.strategy_schedule(context_parallel.named(s, u), spec, layout,
+                                                     SEQ_LEN, SP, BLOCK, seg)
                  for s, u in STRATEGIES}
     kept = schedules["ring"].kept_blocks
     assert kept > 0
@@ -57,8 +57,8 @@ def test_usp_visits_the_group_steps_its_ring_runs():
     """The report's steps are the ones ulysses.group_steps makes the program visit."""
     spec = masks.make_mask_spec(causal=True, sliding_window=(300, 0))
     seg = np.ones((1, SEQ_LEN), np.int32)
-    schedule = strategy_schedule.strategy_schedule(context_parallel.named("usp", 2), spec, "contiguous", SEQ_LEN, 8, BLOCK,
-                                                   seg, count_kept=False)
+    schedule = strategy_schedule.strategy_schedule(context_parallel.named("usp", 2), spec, "contiguous",
+                                                   SEQ_LEN, 8, BLOCK, seg, count_kept=False)
     cfg = RingConfig(spec=spec, layout="contiguous", seq_len=SEQ_LEN, sp=8, bq=BLOCK, bkv=BLOCK,
                      bkv_compute=BLOCK, bkv_dkv_compute=BLOCK, impl="xla", soft_cap=None, scale=1.0,
                      axis_name="sp", interpret=False)

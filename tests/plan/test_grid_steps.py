@@ -25,7 +25,8 @@ def _brute_ring(spec, layout, seq_len, sp, block):
 def test_the_rings_dead_grid_steps_are_a_brute_force_count(layout, mask):
     spec = masks.make_mask_spec(**mask)
     live = attention_work.static_live_blocks(spec, layout, 4096, 4, 128)
-    assert context_parallel.named("ring").dead_grid_steps(live) == _brute_ring(spec, layout, 4096, 4, 128)
+    want = _brute_ring(spec, layout, 4096, 4, 128)
+    assert context_parallel.named("ring").dead_grid_steps(live) == want
 
 
 @pytest.mark.parametrize("strategy,degree", [("all_gather", None), ("ring", None), ("usp", 2),
@@ -49,5 +50,6 @@ def test_a_balanced_layout_halves_the_live_blocks_not_the_grid(strategy, degree)
 def test_a_full_mask_walks_no_dead_step():
     spec = masks.make_mask_spec(causal=False)
     for strategy, degree in [("all_gather", None), ("ring", None), ("usp", 4)]:
-        s = attention_work.static_schedule(context_parallel.named(strategy, degree), spec, "zigzag", 8192, 8, 128)
+        chosen = context_parallel.named(strategy, degree)
+        s = attention_work.static_schedule(chosen, spec, "zigzag", 8192, 8, 128)
         assert (s.dead_rows, s.dead_columns) == (0.0, 0.0)
