@@ -2,11 +2,11 @@
 train step compiled ahead of time for v5p:2x2x2 (plan/aot.py, as the calibration's memory points
 are: benchmarks/calibrate_planner.py), within the error the calibration allows
 (tests/plan/test_planner.py: 25%). A small model at a length where one layer's attention arrays
-are most of the step, so that a strategy priced as another shows.
+are a large part of the step, so that a strategy priced as another shows.
 
 The halo holds 1 + E shard-sized K/V buffers and float32 dK/dV for each, E its exchanges: two in
-zigzag for a window shorter than a shard's half (both neighbours), sp - 1 in striped, where a
-window reaches every shard (the whole sequence, as all-gather)."""
+zigzag for a window no longer than half a shard (a chunk of each neighbour), sp - 1 in striped,
+where the window reaches every shard (the whole sequence, as all-gather)."""
 import copy
 
 import pytest
