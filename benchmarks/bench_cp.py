@@ -213,10 +213,7 @@ def communication(mesh, case, seq_len, sp, block, layout):
     for strategy, degree in STRATEGIES.items():
         got = collectives.attention_traffic(mesh, shape, strategy, degree, impl="xla", layout=layout,
                                             block_sizes=block, skip_documents=False, **mask)
-        kw = dict(layout=layout, block=block, **mask)
-        steps = (collectives.ring_run_steps(shape, **kw) if strategy == "ring" else
-                 collectives.usp_group_steps(shape, degree, **kw) if strategy == "usp" else None)
-        want = collectives.formula(strategy, shape, degree=degree, steps=steps)
+        want = collectives.formula(strategy, shape, degree=degree, layout=layout, block=block, **mask)
         out[strategy] = {"hlo": {p: got[p].as_dict() for p in got}, "formula_bytes": want,
                          "unknown_loops": sum(t.unknown_loops for t in got.values())}
     return out

@@ -76,28 +76,21 @@ def _choices() -> dict[str, tuple]:
 
 
 def _check_context_parallel(a, heads: int, sp: int, prefix: str = "attention.") -> None:
-    """attention.cp against the heads and the sp size (configs older than the key ran the ring);
-    `prefix` names the keys (a layer type's, longctx/model/layer_types.py)."""
-    strategy, degree = a.get("cp", "ring"), a.get("cp_ulysses")
+    """attention.cp against the heads and the sp size, by the strategy's own rule
+    (ops/strategy.py `config_problem`); `prefix` names the keys (a layer type's,
+    longctx/model/layer_types.py)."""
+    strategy, degree = attention.cp_name(a), a.get("cp_ulysses")
     cp, cp_ulysses = f"{prefix}cp", f"{prefix}cp_ulysses"
     _require(strategy != "auto", _chosen_by_the_planner(cp))
     _one_of_values(cp, strategy, context_parallel.STRATEGIES)
-    if strategy != "usp":
-        _require(degree is None, f"{cp_ulysses}={degree} is the Ulysses degree of "
-                 f"{cp}=usp, not of {cp}={strategy}: unset it or set {cp}=usp.")
-    fits = [u for u in range(2, sp + 1) if sp % u == 0 and heads % u == 0]
-    degrees = "{" + ", ".join(map(str, fits)) + "}"
-    if strategy == "ulysses":
-        other = f"{cp}=usp with {cp_ulysses} in {degrees}, or " if fits else ""
-        _require(heads % sp == 0, f"{cp}=ulysses splits the query heads over the sp devices, "
-                 f"but model.num_heads={heads} is not divisible by sp={sp}: use {other}"
-                 f"{cp}=ring or all_gather, which take any head count.")
-    if strategy == "usp":
-        fix = (f"set {cp_ulysses} to one of {degrees}" if fits else
-               f"none above 1 does: use {cp}=ring or all_gather")
-        _require(degree is not None and degree >= 1 and sp % degree == 0 and heads % degree == 0,
-                 f"{cp}=usp needs {cp_ulysses} (now {degree}) dividing both sp={sp} "
-                 f"and model.num_heads={heads}: {fix}.")
+    chosen = context_parallel.REGISTRY[strategy]
+    if not chosen.takes_degree:
+        takers = " or ".join(f"{cp}={name}" for name, c in context_parallel.REGISTRY.items()
+                             if c.takes_degree)
+        _require(degree is None, f"{cp_ulysses}={degree} is the Ulysses degree of {takers}, "
+                 f"not of {cp}={strategy}: unset it or set {takers}.")
+    problem = chosen.config_problem(heads, sp, degree, cp, cp_ulysses)
+    _require(problem is None, problem)
 
 
 def _chosen_by_the_planner(key: str) -> str:

@@ -76,8 +76,7 @@ import numpy as np  # noqa: E402
 
 from longctx.ops import masks  # noqa: E402
 from longctx import ops  # noqa: E402
-from longctx.ops import strategy_schedule, tables  # noqa: E402
-from longctx.ops.context_parallel import STRATEGIES  # noqa: E402
+from longctx.ops import context_parallel, strategy_schedule, tables  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
 from longctx.data import length_mixes, packer_report  # noqa: E402
 from longctx.data.packing import PACKERS, packer_layout  # noqa: E402
@@ -186,8 +185,9 @@ def _strategy_list(text: str) -> list[tuple[str, int | None]]:
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
         name, _, degree = item.partition(":")
-        if name not in STRATEGIES or (name == "usp") != bool(degree):
-            raise ConfigError(f"--strategies {text}: {item!r} is not one of {', '.join(STRATEGIES)} "
+        known = context_parallel.REGISTRY
+        if name not in known or known[name].takes_degree != bool(degree):
+            raise ConfigError(f"--strategies {text}: {item!r} is not one of {', '.join(known)} "
                               "(usp as usp:U, U its Ulysses degree).")
         out.append((name, int(degree) if degree else None))
     return out
@@ -198,8 +198,8 @@ def _strategies_report(a, spec, ids, layout) -> dict:
     for name, degree in _strategy_list(a.strategies):
         if degree is not None and (degree < 1 or a.sp % degree):
             raise ConfigError(f"--strategies: usp:{degree} needs a degree dividing --sp {a.sp}.")
-        r = strategy_schedule.strategy_schedule(name, degree, spec, layout, a.seq_len, a.sp,
-                                                a.block, ids)
+        r = strategy_schedule.strategy_schedule(context_parallel.named(name, degree), spec, layout,
+                                                a.seq_len, a.sp, a.block, ids)
         report[name if degree is None else f"{name}:{degree}"] = {
             "kept_blocks": r.kept_blocks, "computed_blocks": r.computed_blocks,
             "work_per_device": r.work.tolist(), "critical_path": r.critical_path,

@@ -2,7 +2,7 @@
 
 Attention runs in a `jax.shard_map` over the mesh, on each device's shard of the sequence, by the
 context-parallel strategy `attention.cp` names (`longctx.ops.context_parallel_attention`: the ring,
-all-gather, Ulysses or Ulysses x ring; below, "the ring" stands for whichever runs). Its backward needs q, k, v, the output and the logsumexp of every
+all-gather, Ulysses, Ulysses x ring or the halo; below, "the ring" stands for whichever runs). Its backward needs q, k, v, the output and the logsumexp of every
 layer; with layers scanned and their other activations rematerialised, those are most of what a
 long sequence keeps alive across the forward pass. The policies:
 
@@ -55,13 +55,24 @@ def mask_kwargs(attention_config) -> dict:
     }
 
 
+def cp_name(attention_config) -> str:
+    """`attention.cp` as set ("auto" included; configs older than the key ran the default)."""
+    return attention_config.get("cp", context_parallel.DEFAULT)
+
+
+def strategy_of(attention_config):
+    """The strategy object (ops/strategy.py) `attention.cp` names, with `cp_ulysses` as its
+    degree where it takes one (a layer type may inherit a degree its own strategy has no use for)."""
+    name = cp_name(attention_config)
+    takes = name in context_parallel.REGISTRY and context_parallel.REGISTRY[name].takes_degree
+    return context_parallel.named(name, attention_config.get("cp_ulysses") if takes else None)
+
+
 def strategy_kwargs(attention_config) -> dict:
     """The context-parallel strategy keywords of `context_parallel_attention` for
-    `config.attention` (configs older than `attention.cp` ran the ring)."""
-    a = attention_config
-    strategy = a.get("cp", "ring")
-    return {"strategy": strategy,
-            "ulysses_degree": a.get("cp_ulysses") if strategy == "usp" else None}
+    `config.attention`."""
+    chosen = strategy_of(attention_config)
+    return {"strategy": chosen.name, "ulysses_degree": chosen.degree}
 
 
 def _attention_keywords(attention_config, layout: str) -> dict:

@@ -17,6 +17,14 @@ or chunk needs of them is decided per pair by the tables (pairs no block of whic
 are neither computed nor read), not by gathering less, which would need a collective per shape
 of the mask. The data layout decides the balance, as for the ring (contiguous / zigzag /
 striped / auto: the same tables).
+
+Schedule: a device computes all its pairs after one gather, so no step waits for another device.
+Price: the gather of every other shard's K, V (and ids), again in the backward, and the
+reduce-scatter of dK, dV (float32); neither hides behind the blocks: the TPU compiler runs them
+before and after the kernel (docs/attention.md). Working memory: the whole sequence's K, V and
+their float32 gradients twice, the kernel's output and the reduce-scatter's operand alive
+together (the 8B step at 2,097,152 tokens over 64 chips compiles to 92.4 GiB,
+docs/fit_strategies.md; one float32 copy would say 69).
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from longctx.ops import ring, shard_pairs
+from longctx.ops import ring, shard_pairs, strategy, strategy_schedule
 
 
 def _travelling(cfg, x):
@@ -75,3 +83,40 @@ def backward(cfg, res, do):
     dq = (shard_pairs.backward_end(cfg, dq)[0] * cfg.scale).astype(q.dtype)
     return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None,
             ring.sink_gradient(aux, lse_k, di))
+
+
+class AllGather(strategy.AnyHeads, strategy.Strategy):
+    name = "all_gather"
+    simplicity = 1
+
+    forward = staticmethod(forward)
+    backward = staticmethod(backward)
+
+    def from_step_blocks(self, per_step, ring_critical_path, kept, ring_steps, static_pairs):
+        return strategy_schedule.all_pairs_at_once(self, per_step, kept)
+
+    def dead_grid_steps(self, live):
+        # one call over the gathered sequence: every row's kv blocks of all shards; the dK/dV
+        # grid's columns are the sequence's kv blocks, each with the device's live q blocks
+        sp, nq = live.shape[0], live.shape[2]
+        rows, cols = live.sum(axis=3), live.sum(axis=2)
+        work = rows.sum(axis=(1, 2))
+        return (float(nq * rows.sum(axis=1).max() - work.max()),
+                float(sp * nq * cols.max() - work.max()))
+
+    def steps_in_words(self, cfg):
+        return "one gather"
+
+    def transfers(self, shape, cfg, steps=None):
+        sp = shape.sp
+        gather = strategy.Transfer("all_gather", (sp - 1) * (2 * shape.kv_bytes + shape.ids_bytes),
+                                   1, sp, under_blocks=False)
+        scatter = strategy.Transfer("reduce_scatter", (sp - 1) * 2 * shape.kv32_bytes, 1, sp,
+                                    under_blocks=False)
+        return {"forward": (gather,), "backward": (gather, scatter)}
+
+    def kernel_calls(self, cfg, travelled):
+        return 1.0
+
+    def working_bytes(self, shape, cfg):
+        return shape.sp * 2 * (shape.kv_bytes + 2 * shape.kv32_bytes)

@@ -20,7 +20,13 @@ Exact for every mask and layout. It pays where a mask reaches few blocks of othe
 and chunks in the contiguous and zigzag layouts (Gemma 3's window 1,024 at 131,072 tokens over
 sp = 16 sends 2 of 16 blocks of 512, where the ring sends a whole shard). Striped spreads every
 window over every device, so there the hulls are whole shards: the same bytes as all-gather, in
-sp - 1 permutes. `plan` and `tokens_sent` say what is sent (plan/collectives.py: the bytes).
+sp - 1 permutes, and the same memory. `plan` and `tokens_sent` say what is sent.
+
+As a strategy (`Halo`): a device computes all-gather's pairs, each after its own permute of the
+blocks it needs. Price: one permute per exchange of its hull (K, V, ids; in the backward again,
+and the hull's dK, dV home), exposed: every kernel call waits for every hull, and the dK, dV
+hulls wait for every call. Working memory: the 1 + E shard-sized K/V buffers it stacks (E
+exchanges) and float32 dK, dV for each.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from longctx.ops import ring, shard_pairs
+from longctx.ops import ring, shard_pairs, strategy, strategy_schedule
 from longctx.ops import tables as tables_lib
 
 
@@ -145,3 +151,49 @@ def backward(cfg, res, do):
     dq = (shard_pairs.backward_end(cfg, dq)[0] * cfg.scale).astype(q.dtype)
     return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None,
             ring.sink_gradient(aux, lse_k, di))
+
+
+class Halo(strategy.AnyHeads, strategy.Strategy):
+    name = "halo"
+    simplicity = 2
+    local_masks_only = True
+
+    forward = staticmethod(forward)
+    backward = staticmethod(backward)
+
+    def from_step_blocks(self, per_step, ring_critical_path, kept, ring_steps, static_pairs):
+        # the same pairs as all-gather's, each after its own permute of the blocks it needs
+        return strategy_schedule.all_pairs_at_once(self, per_step, kept)
+
+    def dead_grid_steps(self, live):
+        return 0.0, 0.0  # per exchange, each call's tables its own: not counted
+
+    def steps_in_words(self, cfg):
+        return f"halo offsets {[ex.offset for ex in exchanges(cfg)]}"
+
+    def transfers(self, shape, cfg, steps=None):
+        # One permute per exchange, of its hull: K, V and ids (again in the backward), and in the
+        # backward the hull's dK, dV (float32) back to their owners. None runs under the blocks:
+        # the one loop of kernel calls starts once every hull is stacked, and the dK, dV hulls go
+        # home after it (`_held_shards`, `backward`).
+        sent = exchanges(cfg)
+        tokens = sum(ex.stop - ex.start for ex in sent)
+        L = shape.shard_len
+        per_token, per_token32 = (2 * shape.kv_bytes + shape.ids_bytes) // L, 2 * shape.kv32_bytes // L
+
+        def permute(nbytes):
+            return (strategy.Transfer("permute", nbytes, len(sent), 2, under_blocks=False),)
+
+        return {"forward": permute(tokens * per_token),
+                "backward": permute(tokens * (per_token + per_token32))}
+
+    def kernel_calls(self, cfg, travelled):
+        return 1.0 + len(exchanges(cfg))
+
+    def working_bytes(self, shape, cfg):
+        # K, V of the 1 + E shards it holds (its own, and each exchange's hull placed in a
+        # shard-sized buffer), and their float32 dK, dV twice: the backward loop's zeros and its
+        # result are alive together (the compiled program's largest buffers). With E = sp - 1
+        # (striped, or a global mask) that is all-gather's whole sequence.
+        held = 1 + len(exchanges(cfg))
+        return held * 2 * (shape.kv_bytes + 2 * shape.kv32_bytes)

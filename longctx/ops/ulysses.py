@@ -29,9 +29,19 @@ K/V heads: each device needs the K/V heads its query heads read (`kv_head_slots`
 heads divisible by U each device gets its own share; with fewer KV heads than U (8 KV heads and
 U = 16, or MQA) each KV head is sent to every device whose query heads read it, and their dK/dV
 contributions are summed back on the owner: no error, and no device computes another's heads.
+
+As strategies: `Ulysses` here, `UlyssesRing` (usp) in usp.py, both `UlyssesGroups`: the
+schedule, the price and the working memory of U-device groups around a ring of sp / U groups.
+Schedule: at step s of the ring of groups, each device of group g computes the pairs of g's U
+query shards against group (g - s)'s U K/V shards for 1/U of the heads (Ulysses: one step, every
+device every pair, all devices equal). Price: the all-to-alls of Q, K, V, the output and the
+logsumexp (and the backward's), over the group, exposed (the kernel needs their result, and they
+need its); the group's segment ids gathered; the ring of groups' pass of K/V (and dK/dV), issued
+before each step's blocks as the ring's is, so it hides behind them.
 """
 from __future__ import annotations
 
+import abc
 import functools
 
 import jax
@@ -39,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from longctx.ops import ring, shard_pairs
+from longctx.ops import ring, shard_pairs, strategy, strategy_schedule
 
 
 @functools.lru_cache(maxsize=64)
@@ -60,6 +70,12 @@ def kv_head_slots(heads: int, kv_heads: int, degree: int) -> np.ndarray:
     out = np.asarray(table, np.int32)
     out.setflags(write=False)
     return out
+
+
+def degrees_in_words(heads: int, sp: int) -> tuple[list[int], str]:
+    """(the Ulysses degrees above 1 that divide both sp and the heads, those as "{2, 4}")."""
+    fits = [u for u in range(2, sp + 1) if sp % u == 0 and heads % u == 0]
+    return fits, "{" + ", ".join(map(str, fits)) + "}"
 
 
 def check_heads(heads: int, degree: int, sp: int) -> None:
@@ -193,3 +209,126 @@ def backward(cfg, res, do, *, degree):
     dk, dv = (_kv_to_sequence(groups, cfg, x, slots, kv_heads) for x in (dk, dv))
     return ((dq * cfg.scale).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None,
             ring.sink_gradient(aux, lse_k, di))
+
+
+class UlyssesGroups(strategy.Strategy):
+    """Ulysses over groups of `ulysses_degree(sp)` devices, around a ring of the groups: what
+    Ulysses (one group) and usp (several) share."""
+    # K/V of the group's shards held at once: 2 where the ring of groups has a pass in flight
+    kv_buffers: int
+
+    @abc.abstractmethod
+    def ulysses_degree(self, sp: int) -> int:
+        """U: the devices of a group (sp for Ulysses)."""
+
+    def check(self, heads, sp):
+        check_heads(heads, self.ulysses_degree(sp), sp)
+
+    def forward(self, cfg, q, k, v, qs, ks, aux):
+        return forward(cfg, q, k, v, qs, ks, aux, degree=self.ulysses_degree(cfg.sp))
+
+    def backward(self, cfg, res, do):
+        return backward(cfg, res, do, degree=self.ulysses_degree(cfg.sp))
+
+    def from_step_blocks(self, per_step, ring_critical_path, kept, ring_steps, static_pairs):
+        sp = per_step.shape[0]
+        degree = self.ulysses_degree(sp)
+        groups = sp // degree
+        pairs = strategy_schedule.by_pair(per_step)
+        shards = lambda g: slice(g * degree, (g + 1) * degree)  # noqa: E731
+        # step_work[g, s]: blocks of group g's pairs at group step s, shared by its U devices
+        step_work = np.array([[pairs[shards(g), shards((g - s) % groups)].sum() for s in range(groups)]
+                              for g in range(groups)], float) / degree
+        critical = float(sum(step_work[:, s].max() for s in range(groups)))
+        visited = steps_with_pairs(static_pairs, degree)
+        return strategy_schedule.StrategySchedule(self.name, degree,
+                                                  np.repeat(step_work, degree, axis=0), critical,
+                                                  kept, len(visited))
+
+    def dead_grid_steps(self, live):
+        sp, nq = live.shape[0], live.shape[2]
+        u = self.ulysses_degree(sp)
+        groups = sp // u
+        # [a, s, block]: the live kv blocks of each row, the live q blocks of each column
+        rows, cols = live.sum(axis=3), live.sum(axis=2)
+        a = np.arange(sp)
+        # [a, K/V shard c, block]: device a's rows (columns) against the K/V shard c
+        shard_of_step = (a[:, None] - a[None, :]) % sp                  # [a, c] -> ring step
+        rows_pair = rows[a[:, None], shard_of_step]
+        cols_pair = cols[a[:, None], shard_of_step]
+        dead_rows = dead_cols = 0.0
+        for t in range(groups):
+            widths, heights, group_work = [], [], []
+            for g in range(groups):
+                q, kv = slice(g * u, (g + 1) * u), slice(((g - t) % groups) * u, ((g - t) % groups + 1) * u)
+                widths.append(rows_pair[q, kv].sum(axis=1).max())        # a row over the U K/V shards
+                heights.append(cols_pair[q, kv].sum(axis=0).max())       # a column over the U q shards
+                group_work.append(rows_pair[q, kv].sum())
+            critical = max(group_work) / u
+            if critical:
+                # a call covers U shards of q and K/V for 1/U of the heads: (U nq x width) / U blocks
+                dead_rows += nq * max(widths) - critical
+                dead_cols += nq * max(heights) - critical
+        return float(dead_rows), float(dead_cols)
+
+    def transfers(self, shape, cfg, steps=None):
+        b, L, n, h, e = shape.batch, shape.shard_len, shape.heads, shape.head_dim, shape.dtype_bytes
+        u = self.ulysses_degree(shape.sp)
+        groups = shape.sp // u
+        slots = kv_head_slots(n, shape.kv_heads, u).shape[1]  # K/V heads a device holds
+        a2a = lambda x: (u - 1) * x // u  # noqa: E731  all-to-all of x bytes per device
+        q, q32, row32 = b * L * n * h * e, b * L * n * h * 4, b * L * n * 4
+        held, held32 = b * L * u * slots * h * e, b * L * u * slots * h * 4  # K (dK) slots sent
+        gathers = 2 * (u - 1) * shape.ids_bytes  # query and K/V segment ids of the group
+        steps = group_steps(cfg, u) if steps is None else steps
+        sends, last = strategy.ring_sends(steps, groups)
+        home = 1 if last % groups else 0
+        travel = 2 * held + u * shape.ids_bytes  # K, V slots of the group's U shards (+ their ids)
+
+        def kinds(to_all, permute):
+            return (strategy.Transfer("all_to_all", to_all, 1, u, under_blocks=False),
+                    strategy.Transfer("all_gather", gathers, 1, u, under_blocks=False),
+                    strategy.Transfer("permute", permute, max(1, len(steps)), 2, under_blocks=True,
+                                      stride=u))
+
+        backward = 2 * a2a(q) + 2 * a2a(row32) + 2 * a2a(held) + a2a(q32) + 2 * a2a(held32)
+        return {"forward": kinds(a2a(q) + 2 * a2a(held) + a2a(q32) + a2a(row32), sends * travel),
+                "backward": kinds(backward, sends * (travel + 2 * held32) + home * 2 * held32)}
+
+    def kernel_calls(self, cfg, travelled):
+        return max(1.0, float(travelled))
+
+    def working_bytes(self, shape, cfg):
+        u = self.ulysses_degree(shape.sp)
+        slots = kv_head_slots(shape.heads, shape.kv_heads, u).shape[1]
+        tokens = shape.batch * shape.shard_len * u  # the group's tokens, 1/u of the heads
+        e, h = shape.dtype_bytes, shape.head_dim
+        q_like = tokens * (shape.heads // u) * h * (2 * e + 4 + 4)  # q, out, dq and d_out float32
+        return q_like + tokens * slots * h * 2 * (e + 4) * self.kv_buffers
+
+
+class Ulysses(UlyssesGroups):
+    name = "ulysses"
+    simplicity = 3
+    layout_matters = False  # every device computes every query shard, for its heads
+    kv_buffers = 1
+
+    @classmethod
+    def candidates(cls, heads, sp):
+        return [cls()] if sp > 1 and heads % sp == 0 else []
+
+    @classmethod
+    def config_problem(cls, heads, sp, degree, cp_key, degree_key):
+        if heads % sp == 0:
+            return None
+        fits, degrees = degrees_in_words(heads, sp)
+        other = f"{cp_key}=usp with {degree_key} in {degrees}, or " if fits else ""
+        return (f"{cp_key}=ulysses splits the query heads over the sp devices, but "
+                f"model.num_heads={heads} is not divisible by sp={sp}: use {other}"
+                f"{cp_key}=ring or all_gather, which take any head count.")
+
+    def ulysses_degree(self, sp):
+        return sp
+
+    def steps_in_words(self, cfg):
+        return "one all-to-all each way"

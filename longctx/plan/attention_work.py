@@ -65,24 +65,25 @@ def static_step_blocks(spec: masks.MaskSpec, layout: str, seq_len: int, sp: int,
     return out
 
 
-def static_schedule(strategy: str, degree: int | None, spec: masks.MaskSpec, layout: str,
-                    seq_len: int, sp: int, block: int) -> strategy_schedule.StrategySchedule:
-    """`strategy`'s schedule on rows of one document each (or no segment ids): the static mask's
-    blocks, the ring running every step that holds one (it cannot stop early without documents)."""
+def static_schedule(strategy, spec: masks.MaskSpec, layout: str, seq_len: int, sp: int,
+                    block: int) -> strategy_schedule.StrategySchedule:
+    """`strategy`'s schedule (an ops.strategy.Strategy) on rows of one document each (or no
+    segment ids): the static mask's blocks, the ring running every step that holds one (it cannot
+    stop early without documents)."""
     if spec.chunk is not None:
         # With segment ids a chunked mask runs as the causal window a chunk spans and prunes by
         # chunk ids (ring.prepare): the per-document path prices that exactly. Its element-wise
         # count of kept blocks (minutes at 128K tokens) is left out: a plan reads the work only.
         ids = np.ones((1, seq_len), np.int32)
-        return strategy_schedule.strategy_schedule(strategy, degree, spec, layout, seq_len, sp,
-                                                   block, ids, count_kept=False)
+        return strategy_schedule.strategy_schedule(strategy, spec, layout, seq_len, sp, block, ids,
+                                                   count_kept=False)
     per_step = static_step_blocks(spec, layout, seq_len, sp, block)
     run = [s for s in range(sp) if per_step[:, s].any()]
     critical = float(sum(per_step[:, s].max() for s in run))
-    schedule = strategy_schedule.from_step_blocks(strategy, degree, per_step, critical,
-                                                  int(per_step.sum()), len(run),
-                                                  strategy_schedule.by_pair(per_step) > 0)
-    dead_rows, dead_columns = static_grid_blocks(strategy, degree, spec, layout, seq_len, sp, block)
+    schedule = strategy.from_step_blocks(per_step, critical, int(per_step.sum()), len(run),
+                                         strategy_schedule.by_pair(per_step) > 0)
+    live = static_live_blocks(spec, layout, seq_len, sp, block)
+    dead_rows, dead_columns = strategy.dead_grid_steps(live)
     return GridSchedule(**{f.name: getattr(schedule, f.name)
                            for f in dataclasses.fields(strategy_schedule.StrategySchedule)},
                         dead_rows=dead_rows, dead_columns=dead_columns)
@@ -91,18 +92,10 @@ def static_schedule(strategy: str, degree: int | None, spec: masks.MaskSpec, lay
 @dataclasses.dataclass(frozen=True)
 class GridSchedule(strategy_schedule.StrategySchedule):
     """A static schedule with the grid steps its kernels walk and compute nothing in, on the
-    critical path, in blocks of all heads as `critical_path` counts (static_grid_blocks):
-    `dead_rows` for the kernels whose grid runs over q blocks x the busiest row's kv blocks
-    (forward, dQ), `dead_columns` for the one over kv blocks x the busiest column's q blocks
-    (dK/dV)."""
-    dead_rows: float = 0.0
-    dead_columns: float = 0.0
-
-
-def static_grid_blocks(strategy: str, degree: int | None, spec: masks.MaskSpec, layout: str,
-                       seq_len: int, sp: int, block: int) -> tuple[float, float]:
-    """(dead_rows, dead_columns) of GridSchedule: the grid steps of the critical path's calls
-    beyond their live blocks.
+    critical path, in blocks of all heads as `critical_path` counts (the strategy's
+    `dead_grid_steps`): `dead_rows` for the kernels whose grid runs over q blocks x the busiest
+    row's kv blocks (forward, dQ), `dead_columns` for the one over kv blocks x the busiest
+    column's q blocks (dK/dV).
 
     Splash sizes a call's grid once for every device (one SPMD program; with q_seq_shards it
     pads each shard's tables to the widest shard's, splash_attention_mask_info._process_mask):
@@ -112,42 +105,5 @@ def static_grid_blocks(strategy: str, degree: int | None, spec: masks.MaskSpec, 
     Under a causal mask the busiest row of a call sees every block of it: a load-balanced
     layout halves a device's live blocks, not its grid (the all-gather's device walks its q
     blocks x the whole sequence either way), which is why it gains less than its work says."""
-    if strategy == "halo":
-        return 0.0, 0.0  # per exchange, each call's tables its own: not counted
-    live = static_live_blocks(spec, layout, seq_len, sp, block)
-    nq = live.shape[2]
-    rows = live.sum(axis=3)                      # [a, s, q block]: live kv blocks of each row
-    cols = live.sum(axis=2)                      # [a, s, kv block]: live q blocks of each column
-    step_blocks = rows.sum(axis=2)               # [a, s]
-    if strategy == "ring":
-        run = step_blocks.any(axis=0)
-        critical = step_blocks.max(axis=0)[run]
-        return (float((nq * rows.max(axis=(0, 2))[run] - critical).sum()),
-                float((nq * cols.max(axis=(0, 2))[run] - critical).sum()))
-    work = step_blocks.sum(axis=1)               # [a]
-    if strategy == "all_gather":
-        # one call over the gathered sequence: every row's kv blocks of all shards; the dK/dV
-        # grid's columns are the sequence's kv blocks, each with the device's live q blocks
-        return (float(nq * rows.sum(axis=1).max() - work.max()),
-                float(sp * nq * cols.max() - work.max()))
-    u = sp if strategy == "ulysses" else int(degree)
-    groups = sp // u
-    a = np.arange(sp)
-    # [a, K/V shard c, block]: device a's rows (columns) against the K/V shard c
-    shard_of_step = (a[:, None] - a[None, :]) % sp                  # [a, c] -> ring step
-    rows_pair = rows[a[:, None], shard_of_step]
-    cols_pair = cols[a[:, None], shard_of_step]
-    dead_rows = dead_cols = 0.0
-    for t in range(groups):
-        widths, heights, group_work = [], [], []
-        for g in range(groups):
-            q, kv = slice(g * u, (g + 1) * u), slice(((g - t) % groups) * u, ((g - t) % groups + 1) * u)
-            widths.append(rows_pair[q, kv].sum(axis=1).max())        # a row over the U K/V shards
-            heights.append(cols_pair[q, kv].sum(axis=0).max())       # a column over the U q shards
-            group_work.append(rows_pair[q, kv].sum())
-        critical = max(group_work) / u
-        if critical:
-            # a call covers U shards of q and K/V for 1/U of the heads: (U nq x width) / U blocks
-            dead_rows += nq * max(widths) - critical
-            dead_cols += nq * max(heights) - critical
-    return float(dead_rows), float(dead_cols)
+    dead_rows: float = 0.0
+    dead_columns: float = 0.0

@@ -27,7 +27,7 @@ from scipy import optimize
 
 from longctx.plan import attention_work, hardware, memory_model, step_time
 from longctx.model import attention as attention_lib
-from longctx.ops import masks
+from longctx.ops import context_parallel, masks
 
 MODELS = {  # (vocab, d_model, layers, heads, kv heads, head_dim, mlp)
     "llama2-7b": (32_000, 4096, 32, 32, 32, 128, 11_008),
@@ -183,8 +183,9 @@ def _prepared(base, point: Point, cache: dict):
     if point not in cache:
         config = point_config(base, point)
         spec = masks.make_mask_spec(**attention_lib.mask_kwargs(config.attention))
-        schedule = attention_work.static_schedule(point.cp, point.degree, spec, point.layout,
-                                                  point.seq_len, point.mesh[2], point.block)
+        chosen = context_parallel.named(point.cp, point.degree)
+        schedule = attention_work.static_schedule(chosen, spec, point.layout, point.seq_len,
+                                                  point.mesh[2], point.block)
         cache[point] = (config, hardware.parse_topology(point.topology), schedule,
                         dict(zip(("dp", "fsdp", "sp"), point.mesh)))
     return cache[point]

@@ -21,8 +21,8 @@ once and `unknown_loops` says how many such loops there were. For a bound, lower
 `skip_documents=False`: the same collectives over every run step of the static schedule, which is
 what the ring with documents sends at most. A conditional counts its largest branch.
 
-In closed form (`formula`): the same bytes from the shapes and the strategy's schedule (what
-ops/ring.py, all_gather.py and ulysses.py send; tests/plan/test_collectives.py checks the two
+In closed form (`formula`): the same bytes from the shapes and the strategy's own account of
+what it sends (its `transfers`, ops/strategy.py; tests/plan/test_collectives.py checks the two
 agree), forward and backward, per layer (one attention call). The small per-call collectives of
 document skipping (the ring's early stop: block ranges and one maximum) and of the sink gradient
 are left out of the formula; the HLO count has them.
@@ -37,10 +37,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from longctx.model import attention as attention_lib
 from longctx.model import layer_types
 from longctx.ops import context_parallel, halo, masks
 from longctx.ops import ring as ring_lib
-from longctx.ops import ulysses
+from longctx.ops.strategy import Shape
 
 KINDS = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter", "all-reduce")
 
@@ -372,34 +373,66 @@ def attention_traffic(mesh, shape: Shape, strategy: str, degree: int | None = No
 
 
 # ----------------------------------------------------------------------------- closed form
+# What each strategy sends is its own account (ops/strategy.py `transfers`, in the strategy's
+# module); here it is read per layer type of a config, by kind and by pass.
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """One attention call over sp: per device b x L = S/sp tokens of n heads (kv_heads K/V heads)
-    of head_dim, `dtype_bytes` per element of Q, K, V, out (2: bf16); documents: int32 segment ids
-    travel with K/V."""
-    batch: int
-    seq_len: int
-    sp: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int = 2
-    documents: bool = False
+def layer_config(shape: Shape, *, causal=True, sliding_window=None, chunk_size=None,
+                 layout="contiguous", block=512) -> ring_lib.RingConfig:
+    """The static configuration of one attention call of `shape` with a mask, as the strategies'
+    prices take it (no device is needed: the host tables of the mask, layout and blocks)."""
+    spec = masks.make_mask_spec(causal, sliding_window, chunk_size)
+    block = min(block, shape.shard_len)
+    return ring_lib.RingConfig(spec=spec, layout=layout, seq_len=shape.seq_len, sp=shape.sp,
+                               bq=block, bkv=block, bkv_compute=block, bkv_dkv_compute=block,
+                               impl="xla", soft_cap=None, scale=1.0, axis_name="sp",
+                               interpret=False)
 
 
-def ring_run_steps(shape: Shape, *, causal=True, sliding_window=None, chunk_size=None,
-                   layout="contiguous", block=512) -> tuple[int, ...]:
+def ring_run_steps(shape: Shape, **mask) -> tuple[int, ...]:
     """The ring steps the ring runs for a mask (ops/tables.py: steps empty on every device are
     not run, and K/V go no further than the last)."""
-    return _config(shape, causal, sliding_window, chunk_size, layout, block).tables.run_steps
+    return layer_config(shape, **mask).tables.run_steps
 
 
-def usp_group_steps(shape: Shape, degree: int, *, causal=True, sliding_window=None,
-                    chunk_size=None, layout="contiguous", block=512) -> tuple[int, ...]:
-    """The steps of usp's ring of groups at which some group holds a pair the mask keeps."""
-    return ulysses.group_steps(_config(shape, causal, sliding_window, chunk_size, layout, block),
-                               degree)
+def halo_exchanges(shape: Shape, **mask):
+    """What the halo strategy sends at each ring offset for a mask (ops/halo.py's plan)."""
+    return halo.exchanges(layer_config(shape, **mask))
+
+
+def by_kind(transfers: dict) -> dict:
+    """{"forward" | "backward": {kind: bytes}} of a strategy's `transfers`."""
+    out = {}
+    for p, parts in transfers.items():
+        out[p] = {}
+        for t in parts:
+            out[p][t.kind] = out[p].get(t.kind, 0) + t.sent
+    return out
+
+
+def formula_parts(strategy: str, shape: Shape, *, degree: int | None = None, steps=None,
+                  **mask) -> dict:
+    """The bytes one device sends (= receives) in one attention call by pass and by kind of
+    collective: {"forward" | "backward": {"permute" (the ring's sends), "all_gather",
+    "reduce_scatter", "all_to_all": bytes}}, the kinds the planner prices on different links
+    and overlaps differently (plan/step_time.py).
+
+    strategy: one of ops.context_parallel.STRATEGIES (degree U for usp); the mask keywords
+    (causal, sliding_window, chunk_size, layout, block: `layer_config`) decide the ring's run
+    steps, usp's ring of groups' steps and halo's exchanges; `steps`: the steps K/V visit
+    where documents stop them earlier (default: those the mask runs)."""
+    chosen = context_parallel.named(strategy, degree)
+    return by_kind(chosen.transfers(shape, layer_config(shape, **mask), steps))
+
+
+def per_pass(parts: dict) -> dict:
+    """{"forward": bytes, "backward": bytes} of `formula_parts`' (or `by_kind`'s) bytes by kind."""
+    return {p: sum(kinds.values()) for p, kinds in parts.items()}
+
+
+def formula(strategy: str, shape: Shape, **kwargs) -> dict:
+    """{"forward": bytes, "backward": bytes} one device sends (= receives) in one attention call
+    (`formula_parts`' arguments)."""
+    return per_pass(formula_parts(strategy, shape, **kwargs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,6 +441,11 @@ class TypeTraffic:
     layers: int  # how many of the model's layers have this type
     chosen: str  # its own strategy, as labelled in `per_strategy` ("usp U=2")
     per_strategy: dict  # label -> {"forward", "backward"} bytes
+
+
+def label(chosen) -> str:
+    """A strategy as `TypeTraffic` and the reports name it: "ring", "usp U=2"."""
+    return chosen.name if chosen.degree is None else f"{chosen.name} U={chosen.degree}"
 
 
 def type_layers(config) -> list[tuple[layer_types.LayerType, int]]:
@@ -424,9 +462,9 @@ def type_layers(config) -> list[tuple[layer_types.LayerType, int]]:
 
 
 def type_mask(attention, layout: str, seq_len: int, sp: int) -> dict:
-    """The mask keywords `ring_run_steps`, `usp_group_steps` and `halo_exchanges` take for a
-    type's attention config: with documents a chunk is the window of chunk - 1 keys it spans
-    statically, as the kernels are given it; the block no longer than a shard."""
+    """The mask keywords `layer_config` takes for a type's attention config: with documents a
+    chunk is the window of chunk - 1 keys it spans statically, as the kernels are given it; the
+    block no longer than a shard."""
     a = attention
     spec = masks.make_mask_spec(a.causal, None if a.sliding_window is None else (a.sliding_window, 0),
                                 a.chunk_size)
@@ -436,29 +474,35 @@ def type_mask(attention, layout: str, seq_len: int, sp: int) -> dict:
                 block=min(int(a.block_size), seq_len // sp))
 
 
+def type_shape(config, attention, sp: int, rows: int) -> Shape:
+    """The Shape of one of a type's attention calls: `rows` sequences per device, the model's
+    heads, K/V in the compute dtype and, with documents, their segment ids."""
+    m = config.model
+    return Shape(batch=rows, seq_len=config.data.seq_len, sp=sp, heads=m.num_heads,
+                 kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                 dtype_bytes=jnp.dtype(m.dtype).itemsize, documents=bool(attention.use_segment_ids))
+
+
+def type_config(attention, shape: Shape, layout: str) -> ring_lib.RingConfig:
+    """`layer_config` of a type's attention config in the run's `layout`."""
+    return layer_config(shape, **type_mask(attention, layout, shape.seq_len, shape.sp))
+
+
 def layer_type_traffic(config, *, sp: int, rows: int, layout: str) -> dict[str, TypeTraffic]:
     """{layer type name: TypeTraffic} of a model (one type, "default", without a pattern): every
-    strategy the heads and sp allow, priced by `formula` on the type's mask in the run's `layout`
-    (the ring's run steps, usp's group steps, halo's exchanges; `type_mask`), `rows` sequences
-    per device, K/V in the compute dtype and, with documents, their segment ids."""
-    m = config.model
+    strategy the heads and sp allow (ops.context_parallel.candidates), priced on the type's mask
+    in the run's `layout` (`type_config`), `rows` sequences per device."""
     out = {}
     for layer_type, count in type_layers(config):
         a = layer_type.attention
-        shape = Shape(batch=max(1, rows), seq_len=config.data.seq_len, sp=sp, heads=m.num_heads,
-                      kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                      dtype_bytes=jnp.dtype(m.dtype).itemsize, documents=bool(a.use_segment_ids))
-        mask = type_mask(a, layout, shape.seq_len, sp)
-        per = {"ring": formula("ring", shape, steps=ring_run_steps(shape, **mask)),
-               "all_gather": formula("all_gather", shape),
-               "halo": formula("halo", shape, exchanges=halo_exchanges(shape, **mask))}
-        if sp > 1 and m.num_heads % sp == 0:
-            per["ulysses"] = formula("ulysses", shape)
-        for u in range(2, sp):
-            if sp % u == 0 and m.num_heads % u == 0:
-                per[f"usp U={u}"] = formula("usp", shape, degree=u, steps=usp_group_steps(shape, u, **mask))
-        cp = a.get("cp", "ring")
-        out[layer_type.name] = TypeTraffic(count, f"usp U={a.get('cp_ulysses')}" if cp == "usp" else cp, per)
+        shape = type_shape(config, a, sp, max(1, rows))
+        cfg = type_config(a, shape, layout)
+        per = {label(s): per_pass(by_kind(s.transfers(shape, cfg)))
+               for s in context_parallel.candidates(config.model.num_heads, sp)}
+        # a strategy the registry does not name (cp=auto, unresolved) is not priced
+        own = attention_lib.cp_name(a)
+        chosen = label(attention_lib.strategy_of(a)) if own in context_parallel.REGISTRY else own
+        out[layer_type.name] = TypeTraffic(count, chosen, per)
     return out
 
 
@@ -471,88 +515,3 @@ def step_bytes(config, *, sp: int, rows: int, layout: str) -> int | None:
             return None
         total += t.layers * sum(t.per_strategy[t.chosen].values())
     return total
-
-
-def halo_exchanges(shape: Shape, *, causal=True, sliding_window=None, chunk_size=None,
-                   layout="contiguous", block=512):
-    """What the halo strategy sends at each ring offset for a mask (ops/halo.py's plan)."""
-    return halo.exchanges(_config(shape, causal, sliding_window, chunk_size, layout, block))
-
-
-def _config(shape, causal, sliding_window, chunk_size, layout, block):
-    spec = masks.make_mask_spec(causal, sliding_window, chunk_size)
-    L = shape.seq_len // shape.sp
-    block = min(block, L)
-    return ring_lib.RingConfig(spec=spec, layout=layout, seq_len=shape.seq_len, sp=shape.sp,
-                               bq=block, bkv=block, bkv_compute=block, bkv_dkv_compute=block,
-                               impl="xla", soft_cap=None, scale=1.0, axis_name="sp",
-                               interpret=False)
-
-
-def _sends(steps, size: int) -> tuple[int, int]:
-    """(sends, final distance) of a ring visiting `steps` (ascending) of a cycle of `size`: one
-    send per step after the first, one more to jump a gap (ops/ring._ring_loop), none for 0."""
-    sends, pos = 0, 0
-    for s in steps:
-        if (s - pos) % size:
-            sends += 1
-        pos = s
-    return sends, pos
-
-
-def formula(strategy: str, shape: Shape, *, degree: int | None = None, steps=None,
-            exchanges=None) -> dict:
-    """{"forward": bytes, "backward": bytes} one device sends (= receives) in one attention call.
-
-    strategy: ring | all_gather | ulysses | usp | halo (degree U for usp; ulysses is U = sp).
-    steps: the ring's run steps (ring) or the ring of groups' steps (usp); default every step
-    (a causal or full mask; `ring_run_steps` / `usp_group_steps` give a window's fewer).
-    exchanges: halo's (`halo_exchanges`: what each ring offset sends, from the mask)."""
-    parts = formula_parts(strategy, shape, degree=degree, steps=steps, exchanges=exchanges)
-    return {p: sum(kinds.values()) for p, kinds in parts.items()}
-
-
-def formula_parts(strategy: str, shape: Shape, *, degree: int | None = None, steps=None,
-                  exchanges=None) -> dict:
-    """`formula`'s bytes by pass and by kind of collective: {"forward" | "backward": {"permute"
-    (the ring's sends), "all_gather", "reduce_scatter", "all_to_all": bytes}}, the kinds the
-    planner prices on different links and overlaps differently (plan/step_time.py)."""
-    b, L, n, kvh, h, e = (shape.batch, shape.seq_len // shape.sp, shape.heads, shape.kv_heads,
-                          shape.head_dim, shape.dtype_bytes)
-    sp = shape.sp
-    ids = 4 * b * L if shape.documents else 0
-    kv, kv32 = b * L * kvh * h * e, b * L * kvh * h * 4  # one of K or V (dK or dV float32)
-    if strategy == "ring":
-        sends, last = _sends(range(sp) if steps is None else steps, sp)
-        home = 1 if last % sp else 0  # dK, dV back to their owner: one send of the distance
-        return {"forward": {"permute": sends * (2 * kv + ids)},
-                "backward": {"permute": sends * (2 * kv + ids) + (sends + home) * 2 * kv32}}
-    if strategy == "all_gather":
-        gather = (sp - 1) * (2 * kv + ids)
-        return {"forward": {"all_gather": gather},
-                "backward": {"all_gather": gather, "reduce_scatter": (sp - 1) * 2 * kv32}}
-    if strategy == "halo":
-        # One permute per exchange, of its hull: K, V and ids (again in the backward), and in the
-        # backward the hull's dK, dV (float32) back to their owners.
-        tokens = sum(ex.stop - ex.start for ex in exchanges)
-        per_token, per_token32 = (2 * kv + ids) // L, 2 * kv32 // L
-        return {"forward": {"permute": tokens * per_token},
-                "backward": {"permute": tokens * (per_token + per_token32)}}
-    if strategy not in ("ulysses", "usp"):
-        raise ValueError(f"strategy={strategy!r} is not one of ring, all_gather, ulysses, usp, halo")
-    u = sp if strategy == "ulysses" else int(degree)
-    groups = sp // u
-    slots = ulysses.kv_head_slots(n, kvh, u).shape[1]  # K/V heads a device holds
-    a2a = lambda x: (u - 1) * x // u  # noqa: E731  all-to-all of x bytes per device
-    q, q32, row32 = b * L * n * h * e, b * L * n * h * 4, b * L * n * 4
-    held, held32 = b * L * u * slots * h * e, b * L * u * slots * h * 4  # K (dK) slots sent
-    gathers = 2 * (u - 1) * ids  # query and K/V segment ids of the group
-    sends, last = _sends(range(groups) if steps is None else steps, groups)
-    home = 1 if last % groups else 0
-    travel = 2 * held + u * ids  # K, V slots of the group's U shards (+ their ids)
-    return {"forward": {"all_to_all": a2a(q) + 2 * a2a(held) + a2a(q32) + a2a(row32),
-                        "all_gather": gathers, "permute": sends * travel},
-            "backward": {"all_to_all": (2 * a2a(q) + 2 * a2a(row32) + 2 * a2a(held)
-                                        + a2a(q32) + 2 * a2a(held32)),
-                         "all_gather": gathers,
-                         "permute": sends * (travel + 2 * held32) + home * 2 * held32}}

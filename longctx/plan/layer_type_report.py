@@ -15,15 +15,13 @@ import collections
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from longctx import reports
 from longctx.errors import ConfigError
 from longctx.model import attention as attention_lib
 from longctx.model import layer_types
-from longctx.ops import masks, strategy_schedule
-from longctx.ops.context_parallel import STRATEGIES
+from longctx.ops import context_parallel, halo, masks, strategy_schedule
 from longctx.plan import collectives
 
 
@@ -36,6 +34,7 @@ class TypeReport:
     block: int
     ring_steps: tuple[int, ...]  # the ring steps its mask runs
     halo_offsets: tuple[int, ...]  # the ring offsets halo receives a hull from (one permute each)
+    steps: str  # what its own strategy's K/V go through ("16 ring steps", "halo offsets [1]")
     computed_blocks: float  # by its own strategy, summed over devices and rows
     critical_path: float  # blocks on the slowest device's path
     formula: dict  # strategy label -> {"forward", "backward"} bytes one device sends per layer
@@ -61,12 +60,6 @@ def describe_mask(attention) -> str:
     return ", ".join(parts)
 
 
-def _strategy_and_degree(label: str) -> tuple[str, int | None]:
-    """"usp U=2" -> ("usp", 2); "ring" -> ("ring", None)."""
-    name, _, degree = label.partition(" U=")
-    return name, int(degree) if degree else None
-
-
 def type_reports(config, *, sp: int, layout: str, segment_ids: np.ndarray, rows: int = 1,
                  mesh: jax.sharding.Mesh | None = None) -> list[TypeReport]:
     """One TypeReport per layer type of `config`'s period, in pattern order.
@@ -81,10 +74,11 @@ def type_reports(config, *, sp: int, layout: str, segment_ids: np.ndarray, rows:
     out = []
     for name, layer_type in types.items():
         a, t = layer_type.attention, traffic[name]
-        strategy, degree = _strategy_and_degree(t.chosen)
-        if strategy not in STRATEGIES:
-            raise ConfigError(f"attention.layer_types.{name}.cp={strategy!r}: the report needs a "
-                             "strategy (resolve cp=auto first: scripts/plan.py chooses one).")
+        if attention_lib.cp_name(a) not in context_parallel.STRATEGIES:
+            raise ConfigError(f"attention.layer_types.{name}.cp={attention_lib.cp_name(a)!r}: the "
+                              "report needs a strategy (resolve cp=auto first: scripts/plan.py "
+                              "chooses one).")
+        chosen = attention_lib.strategy_of(a)
         kw = attention_lib.mask_kwargs(a)
         spec = masks.make_mask_spec(**kw)
         if spec.chunk is not None and a.use_segment_ids:
@@ -93,34 +87,25 @@ def type_reports(config, *, sp: int, layout: str, segment_ids: np.ndarray, rows:
             spec = masks.within_chunk_window(spec)
         block = min(int(a.block_size), seq_len // sp)
         ids = segment_ids if a.use_segment_ids else np.ones((1, seq_len), np.int32)
-        schedule = strategy_schedule.strategy_schedule(strategy, degree, spec, layout, seq_len, sp,
-                                                       block, ids, count_kept=False)
-        static = dict(causal=spec.causal, sliding_window=spec.window, chunk_size=spec.chunk,
-                      layout=layout, block=block)
-        shape = _shape(config, a, sp, rows)
-        steps = collectives.ring_run_steps(shape, **static)
-        exchanges = collectives.halo_exchanges(shape, **static)
+        schedule = strategy_schedule.strategy_schedule(chosen, spec, layout, seq_len, sp, block, ids,
+                                                       count_kept=False)
+        shape = collectives.type_shape(config, a, sp, max(1, rows))
+        cfg = collectives.layer_config(shape, causal=spec.causal, sliding_window=spec.window,
+                                       chunk_size=spec.chunk, layout=layout, block=block)
         lowered = None
         if mesh is not None:
             sent = collectives.attention_traffic(
-                mesh, shape, strategy, degree, impl="splash", layout=layout,
+                mesh, shape, chosen.name, chosen.degree, impl="splash", layout=layout,
                 block_sizes=block, skip_documents=False, **kw)
             lowered = {part: traffic_.total_sent for part, traffic_ in sent.items()}
         out.append(TypeReport(name=name, layers=t.layers, mask=describe_mask(a), strategy=t.chosen,
-                              block=block, ring_steps=tuple(steps),
-                              halo_offsets=tuple(ex.offset for ex in exchanges),
+                              block=block, ring_steps=tuple(cfg.tables.run_steps),
+                              halo_offsets=tuple(ex.offset for ex in halo.exchanges(cfg)),
+                              steps=chosen.steps_in_words(cfg),
                               computed_blocks=float(schedule.computed_blocks),
                               critical_path=float(schedule.critical_path),
                               formula=t.per_strategy, lowered=lowered))
     return out
-
-
-def _shape(config, attention, sp: int, rows: int) -> collectives.Shape:
-    m = config.model
-    return collectives.Shape(batch=max(1, rows), seq_len=config.data.seq_len, sp=sp,
-                             heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                             dtype_bytes=jnp.dtype(m.dtype).itemsize,
-                             documents=bool(attention.use_segment_ids))
 
 
 def _mib(x: float) -> str:
@@ -134,9 +119,7 @@ def markdown(found: list[TypeReport], topology: str | None = None) -> str:
     lowered = [f"lowered {topology} fwd / bwd MiB"] if topology else []
     rows = []
     for r in found:
-        steps = (f"halo offsets {list(r.halo_offsets)}" if r.strategy == "halo"
-                 else f"{len(r.ring_steps)} ring steps")
-        rows.append([r.name, r.layers, r.mask, r.strategy, r.block, steps, f"{r.computed_blocks:,.0f}",
+        rows.append([r.name, r.layers, r.mask, r.strategy, r.block, r.steps, f"{r.computed_blocks:,.0f}",
                      f"{r.critical_path:,.0f}", f"{_mib(r.sent['forward'])} / {_mib(r.sent['backward'])}"]
                     + ([f"{_mib(r.lowered['forward'])} / {_mib(r.lowered['backward'])}"] if r.lowered else []))
     own = reports.table(["layer type", "layers", "mask", "strategy", "block", "steps", "blocks computed",
@@ -148,7 +131,7 @@ def markdown(found: list[TypeReport], topology: str | None = None) -> str:
                                 + ("**" if label == r.strategy else "") for label in labels]
                     for r in found])
     step = sum(r.layers * sum(r.sent.values()) for r in found)
-    on_ring = sum(r.layers * sum(r.formula["ring"].values()) for r in found)
+    on_ring = sum(r.layers * sum(r.formula[context_parallel.DEFAULT].values()) for r in found)
     return ("Per layer, each type on its own strategy: its blocks summed over the devices and rows, "
             "the slowest device's path through them, and the K/V bytes one device sends:\n\n" + own + "\n\nK/V bytes per layer, forward + backward, for every "
             "strategy the heads allow (the type's own in bold):\n\n" + every

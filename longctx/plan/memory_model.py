@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 from longctx import config as config_lib
+from longctx.model import attention as attention_lib
 from longctx.model import remat
-from longctx.ops import ulysses
 from longctx.plan import collectives
 from longctx.train import steps as train_steps
 
@@ -64,30 +64,13 @@ def _saved_per_token(config, sp: int) -> float:
     return carry + qkv + attention_out + (4 * m.d_model + 4 * m.mlp_dim) * e
 
 
-def _attention_working(config, attention, mesh_sizes, rows: int) -> float:
+def _attention_working(config, attention, sp: int, rows: int) -> float:
     """The strategy's largest attention arrays on one device, one layer (forward + backward), for
-    a layer type's resolved `attention` config."""
-    m, a, d = config.model, attention, config.data
-    e = 2 if m.dtype == "bfloat16" else 4
-    sp = mesh_sizes["sp"]
-    L = d.seq_len // sp
-    kv_token = m.num_kv_heads * m.head_dim
-    strategy = a.get("cp", "ring")
-    if strategy == "all_gather":
-        # The whole sequence's K, V, and their float32 gradients twice: the kernel's output and
-        # the reduce-scatter's operand are alive together (the 8B step at 2,097,152 tokens over 64
-        # chips compiles to 92.4 GiB, docs/fit_strategies.md; one float32 copy would say 69).
-        return rows * d.seq_len * kv_token * 2 * (e + 2 * 4)
-    if strategy in ("ulysses", "usp"):
-        u = sp if strategy == "ulysses" else int(a.cp_ulysses)
-        slots = ulysses.kv_head_slots(m.num_heads, m.num_kv_heads, u).shape[1]
-        tokens = rows * L * u  # the group's tokens, 1/u of the heads
-        heads = m.num_heads // u
-        q_like = tokens * heads * m.head_dim * (2 * e + 4 + 4)  # q, out, dq and d_out float32
-        kv = tokens * slots * m.head_dim * 2 * (e + 4) * (2 if strategy == "usp" else 1)
-        return q_like + kv
-    # ring: K, V in flight (two buffers) and dK, dV float32 travelling with them
-    return rows * L * kv_token * 2 * (2 * e + 2 * 4)
+    a layer type's resolved `attention` config: its own account (ops/strategy.py
+    `working_bytes`)."""
+    shape = collectives.type_shape(config, attention, sp, rows)
+    cfg = collectives.type_config(attention, shape, config.attention.layout)
+    return attention_lib.strategy_of(attention).working_bytes(shape, cfg)
 
 
 def per_device_bytes(config, mesh_sizes: dict[str, int]) -> MemoryEstimate:
@@ -114,6 +97,6 @@ def per_device_bytes(config, mesh_sizes: dict[str, int]) -> MemoryEstimate:
     layer = tokens * (m.d_model * e * 6 + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * e * 2)
     gathered = config_lib.num_params_estimate(config) / m.num_layers * e * 2  # this layer and the next
     working = max(mlp, logits) + layer + max(
-        _attention_working(config, t.attention, mesh_sizes, rows)
+        _attention_working(config, t.attention, sp, rows)
         for t, _ in collectives.type_layers(config)) + gathered
     return MemoryEstimate(int(state), int(gradients), int(saved), int(working))

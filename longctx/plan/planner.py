@@ -32,7 +32,7 @@ from longctx.model import attention as attention_lib
 from longctx.model import decoder
 from longctx.model import layer_types as layer_types_lib
 from longctx.ops import blocks as blocks_lib
-from longctx.ops import masks, strategy_schedule, tables
+from longctx.ops import context_parallel, masks, strategy_schedule, tables
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from longctx.plan import attention_work, collectives, hardware, memory_model, step_time
@@ -52,11 +52,17 @@ HBM_HEADROOM = 0.95
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
+    """The strategy a row sets (attention.cp and cp_ulysses); what it costs is its `cp`'s."""
     name: str                  # attention.cp
-    degree: int | None = None  # attention.cp_ulysses (usp)
+    degree: int | None = None  # attention.cp_ulysses (a strategy that takes a Ulysses degree)
+
+    @property
+    def cp(self):
+        """The strategy object (ops/strategy.py) the row runs."""
+        return context_parallel.named(self.name, self.degree)
 
     def __str__(self) -> str:
-        return self.name if self.degree is None else f"{self.name} x{self.degree}"
+        return str(self.cp)
 
 
 # The group of a hybrid model's layer types that take attention.cp: those that set no cp of their
@@ -107,7 +113,7 @@ def _groups(config) -> tuple[tuple[str, tuple[str, ...]], ...]:
 def _configured(config):
     """The strategy the config itself sets: a Strategy, or a PerType for a hybrid model."""
     a = config.attention
-    shared = Strategy(a.get("cp", "ring"), a.get("cp_ulysses"))
+    shared = Strategy(attention_lib.cp_name(a), a.get("cp_ulysses"))
     if not layer_types_lib.is_hybrid(config):
         return shared
     groups = _groups(config)
@@ -181,21 +187,21 @@ def meshes(config, num_chips: int, open_mesh: bool = True) -> list[dict[str, int
     return out
 
 
-def strategies(config, sp: int) -> list[Strategy]:
-    heads = config.model.num_heads
-    out = [Strategy("ring"), Strategy("all_gather")]
-    if sp > 1 and heads % sp == 0:
-        out.append(Strategy("ulysses"))
-    out += [Strategy("usp", u) for u in _divisors(sp) if 1 < u < sp and heads % u == 0]
-    return out if sp > 1 else [Strategy("ring")]
+def strategies(config, sp: int, local: bool = False) -> list[Strategy]:
+    """The strategies that split the model's heads over `sp` devices (ops.context_parallel's
+    candidates, in its order), those offered only to window and chunked layers where `local`;
+    the default alone where there is nothing to split (sp = 1)."""
+    if sp == 1:
+        return [Strategy(context_parallel.DEFAULT)]
+    return [Strategy(s.name, s.degree) for s in context_parallel.candidates(config.model.num_heads, sp)
+            if local or not s.local_masks_only]
 
 
 def _layouts(strategy) -> tuple[str, ...]:
-    # Ulysses computes the whole sequence on every device: the layout changes nothing. The layout
-    # is one for all layers: a hybrid's is chosen for the whole step.
-    names = ({s.name for _, s in strategy.groups} if isinstance(strategy, PerType)
-             else {strategy.name})
-    return ("contiguous",) if names == {"ulysses"} else layout_lib.LAYOUTS
+    # A strategy whose work the layout does not change (Ulysses: every device computes the whole
+    # sequence) needs one. The layout is one for all layers: a hybrid's is chosen for the step.
+    chosen = ([s for _, s in strategy.groups] if isinstance(strategy, PerType) else [strategy])
+    return layout_lib.LAYOUTS if any(s.cp.layout_matters for s in chosen) else ("contiguous",)
 
 
 def _local(attention) -> bool:
@@ -220,11 +226,10 @@ def per_type_strategies(config, sp: int, open_groups=None) -> list[PerType]:
         if (open_groups is not None and group not in open_groups) or keyword.iskeyword(group):
             options.append([configured[group]])
             continue
-        usp_ok = all(own_degree.values()) if group == SHARED else own_degree[group]
-        choices = [s for s in strategies(config, sp) if s.name != "usp" or usp_ok]
-        if sp > 1 and any(_local(resolved[t]) for t in members):
-            choices.append(Strategy("halo"))
-        options.append(choices)
+        degree_ok = all(own_degree.values()) if group == SHARED else own_degree[group]
+        local = any(_local(resolved[t]) for t in members)
+        options.append([s for s in strategies(config, sp, local)
+                        if degree_ok or not s.cp.takes_degree])
     return [PerType(tuple(zip((g for g, _ in groups), combo)), groups)
             for combo in itertools.product(*options)]
 
@@ -260,7 +265,7 @@ def auto_keys(config) -> tuple[str, ...]:
     planner for its block also runs the planner's layout."""
     a = config.attention
     own = [dict(t).get("cp") for t in (a.get("layer_types") or {}).values()]
-    keys = ("attention.cp",) if AUTO in [a.get("cp", "ring"), *own] else ()
+    keys = ("attention.cp",) if AUTO in [attention_lib.cp_name(a), *own] else ()
     if keys and a.layout == AUTO:
         keys += ("attention.layout",)
     if a.block_size == AUTO:
@@ -324,18 +329,16 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
                                                   r.memory.total_bytes, order[id(r)])))
 
 
-# Strategies by how much their price rests on: the ring's pass hides behind its blocks; all-gather
-# and the halo add gathers or permutes the model prices as exposed; Ulysses and usp add
-# all-to-alls over part of the torus (the tie rule's last key before time).
-SIMPLICITY = {"ring": 0, "all_gather": 1, "halo": 2, "ulysses": 3, "usp": 4}
 # Memory-model bytes under this share of HBM leave room for what the model misses (it errs by up
 # to 22% on the compiles, docs/planner_calibration.md): the tie rule's first key.
 COMFORTABLE_HBM = 0.8
 
 
 def simplicity(strategy) -> int:
+    """The least simple of a row's strategies, by their own `simplicity` (ops/strategy.py: how
+    much their price rests on; the tie rule's last key before time)."""
     groups = strategy.groups if isinstance(strategy, PerType) else ((SHARED, strategy),)
-    return max(SIMPLICITY[s.name] for _, s in groups)
+    return max(s.cp.simplicity for _, s in groups)
 
 
 def break_ties(rows: list[Row], margin: float = step_time.HELD_OUT_ERROR) -> list[Row]:
@@ -395,7 +398,7 @@ def _combinations(config, chips: int, open_keys) -> list[tuple]:
 def _open_groups(config):
     """The PerType groups a plan chooses: all (None) for scripts/plan.py; under attention.cp=auto
     SHARED and the types that set cp=auto themselves (a type's own strategy is the user's)."""
-    if config.attention.get("cp", "ring") != AUTO:
+    if attention_lib.cp_name(config.attention) != AUTO:
         return None
     return {SHARED} | {g for g, _ in _groups(config)
                        if g != SHARED and _own_settings(config, g).get("cp") == AUTO}
@@ -541,11 +544,11 @@ def _type_schedules(candidate, segment_ids, ring_schedules: dict, schedules: dic
     out = {}
     for layer_type, _ in collectives.type_layers(candidate):
         t = layer_type.attention
-        strategy = Strategy(t.get("cp", "ring"), t.get("cp_ulysses"))
+        chosen = attention_lib.strategy_of(t)
         spec = masks.make_mask_spec(**attention_lib.mask_kwargs(t))
-        key = (strategy, spec, a.layout, sp, int(t.block_size), rows, id(segment_ids))
+        key = (chosen, spec, a.layout, sp, int(t.block_size), rows, id(segment_ids))
         if key not in schedules:
-            schedules[key] = _schedule(strategy, spec, a.layout, candidate.data.seq_len, sp,
+            schedules[key] = _schedule(chosen, spec, a.layout, candidate.data.seq_len, sp,
                                        int(t.block_size), segment_ids, rows, ring_schedules)
         out[layer_type.name] = schedules[key]
     return out
@@ -560,14 +563,12 @@ def _schedule(strategy, spec, layout, seq_len, sp, block, segment_ids, rows: int
     into `ring_schedules`), without the element-wise count of kept blocks, which a plan does not
     read."""
     if segment_ids is None:
-        return attention_work.static_schedule(strategy.name, strategy.degree, spec, layout,
-                                              seq_len, sp, block)
+        return attention_work.static_schedule(strategy, spec, layout, seq_len, sp, block)
     key = (spec, layout, sp, block, rows, id(segment_ids))  # the sample: plan's `_sample` holds it
     if key not in ring_schedules:
         ring_schedules[key] = [tables.document_schedule(spec, layout, seq_len, sp, block,
                                                         segment_ids[i:i + rows], count_kept=False)
                                for i in range(0, len(segment_ids) - rows + 1, rows)]
     return step_time.BatchMean(tuple(
-        strategy_schedule.from_ring_schedule(strategy.name, strategy.degree, ring, spec, layout,
-                                             seq_len, sp, block)
+        strategy_schedule.from_ring_schedule(strategy, ring, spec, layout, seq_len, sp, block)
         for ring in ring_schedules[key]))

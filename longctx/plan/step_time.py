@@ -13,16 +13,17 @@ attention blocks, collectives and exposed FSDP traffic with its own mask, strate
 times its layer count (`per_type` says what each adds); the matmuls, the optimizer and dp are one
 for the step.
 
-What overlaps what (the model's assumptions, all here):
+What overlaps what (the model's assumptions: the mesh's here, each strategy's in its own account):
   - FSDP weight all-gathers (forward, and again in the backward) and gradient reduce-scatters
     overlap the layer's own compute (XLA's async collectives); a layer waits only for what its
     compute cannot hide: max(0, collective - compute), per layer.
-  - The ring's K/V pass overlaps the step's blocks (ops/ring.py sends before it computes); a
-    ring step takes max(blocks, transfer). The halo's permutes need no compute before them
-    (ops/halo.py): they hide behind the pass's blocks the same way.
-  - all_gather's K/V gather and dK/dV reduce-scatter do not overlap (the TPU compiler runs them
-    before and after the kernel: ops/all_gather.py).
-  - Ulysses' all-to-alls do not overlap: the kernel needs their result, and they need its.
+  - A context-parallel collective overlaps the pass's blocks where its strategy says it is
+    issued under them (ops/strategy.py `Transfer.under_blocks`, in each strategy's module: the
+    ring's K/V pass, sent before a step computes, and usp's pass between groups), and takes
+    max(0, transfer - blocks) of the step; the others are exposed whole (all-gather's gather and
+    reduce-scatter, which the TPU compiler runs before and after the kernel; Ulysses'
+    all-to-alls, whose result the kernel needs; the halo's permutes, whose hulls its one loop of
+    kernel calls waits for).
   - The dp all-reduce of gradients overlaps the backward: max(0, all-reduce - backward).
   - Collectives along a mesh axis use 2 link directions per torus axis it spans (a
     bidirectional ring; half that without wrap-around links), the ring's pass one direction of
@@ -30,8 +31,8 @@ What overlaps what (the model's assumptions, all here):
     between them (plan/links.py); a slice's axes never cross DCN (the planner plans one slice).
 
   - Every context-parallel collective costs CONSTANTS["collective_latency"] seconds that nothing
-    hides (its launch and synchronisation), once per call: once per ring step and pass, once per
-    gather, all-to-all or reduce-scatter.
+    hides (its launch and synchronisation), once per call its strategy counts (`Transfer.calls`):
+    once per ring step and pass, once per gather, all-to-all or reduce-scatter.
 
 Seven constants, fitted on published step times (plan/calibration.py, docs/planner.md): the
 fraction of peak the matmuls reach (CONSTANTS["matmul"]); the attention kernel's efficiency as a
@@ -57,8 +58,8 @@ import math
 import numpy as np
 
 from longctx import config as config_lib
+from longctx.model import attention as attention_lib
 from longctx.model import flops as flops_lib
-from longctx.ops import strategy_schedule
 from longctx.plan import collectives, hardware, links
 
 # Fitted by plan/calibration.py on the points docs/planner.md marks "fit" (the others are held
@@ -137,20 +138,11 @@ def kernel_efficiency(peak_flops: float, call_flops: float, grid_steps: float, k
     return call_flops / (peak_flops * seconds)
 
 
-def _kernel_calls(attention, schedule, config, mesh_sizes, rows) -> float:
-    """Kernel calls per pass of one layer on one device: one per ring step the K/V travel (ring,
-    usp), one per exchange and the own shard (halo), one (all-gather, Ulysses)."""
-    strategy = attention.get("cp", "ring")
-    if mesh_sizes["sp"] == 1 or strategy in ("all_gather", "ulysses"):
-        return 1.0
-    if strategy == "halo":
-        m = config.model
-        shape = collectives.Shape(batch=rows, seq_len=config.data.seq_len, sp=mesh_sizes["sp"],
-                                  heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                                  dtype_bytes=2 if m.dtype == "bfloat16" else 4,
-                                  documents=bool(attention.use_segment_ids))
-        return 1.0 + len(_halo_exchanges(shape, attention, config.attention.layout))
-    return max(1.0, float(schedule.steps))
+def _kernel_calls(attention, schedule, cfg) -> float:
+    """Kernel calls per pass of one layer on one device, by its strategy (ops/strategy.py
+    `kernel_calls`: one per ring step the K/V travel for the ring and usp, one per exchange and
+    the own shard for halo, one for all-gather and Ulysses)."""
+    return attention_lib.strategy_of(attention).kernel_calls(cfg, schedule.steps)
 
 
 @dataclasses.dataclass
@@ -351,7 +343,9 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
         block = int(a.block_size)
         blocks = sched.critical_path * rows / rows_in_schedule
         block_flops = 4.0 * block * block * m.head_dim * m.num_heads  # forward, all heads
-        calls = _kernel_calls(a, sched, config, mesh_sizes, rows)
+        shape = collectives.type_shape(config, a, sp, rows)
+        cfg = collectives.type_config(a, shape, config.attention.layout)
+        calls = _kernel_calls(a, sched, cfg)
         # grid steps walked with nothing live, per pass (static schedules count them; the
         # forward and dQ walk rows, dK/dV columns: attention_work.GridSchedule)
         dead = {"forward": getattr(sched, "dead_rows", 0.0),
@@ -367,8 +361,8 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
                                   dead_steps=dead[p] * rows / rows_in_schedule * m.num_heads / calls)
             attention_pass[p] = count * calls * flops / (chip.peak_flops * e)
         type_attention = sum(attention_pass.values())
-        seconds, exposed = _cp_seconds(config, a, count, topology, sched, mesh_sizes, spans, rows,
-                                       attention_pass, eff["collective_latency"])
+        seconds, exposed = _cp_seconds(a, shape, cfg, count, topology, sched, spans, attention_pass,
+                                       eff["collective_latency"])
         for kind, t in seconds.items():
             cp_seconds[kind] = cp_seconds.get(kind, 0.0) + t
         layer_compute = matmul / m.num_layers + type_attention / count
@@ -377,9 +371,8 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
         cp_exposed += exposed
         fsdp_exposed += type_fsdp
         attention_hw_flops += count * blocks * block_flops * sum(ATTENTION_PASSES.values())
-        cp = a.get("cp", "ring")
         per_type[layer_type.name] = {
-            "layers": count, "cp": cp if cp != "usp" else f"usp x{sched.degree}", "block_size": block,
+            "layers": count, "cp": str(attention_lib.strategy_of(a)), "block_size": block,
             "attention_seconds": type_attention, "cp_exposed_seconds": exposed,
             "fsdp_exposed_seconds": type_fsdp}
 
@@ -401,76 +394,46 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
         per_type=per_type)
 
 
-def _cp_seconds(config, attention, layers, topology, schedule, mesh_sizes, spans, rows,
-                attention_pass, latency):
+def _cp_seconds(attention, shape, cfg, layers, topology, schedule, spans, attention_pass, latency):
     """({"cp_<kind>": seconds on the links}, exposed seconds) of one layer type's strategy
-    (`attention`: its resolved config) over its `layers` layers; `attention_pass`: those layers'
-    attention seconds per pass, which the permutes hide behind."""
-    m, a = config.model, attention
-    sp = mesh_sizes["sp"]
-    if sp == 1:
+    (`attention`: its resolved config; `shape`, `cfg`: one of its calls) over its `layers` layers;
+    `attention_pass`: those layers' attention seconds per pass, which the transfers the strategy
+    runs under its blocks hide behind."""
+    if shape.sp == 1:
         return {}, 0.0
-    strategy = a.get("cp", "ring")
-    degree = schedule.degree if strategy == "usp" else None
-    shape = collectives.Shape(batch=rows, seq_len=config.data.seq_len, sp=sp, heads=m.num_heads,
-                              kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                              dtype_bytes=2 if m.dtype == "bfloat16" else 4,
-                              documents=bool(a.use_segment_ids))
-    exchanges = None
-    if strategy == "halo":
-        exchanges = _halo_exchanges(shape, a, config.attention.layout)
+    chosen = attention_lib.strategy_of(attention)
     seconds, exposed = {}, 0.0
     for steps, weight in _step_weights(schedule).items():
-        part_seconds, part_exposed = _cp_seconds_of(strategy, degree, shape, steps, exchanges,
-                                                    layers, topology, spans, attention_pass, latency)
+        transfers = chosen.transfers(shape, cfg, range(steps))
+        part_seconds, part_exposed = _transfer_seconds(transfers, shape.sp, layers, topology, spans,
+                                                       attention_pass, latency)
         for kind, t in part_seconds.items():
             seconds[kind] = seconds.get(kind, 0.0) + weight * t
         exposed += weight * part_exposed
     return seconds, exposed
 
 
-def _cp_seconds_of(strategy, degree, shape, steps: int, exchanges, layers, topology, spans,
-                   attention_pass, latency):
-    """_cp_seconds for K/V travelling `steps` ring steps (the ring's or the ring of groups')."""
-    sp = shape.sp
-    parts = collectives.formula_parts(strategy, shape, degree=degree, steps=range(steps),
-                                      exchanges=exchanges)
+def _transfer_seconds(transfers, sp: int, layers, topology, spans, attention_pass, latency):
+    """_cp_seconds of one strategy's `transfers` (ops/strategy.py: its bytes by kind and pass,
+    K/V travelling a given number of steps)."""
     link = topology.device.ici_link_bandwidth
-    u = sp if strategy == "ulysses" else (degree or 1)
-    # The Ulysses group is the inner part of sp (mesh.ring_cycle): its links are sp's first.
-    u_span = min(spans["sp"], math.log(u) / math.log(max(2, sp)) * spans["sp"]) if sp > 1 else 0.0
-    groups = {"all_to_all": (u, u_span), "permute": (2, 1.0),
-              "all_gather": (u if strategy in ("ulysses", "usp") else sp,
-                             u_span if strategy in ("ulysses", "usp") else spans["sp"]),
-              "reduce_scatter": (sp, spans["sp"])}
-    # Calls of the permute per pass: the ring's steps, or halo's exchanges.
-    permutes = len(exchanges) if exchanges is not None else max(1, steps)
     seconds, exposed = {}, 0.0
-    for p, kinds in parts.items():
-        for kind, sent in kinds.items():
-            group, span = groups[kind]
-            t = layers * _collective_seconds(kind, sent, group, span,
-                                             hardware.has_wraparound(topology, group), link)
-            if kind == "permute" and strategy == "usp":
-                # device j sends to j + U on the ring's cycle, all at once: every link on the
+    for p, parts in transfers.items():
+        for t in parts:
+            span = 1.0 if t.kind == "permute" else _group_span(t.group, sp, spans["sp"])
+            secs = layers * _collective_seconds(t.kind, t.sent, t.group, span,
+                                                hardware.has_wraparound(topology, t.group), link)
+            if t.stride > 1:
+                # device j sends to j + stride on the ring's cycle, all at once: every link on the
                 # way carries that many sends (links.pass_hops, from mesh.ring_cycle)
-                t *= links.pass_hops(topology, sp, u)
-            seconds[f"cp_{kind}"] = seconds.get(f"cp_{kind}", 0.0) + t
-            if kind == "permute":
-                # Each ring step's pass (halo: each exchange, which needs no compute before it)
-                # hides behind the pass's blocks.
-                exposed += max(0.0, t - attention_pass[p]) + layers * permutes * latency
-            else:
-                exposed += t + layers * latency
+                secs *= links.pass_hops(topology, sp, t.stride)
+            seconds[f"cp_{t.kind}"] = seconds.get(f"cp_{t.kind}", 0.0) + secs
+            hidden = attention_pass[p] if t.under_blocks else 0.0
+            exposed += max(0.0, secs - hidden) + layers * t.calls * latency
     return seconds, exposed
 
 
-@functools.lru_cache(maxsize=256)
-def _halo_exchanges_cached(shape, mask_items):
-    return collectives.halo_exchanges(shape, **dict(mask_items))
-
-
-def _halo_exchanges(shape, attention, layout: str):
-    """What halo sends at each ring offset for a type's mask in `layout` (collectives.type_mask)."""
-    mask = collectives.type_mask(attention, layout, shape.seq_len, shape.sp)
-    return _halo_exchanges_cached(shape, tuple(sorted(mask.items())))
+def _group_span(group: int, sp: int, sp_span: float) -> float:
+    """Torus axes a collective over `group` devices of the sp axis spans: all of sp's for the
+    whole axis; a Ulysses group is the inner part of sp (mesh.ring_cycle), its links sp's first."""
+    return min(sp_span, math.log(group) / math.log(max(2, sp)) * sp_span)

@@ -190,13 +190,14 @@ def test_kv_bytes_per_step_sum_each_layer_types_closed_form():
     # reaches 255 keys back: the shard before, whole (with no documents it would send nothing)
     exchanges = collectives.halo_exchanges(shape, sliding_window=32, layout="contiguous", block=128)
     assert [(e.offset, e.stop - e.start) for e in exchanges] == [(1, 128)]
-    window = sum(collectives.formula("halo", shape, exchanges=exchanges).values())
+    window = sum(collectives.formula("halo", shape, sliding_window=32, layout="contiguous",
+                                     block=128).values())
     assert 0 < window < full
     assert ablate.kv_bytes_per_step(one_to_one.config, "contiguous", mesh) == 6 * full + 6 * window
     llama4 = variants[4]
     assert collectives.halo_exchanges(shape, chunk_size=256, layout="contiguous", block=128) == ()
-    chunk = sum(collectives.formula("halo", shape, exchanges=collectives.halo_exchanges(
-        shape, sliding_window=(255, 0), layout="contiguous", block=128)).values())
+    chunk = sum(collectives.formula("halo", shape, sliding_window=(255, 0), layout="contiguous",
+                                    block=128).values())
     assert 0 < chunk
     assert ablate.kv_bytes_per_step(llama4.config, "contiguous", mesh) == 3 * full + 9 * chunk
     llama4.config.attention.layer_types.local.cp = "something new"

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from longctx.ops import masks, ring, shard_pairs, strategy_schedule, ulysses
+from longctx.ops import context_parallel, masks, ring, shard_pairs, strategy_schedule, ulysses
 from longctx.ops import tables as tables_lib
 from longctx.ops.ring import RingConfig
 from longctx.parallel import layout as layout_lib
@@ -37,7 +37,8 @@ STRATEGIES = [("ring", None), ("all_gather", None), ("ulysses", None), ("usp", 2
 def test_every_strategy_computes_exactly_the_kept_blocks(layout, mask):
     spec = masks.make_mask_spec(**mask)
     seg = _documents(seed=len(layout))
-    schedules = {s: strategy_schedule.strategy_schedule(s, u, spec, layout, SEQ_LEN, SP, BLOCK, seg)
+    schedules = {s: strategy_schedule.strategy_schedule(context_parallel.named(s, u), spec, layout,
+                                                     SEQ_LEN, SP, BLOCK, seg)
                  for s, u in STRATEGIES}
     kept = schedules["ring"].kept_blocks
     assert kept > 0
@@ -56,8 +57,8 @@ def test_usp_visits_the_group_steps_its_ring_runs():
     """The report's steps are the ones ulysses.group_steps makes the program visit."""
     spec = masks.make_mask_spec(causal=True, sliding_window=(300, 0))
     seg = np.ones((1, SEQ_LEN), np.int32)
-    schedule = strategy_schedule.strategy_schedule("usp", 2, spec, "contiguous", SEQ_LEN, 8, BLOCK,
-                                                   seg, count_kept=False)
+    schedule = strategy_schedule.strategy_schedule(context_parallel.named("usp", 2), spec, "contiguous",
+                                                   SEQ_LEN, 8, BLOCK, seg, count_kept=False)
     cfg = RingConfig(spec=spec, layout="contiguous", seq_len=SEQ_LEN, sp=8, bq=BLOCK, bkv=BLOCK,
                      bkv_compute=BLOCK, bkv_dkv_compute=BLOCK, impl="xla", soft_cap=None, scale=1.0,
                      axis_name="sp", interpret=False)
@@ -129,7 +130,7 @@ def _check_every_strategy(monkeypatch, per_step, pairs, static, sp):
     against the counts from `pairs` [query shard, K/V shard]; usp's group steps against `static`."""
     for name, degree in [("ring", None), ("all_gather", None), ("ulysses", None),
                          ("usp", 2), ("usp", 4)]:
-        schedule = strategy_schedule.from_step_blocks(name, degree, per_step, 0.0, None, sp, static)
+        schedule = context_parallel.named(name, degree).from_step_blocks(per_step, 0.0, None, sp, static)
         expected = _expected_step_work(monkeypatch, name, degree, pairs)
         np.testing.assert_array_equal(schedule.step_work, expected, err_msg=f"{name}:{degree}")
         np.testing.assert_array_equal(schedule.work, expected.sum(axis=1))

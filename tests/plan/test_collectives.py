@@ -112,11 +112,8 @@ def test_formula_equals_the_lowered_program(mesh, strategy, degree, kv_heads, do
     got = collectives.attention_traffic(mesh, shape, strategy, degree, impl="xla", layout="contiguous",
                                         block_sizes=128, skip_documents=False, **mask)
     kw = dict(layout="contiguous", block=128, **mask)
-    steps = (collectives.ring_run_steps(shape, **kw) if strategy == "ring" else
-             collectives.usp_group_steps(shape, degree, **kw) if strategy == "usp" else None)
-    exchanges = collectives.halo_exchanges(shape, **kw) if strategy == "halo" else None
-    want = collectives.formula(strategy, shape, degree=degree, steps=steps, exchanges=exchanges)
-    parts = collectives.formula_parts(strategy, shape, degree=degree, steps=steps, exchanges=exchanges)
+    want = collectives.formula(strategy, shape, degree=degree, **kw)
+    parts = collectives.formula_parts(strategy, shape, degree=degree, **kw)
     for part in ("forward", "backward"):
         t = got[part]
         assert t.unknown_loops == 0 and t.total_sent == t.total_received == want[part], (part, t)
@@ -124,8 +121,9 @@ def test_formula_equals_the_lowered_program(mesh, strategy, degree, kv_heads, do
         by_kind = {HLO_KIND[k]: n for k, n in parts[part].items() if n}
         assert {k: n for k, n in t.sent.items() if n} == by_kind, (part, t.sent, by_kind)
     if strategy == "ring" and "sliding_window" in mask:
-        assert steps == (0, 1)  # K/V go one hop, not SP - 1
+        assert collectives.ring_run_steps(shape, **kw) == (0, 1)  # K/V go one hop, not SP - 1
     if strategy == "halo" and "sliding_window" in mask:  # one hop, and only the window's blocks
+        exchanges = collectives.halo_exchanges(shape, **kw)
         assert [(ex.offset, ex.stop - ex.start) for ex in exchanges] == [(1, 128)]
 
 

@@ -1,10 +1,10 @@
-"""The grid steps splash walks with nothing live (plan/attention_work.static_grid_blocks): one grid
+"""The grid steps splash walks with nothing live (each strategy's dead_grid_steps): one grid
 for every device, q blocks x the busiest row's live kv blocks (forward, dQ) and kv blocks x the
 busiest column's live q blocks (dK/dV), against a brute force over the exact classifier."""
 import numpy as np
 import pytest
 
-from longctx.ops import masks, tables
+from longctx.ops import context_parallel, masks, tables
 from longctx.plan import attention_work
 
 
@@ -24,8 +24,9 @@ def _brute_ring(spec, layout, seq_len, sp, block):
 @pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=True, sliding_window=300)])
 def test_the_rings_dead_grid_steps_are_a_brute_force_count(layout, mask):
     spec = masks.make_mask_spec(**mask)
-    assert attention_work.static_grid_blocks("ring", None, spec, layout, 4096, 4, 128) == \
-        _brute_ring(spec, layout, 4096, 4, 128)
+    live = attention_work.static_live_blocks(spec, layout, 4096, 4, 128)
+    want = _brute_ring(spec, layout, 4096, 4, 128)
+    assert context_parallel.named("ring").dead_grid_steps(live) == want
 
 
 @pytest.mark.parametrize("strategy,degree", [("all_gather", None), ("ring", None), ("usp", 2),
@@ -37,7 +38,8 @@ def test_a_balanced_layout_halves_the_live_blocks_not_the_grid(strategy, degree)
     sp, nq = 8, 8
     walked = {}
     for layout in ("contiguous", "zigzag"):
-        s = attention_work.static_schedule(strategy, degree, spec, layout, sp * nq * 128, sp, 128)
+        s = attention_work.static_schedule(context_parallel.named(strategy, degree), spec, layout,
+                                           sp * nq * 128, sp, 128)
         assert s.dead_rows == s.dead_columns >= 0
         walked[layout] = s.critical_path + s.dead_rows
         if layout == "zigzag":
@@ -48,5 +50,6 @@ def test_a_balanced_layout_halves_the_live_blocks_not_the_grid(strategy, degree)
 def test_a_full_mask_walks_no_dead_step():
     spec = masks.make_mask_spec(causal=False)
     for strategy, degree in [("all_gather", None), ("ring", None), ("usp", 4)]:
-        s = attention_work.static_schedule(strategy, degree, spec, "zigzag", 8192, 8, 128)
+        chosen = context_parallel.named(strategy, degree)
+        s = attention_work.static_schedule(chosen, spec, "zigzag", 8192, 8, 128)
         assert (s.dead_rows, s.dead_columns) == (0.0, 0.0)

@@ -58,7 +58,7 @@ def test_each_batch_of_an_sp_group_s_rows_is_priced_on_its_own(batch):
         checked.add(s.name)
         per_batch = []
         for i in range(0, len(ids), batch):
-            schedule = strategy_schedule.strategy_schedule(s.name, s.degree, spec, "contiguous", SEQ, 8, 512,
+            schedule = strategy_schedule.strategy_schedule(s.cp, spec, "contiguous", SEQ, 8, 512,
                                                            ids[i:i + batch], count_kept=False)
             per_batch.append(step_time.estimate(row.config, TOPOLOGY, schedule, mesh,
                                                 rows_in_schedule=batch))

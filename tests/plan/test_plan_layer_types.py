@@ -80,6 +80,21 @@ def test_gemma3_chooses_the_halo_for_its_window_and_a_ring_strategy_for_its_glob
     assert ring_local.per_type["local"]["cp_exposed_seconds"] > 2 * s.per_type["local"]["cp_exposed_seconds"]
 
 
+def test_the_halo_s_permutes_are_priced_exposed_as_its_program_runs_them():
+    """ops/halo.py stacks every received hull before its one loop of kernel calls and sends the
+    dK/dV hulls home after it (tests/ops/test_strategy_overlap.py reads that from the program), so
+    its permutes add to the step whole, however long the local layers' blocks: here the blocks
+    take longer than the permutes, which a rule hiding them behind the blocks would hide."""
+    c = _config("gemma3_12b_128k")
+    mesh = {"dp": 1, "fsdp": 4, "sp": 16}
+    strategy = planner.PerType(((planner.SHARED, planner.Strategy("all_gather")),
+                                ("local", planner.Strategy("halo"))), planner._groups(c))
+    s = _priced(c, mesh, strategy, "zigzag", 512)
+    local, permutes = s.per_type["local"], s.communication["cp_permute"]  # all-gather sends none
+    assert 0 < permutes < local["attention_seconds"]
+    assert local["cp_exposed_seconds"] > permutes
+
+
 def test_a_per_type_row_is_the_config_its_overrides_give():
     """The row's config holds each type's strategy where that type reads it (its own cp, or
     attention.cp), and its command-line overrides say the same."""

@@ -64,7 +64,7 @@ def _brute_force(row, ids: np.ndarray) -> list[step_time.StepEstimate]:
     batch = planner.batch_rows(c, row.mesh, ids)
     per_batch = []
     for i in range(0, len(ids), batch):
-        schedule = strategy_schedule.strategy_schedule(s.name, s.degree, spec, row.layout, SEQ, sp,
+        schedule = strategy_schedule.strategy_schedule(s.cp, spec, row.layout, SEQ, sp,
                                                        row.block, ids[i:i + batch], count_kept=False)
         per_batch.append(step_time.estimate(c, TOPOLOGY, schedule, row.mesh, rows_in_schedule=batch,
                                             pairs_per_row=step_time.document_pairs(c, ids)))

@@ -18,7 +18,7 @@ from longctx import config as config_lib
 from longctx.data import length_mixes
 from longctx.errors import ConfigError
 from longctx.model import flops
-from longctx.ops import masks, tables
+from longctx.ops import context_parallel, masks, tables
 from longctx.parallel import layout as layout_lib
 from longctx.plan import aot, attention_work, auto, hardware, memory_model, planner, step_time
 from tests import child_env
@@ -123,7 +123,8 @@ def test_the_models_flops_are_flops_py(strategy, degree):
     c = _config(attention=dict(causal=False, cp=strategy, cp_ulysses=degree, layout="contiguous"),
                 data=dict(seq_len=32_768, global_batch_size=4), mesh=dict(dp=1, fsdp=4, sp=16))
     spec = masks.make_mask_spec(causal=False)
-    schedule = attention_work.static_schedule(strategy, degree, spec, "contiguous", 32_768, 16, 512)
+    schedule = attention_work.static_schedule(context_parallel.named(strategy, degree), spec, "contiguous",
+                                              32_768, 16, 512)
     m = c.model
     block_model_flops = 3 * 4 * 512 * 512 * m.head_dim * m.num_heads * m.num_layers
     assert schedule.computed_blocks * c.data.global_batch_size * block_model_flops == \
