@@ -512,7 +512,7 @@ def prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, po
     bq, bkv, bkvc, bkvc_dkv = _block_sizes(block_sizes, L, impl, layout)
     device_kind = _tpu_device_kind() if impl == "splash" else None
     if device_kind is not None:
-        from longctx.ops import splash_kernels  # (Pallas TPU: loaded for impl="splash" only)
+        from longctx.ops import splash_kernels  # lazily: Pallas TPU, for impl="splash" only
         splash_kernels.check_vmem(bq, bkv, max(bkvc, bkvc_dkv), head_dim, query.dtype.itemsize,
                                   splash_kernels.Masking(spec != masks.MaskSpec(),
                                                          q_segment_ids is not None), device_kind)

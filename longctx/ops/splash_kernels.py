@@ -92,7 +92,7 @@ def vmem_limit_bytes(device_kind: str | None) -> int | None:
     larger than the default."""
     if device_kind is None:
         return None
-    from jax._src.pallas.mosaic import tpu_info  # (the chip table; TPU-only, loaded when asked)
+    from jax._src.pallas.mosaic import tpu_info  # lazily: the chip table, TPU-only
     chip = tpu_info.chip_version_from_device_kind(device_kind)
     if chip is None:
         return None
