@@ -529,6 +529,12 @@ def _loop(run: _Run, state, train_iter, stop: _StopRequest) -> tuple[dict, int |
                 run.writer.write(done, found, prefix=f"{evaluator.prefix}/")
                 say(f"step {done}: {evaluator.log_line(found)}")
                 window.restart_clock(done, time.perf_counter())
+            if (save or stopping) and (evaluate_now or hooks_now):
+                # An evaluation takes minutes, in which another run may have taken the lease over:
+                # read it again right before the save.
+                _, lease_lost = stop.agreed(not run.lease.still_held())
+                if lease_lost:
+                    raise _lease_lost_error(run, done)
             if save or stopping:
                 checkpointer.maybe_save(done, state, train_iter, force=True)
             if stopping:

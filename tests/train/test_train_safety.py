@@ -24,6 +24,7 @@ from configs import base
 from longctx import errors
 from longctx.parallel import mesh as mesh_lib
 from longctx.train import checkpoint as checkpoint_lib
+from longctx.train import hooks
 from longctx.train import lease as lease_lib
 from longctx.train import loop as train_loop
 from longctx.train import optimizer as train_optimizer
@@ -477,6 +478,32 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(tmp_path, m
         r"this workdir: to go on with this one instead, stop that run and start this command again\.",
         str(error.value)), str(error.value)
     assert _steps(workdir) == [2] and _logged_steps(workdir) == [1]
+    assert "lease" not in capsys.readouterr().out  # (said once, by the error)
+
+
+def test_a_lease_taken_over_during_an_evaluation_is_read_again_before_the_save(tmp_path, capsys):
+    """The loop reads the lease at each sync step, then evaluates, then saves: an evaluation takes
+    minutes, in which another run may take the lease over. Here the evaluator of step 4, a save
+    step, does that; the run reads the lease again before the save, and stops without saving step 4
+    (before, it saved it over the other run's checkpoints and stopped at step 6)."""
+    workdir = str(tmp_path / "run")
+
+    def build(context):
+        def evaluate(params, step):
+            if step == 4:
+                _take_the_lease_over(workdir)
+            return {"score": 1.0}
+
+        return evaluate
+
+    evaluator = hooks.Evaluator(every_key="eval_needle_every", prefix="needle", build=build,
+                                log_line=lambda found: "evaluated")
+    config = _config(8, every_steps=2, log_every=4)
+    config.train.eval_needle_every = 2
+    with pytest.raises(errors.RunError, match=r"was taken over by host elsewhere, pid 4242, .*; stopped after "
+                                              r"step 4 without saving it"):
+        train_loop.train_and_evaluate(config, workdir, evaluators=[evaluator])
+    assert _steps(workdir) == [2]
     assert "lease" not in capsys.readouterr().out  # (said once, by the error)
 
 
