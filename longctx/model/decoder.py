@@ -332,7 +332,7 @@ class Decoder(nnx.Module):
         # scatter-adds every occurrence of a token into that token's row, and a low-precision copy
         # of the table would make that sum a bf16 one (a frequent token's row lost most of it).
         x = self.embed[...][tokens]
-        scale = block_options.embed_factor(m)  # (Gemma's sqrt(d_model), in float32)
+        scale = block_options.embed_factor(m)  # (Gemma's sqrt(d_model), rounded to model.dtype)
         x = (x if scale is None else x * scale).astype(jnp.dtype(m.dtype))
         for spec in mesh_lib.embedding_lookup_reshards():  # ends at _EMBED_ACTIVATION
             x = jax.lax.with_sharding_constraint(x, spec)
