@@ -48,6 +48,7 @@ processes (launch/local.py's, ablate.py's).
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import importlib.util
 import keyword
@@ -399,7 +400,8 @@ def parse_absl_flags(argv: list[str]) -> list[str]:
     # ml_collections reads the overrides from sys.argv itself, not from the argv it is given.
     names = [name for name, _ in _config_flags()]
     argv = list(argv)
-    sys.argv[:] = quote_keyword_keys(sys.argv, names)
+    new_type_keys = take_new_type_keys(argv)
+    sys.argv[:] = quote_keyword_keys([arg for arg in sys.argv if arg not in new_type_keys], names)
     try:
         rest = flags.FLAGS(quote_keyword_keys(argv, names))
     except flags.Error as e:
@@ -420,7 +422,58 @@ def parse_absl_flags(argv: list[str]) -> list[str]:
     error = config_file_error(argv)  # ml_collections defers a missing file's error to first use
     if error is not None:
         raise error
+    set_type_keys(new_type_keys)
     return rest
+
+
+def _new_type_key(arg: str) -> re.Match | None:
+    """`--<config flag>.attention.layer_types.<type>.<key>=VALUE`, parsed (or None)."""
+    return re.match(r"^--?(?P<flag>[^.=]+)\.attention\.layer_types\.(?P<type>[^.=]+)\.(?P<key>[^.=]+)=(?P<value>.*)$",
+                    arg, re.S)
+
+
+def take_new_type_keys(argv: list[str]) -> dict[str, re.Match]:
+    """Removes from `argv` (in place) and returns, by argument, each override of a layer type's key
+    (layer_types.TYPE_KEYS: docs/attention.md lists them) that the config file's type does not set,
+    or of a type it does not define. ml_collections overrides only keys a config already has, and a
+    type sets only what sets it apart, so `--config.attention.layer_types.local.chunk_size=64` on a
+    type without a chunk was an unknown key; `set_type_keys` sets these once the flags are parsed."""
+    from longctx.model import layer_types  # lazily: it imports jax, which start() must precede
+
+    taken = {}
+    for name, flag in _config_flags():
+        spec = _flag_value(argv, name)
+        matches = [(arg, m) for arg in argv[1:] if (m := _new_type_key(arg)) and m["flag"] == name
+                   and m["key"] in layer_types.TYPE_KEYS]
+        if spec is None or not matches:
+            continue
+        try:
+            config = flag.parser.parse(spec)
+            types = config.attention.get("layer_types") or {}
+        except Exception:  # noqa: BLE001  (the config file itself fails: parsing says so)
+            continue
+        for arg, m in matches:
+            if m["type"] not in types or m["key"] not in types[m["type"]]:
+                taken[arg] = m
+    argv[:] = [arg for arg in argv if arg not in taken]
+    return taken
+
+
+def set_type_keys(taken: dict[str, re.Match]) -> None:
+    """Sets the layer-type keys `take_new_type_keys` took, in the parsed configs, each value read
+    as ml_collections reads a literal (true/false, a number, None, else the string)."""
+    from absl import flags  # lazily: only absl scripts parse absl flags
+
+    from longctx import config as config_lib  # lazily: it imports jax, which start() must precede
+
+    for m in taken.values():
+        text = m["value"].capitalize() if m["value"] in ("true", "false") else m["value"]
+        try:
+            value = ast.literal_eval(text)
+        except (SyntaxError, ValueError):
+            value = m["value"]
+        config_lib.apply_overrides(flags.FLAGS[m["flag"]].value,
+                                   {f"attention.layer_types.{m['type']}.{m['key']}": value})
 
 
 def quote_keyword_keys(argv: list[str], config_flag_names: list[str]) -> list[str]:
@@ -567,8 +620,13 @@ def check_key(config, path: str, arg: str) -> ConfigError | None:
         if part not in keys and not keys:
             return ConfigError(f"unknown config key {path} in {arg}: {'.'.join(seen) or 'the config'} "
                                "has no keys.")
+        if seen[:2] == ["attention", "layer_types"] and len(seen) == 3:  # (a type sets any of its keys)
+            from longctx.model import layer_types  # lazily: it imports jax, which start() must precede
+
+            keys = list(layer_types.TYPE_KEYS)
         if part not in keys:
-            where = f"the keys of {'.'.join(seen)}" if seen else "the config's top-level keys"
+            where = (f"the keys of {'.'.join(seen)}" if len(seen) != 3 or seen[1] != "layer_types"
+                     else "the keys a layer type sets") if seen else "the config's top-level keys"
             ranked = difflib.get_close_matches(part, keys, n=len(keys), cutoff=0.0)
             return ConfigError(f"unknown config key {'.'.join(seen + [part])} in {arg}; {where}, "
                                f"closest first: {', '.join(ranked)}.")

@@ -47,9 +47,19 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> None:
     """Sets dotted keys ("model.num_layers": 4) on a (locked) ConfigDict; ints become floats where
     the field is a float. The one setter of dotted keys (the converter's overrides, a grid's
     variants, a saved config changed for inference): an unknown key raises KeyError, a value of the
-    wrong type TypeError, for the caller to put in its own words."""
+    wrong type TypeError, for the caller to put in its own words. A layer type's key
+    (attention.layer_types.<type>.<key>) is set whether or not the type sets it yet: a type holds
+    only what sets it apart (longctx/model/layer_types.py)."""
     for key, value in overrides.items():
         *sections, name = key.split(".")
+        types = config.attention.get("layer_types") or {}
+        if (sections[:2] == ["attention", "layer_types"] and len(sections) == 3 and name in layer_types_lib.TYPE_KEYS
+                and name not in (types.get(sections[2]) or {})):
+            with config.unlocked():
+                if sections[2] not in config.attention.layer_types:
+                    config.attention.layer_types[sections[2]] = {}
+                config.attention.layer_types[sections[2]][name] = value
+            continue
         node = config
         for section in sections:
             node = node[section]
@@ -336,6 +346,14 @@ def _check_layer_types(config, sp: int, shard_len: int) -> None:
     """Each layer type of attention.pattern, as resolved (its keys over attention.*), by the rules
     attention.* itself meets; a message names the type's key (attention.layer_types.<name>.<key>).
     An unknown type or key is one sentence from layer_types itself."""
+    types, text = config.attention.get("layer_types") or {}, config.attention.get("pattern") or ""
+    _require(not types or text.strip(),
+             f"attention.layer_types defines {', '.join(sorted(types))} but attention.pattern is empty, so no "
+             f"layer is of them: name them in --config.attention.pattern (one period, in order, e.g. "
+             f"{','.join(sorted(types))}) or set --config.attention.layer_types={{}}.")
+    unused = sorted(set(types) - set(layer_types_lib.pattern(config.attention)))
+    _require(not unused, f"attention.layer_types.{unused[0] if unused else ''} is defined but attention.pattern="
+             f"{text!r} names no layer of it: add it to the pattern, or fix its name if it is misspelt.")
     for layer_type in layer_types_lib.period(config):
         if layer_type.name == layer_types_lib.UNIFORM:
             continue

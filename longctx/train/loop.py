@@ -26,6 +26,7 @@ from longctx import data as data_lib
 from longctx import errors, ops
 from longctx.model import attention as attention_lib
 from longctx.model import flops as flops_lib
+from longctx.model import layer_types as layer_types_lib
 from longctx.ops import tables
 from longctx.parallel import mesh as mesh_lib
 from longctx.parallel import processes
@@ -324,11 +325,13 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
 
 
 def _start_up_notes(config, checkpointer, state) -> list[str]:
-    """`optimizer_notes` for this start: on a resume, against the config the checkpoint was saved with."""
+    """`optimizer_notes` for this start (on a resume, against the config the checkpoint was saved
+    with), and the layer types whose window or chunk spans the whole row."""
     step, saved = int(jax.device_get(state.step)), None
     if step > 0:  # (a fresh start, init_from included, is at step 0)
         saved = checkpointer.saved_config(step)
-    return optimizer_notes(config, saved, int(jax.device_get(applied_updates(state.opt_state))))
+    return (optimizer_notes(config, saved, int(jax.device_get(applied_updates(state.opt_state))))
+            + layer_types_lib.whole_row_notes(config))
 
 
 def _write_run_info(config, workdir: str, mesh, layout: str, data_dir: str, documents=None,
