@@ -304,15 +304,16 @@ def test_a_failed_run_is_one_line_exit_1(tmp_path):
     """RunError (what ablate raises for a failed variant; the loop raises it for a non-finite loss
     or a failed save) prints one line and exits 1; the variant's own line is shown above it."""
     grid = tmp_path / "grid.py"
+    missing = tmp_path / "no_data"  # (a valid config: the run finds the directory missing)
     grid.write_text('BASE = "configs/base.py:tiny"\n'
-                    'def get_grid():\n    return {"bad": {"mesh.sp": 3}}\n')
+                    f'def get_grid():\n    return {{"bad": {{"data.path": "{missing}"}}}}\n')
     r = run("scripts/ablate.py", f"--grid={grid}", f"--workdir={tmp_path / 'runs'}")
     assert r.returncode == 1
     assert "Traceback" not in r.stdout + r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("longctx: ")]
-    assert lines[0].startswith("longctx: mesh: ")  # the training run's own message
+    assert lines[0].startswith(f"longctx: data.path={missing} "), lines  # the training run's own message
     assert re.fullmatch(r"longctx: variant 'bad' failed with exit code 2 \(its message is above\): "
-                        r".*scripts/train\.py --config=configs/base\.py:tiny .*--config\.mesh\.sp=3",
+                        rf".*scripts/train\.py --config=configs/base\.py:tiny .*--config\.data\.path={missing}",
                         lines[-1]), lines
 
 
