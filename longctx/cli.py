@@ -560,9 +560,30 @@ def load_config_file(spec: str, flag: str = "--config"):
         raise ConfigError(one_line(e)) from None
     except Exception as e:  # noqa: BLE001  (the user's file: whatever it raises is bad input)
         where = _location_in(e, path)
+        locked = _locked_key(e)
+        if locked:
+            raise ConfigError(f"{flag}={spec}: the config file does not load: {where}{locked}.") from None
         text = e.msg if isinstance(e, SyntaxError) else next(iter(str(e).splitlines()), "")
         raise ConfigError(f"{flag}={spec}: the config file does not load: {where}"
                           f"{type(e).__name__}{': ' + text.strip() if text.strip() else ''}.") from None
+
+
+def _locked_key(error: BaseException) -> str | None:
+    """For a key a config file sets that its (locked) config does not have, where ml_collections'
+    message dumps the whole section: the key and the section's keys, closest first; else None."""
+    m = re.search(r'Key "([^"]+)" does not exist and cannot be added since the config is locked', str(error))
+    tb, section = error.__traceback__, None
+    while tb is not None:  # the innermost ConfigDict method's `self`: the section it was set on
+        owner = tb.tb_frame.f_locals.get("self")
+        if type(owner).__name__ == "ConfigDict":
+            section = owner
+        tb = tb.tb_next
+    if not m or section is None:
+        return None
+    keys = [str(k) for k in section.keys()]
+    ranked = difflib.get_close_matches(m.group(1), keys, n=len(keys), cutoff=0.0)
+    return (f"{m.group(1)!r} is not a key of the section it is set on (the config is locked against new "
+            f"keys); its keys, closest first: {', '.join(ranked)}")
 
 
 def _location_in(error: BaseException, path: str) -> str:

@@ -165,6 +165,11 @@ def _check_sources(config) -> None:
         _require(isinstance(s["path"], str) and s["path"],
                  f"{key}.path={s['path']!r} must name a prepared directory (or "
                  f"{mixture.EMBEDDED_FILES} / {mixture.EMBEDDED_PACKAGES}).")
+        embedded = (mixture.EMBEDDED_FILES, mixture.EMBEDDED_PACKAGES)
+        _require(not s["path"].startswith("embedded:") or s["path"] in embedded,
+                 f"{key}.path={s['path']} names no embedded source: the embedded sources are "
+                 f"{mixture.EMBEDDED_FILES} (the Python standard library, one file per document) and "
+                 f"{mixture.EMBEDDED_PACKAGES} (one top-level package per document).")
         for k in ("weight", "upsample_factor"):
             _require(isinstance(s[k], numbers.Real) and not isinstance(s[k], bool) and math.isfinite(s[k]),
                      f"{key}.{k}={s[k]!r} must be a number.")

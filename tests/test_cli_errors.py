@@ -399,6 +399,19 @@ def test_config_file_that_does_not_load_names_file_and_line_for_argparse_scripts
         cli.load_config_file("configs/base.py:tinyy")  # the config's own sentence, as it was
 
 
+def test_a_misspelt_key_in_a_config_file_names_the_key_and_the_closest_ones(tmp_path):
+    """ml_collections' own message dumps the whole section (YAML of its FieldReferences included)."""
+    bad = tmp_path / "mine.py"
+    bad.write_text("import ml_collections\n\ndef get_config(arg=None):\n"
+                   "    c = ml_collections.ConfigDict({'model': {'num_layers': 2, 'num_heads': 4, 'dtype': 'float32'}})\n"
+                   "    c.lock()\n    c.model.num_layer = 4\n    return c\n")
+    with pytest.raises(ConfigError) as e:
+        cli.load_config_file(str(bad))
+    assert str(e.value) == (f"--config={bad}: the config file does not load: {bad}:6: 'num_layer' is not a key of "
+                            "the section it is set on (the config is locked against new keys); its keys, closest "
+                            "first: num_layers, num_heads, dtype.")
+
+
 # ----------------------------------------------------------------------------- issue 36, item 19: the fix, said
 
 

@@ -266,7 +266,8 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
                       else " (auto, chosen by the mask)" if config.attention.layout == "auto" else "")
             print(f"longctx: {jax.process_count()} process(es), {jax.device_count()} {jax.devices()[0].platform} "
                   f"devices, mesh {dict(mesh.shape)}, layout {layout}{chosen}, attention impl {config.attention.impl}, "
-                  f"~{config_lib.num_params_estimate(config) / 1e6:.1f}M params, data {data_dir}", flush=True)
+                  f"~{config_lib.num_params_estimate(config) / 1e6:.1f}M params, "
+                  f"{data_lib.describe_data(config, data_dir)}", flush=True)
             if mix:
                 print(f"longctx: {data_lib.describe_shares(mix)}", flush=True)
 
