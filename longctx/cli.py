@@ -436,8 +436,9 @@ def take_new_type_keys(argv: list[str]) -> dict[str, re.Match]:
     """Removes from `argv` (in place) and returns, by argument, each override of a layer type's key
     (layer_types.TYPE_KEYS: docs/attention.md lists them) that the config file's type does not set,
     or of a type it does not define. ml_collections overrides only keys a config already has, and a
-    type sets only what sets it apart, so `--config.attention.layer_types.local.chunk_size=64` on a
-    type without a chunk was an unknown key; `set_type_keys` sets these once the flags are parsed."""
+    type sets only what sets it apart, so to ml_collections `--config.attention.layer_types.local.
+    chunk_size=64` on a type without a chunk is an unknown key; `set_type_keys` sets these once the
+    flags are parsed."""
     from longctx.model import layer_types  # lazily: it imports jax, which start() must precede
 
     taken = {}

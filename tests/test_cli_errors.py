@@ -356,7 +356,7 @@ def test_verbose_is_taken_off_the_command_line_before_the_script_sees_it(capsys,
     assert os.environ[cli.DEBUG_ENV] == "1"  # children (ablate's runs) show tracebacks too
 
 
-# ----------------------------------------------------------------------------- issue 36, item 17: a config file that does not load
+# ----------------------------------------------------------------------------- a config file that does not load
 
 
 def test_config_file_with_a_syntax_error_is_one_line_naming_file_and_line(tmp_path):
@@ -412,7 +412,7 @@ def test_a_misspelt_key_in_a_config_file_names_the_key_and_the_closest_ones(tmp_
                             "first: num_layers, num_heads, dtype.")
 
 
-# ----------------------------------------------------------------------------- issue 36, item 19: the fix, said
+# ----------------------------------------------------------------------------- the fix, said
 
 
 def _suggested_fix(message: str) -> dict:
@@ -476,7 +476,7 @@ def test_vocab_too_small_for_the_dataset_says_the_size_to_set(dataset, tmp_path)
     assert fixed.returncode == 0, fixed.stderr[-2000:]
 
 
-# ----------------------------------------------------------------------------- issue 36, item 18: --validate_only
+# ----------------------------------------------------------------------------- --validate_only
 
 
 def test_validated_ends_a_validate_only_run_with_one_line_and_status_0(capsys, monkeypatch):
@@ -530,7 +530,7 @@ def test_train_validate_only_checks_and_writes_nothing(dataset, tmp_path):
                              "file, not a directory.")
 
 
-# ----------------------------------------------------------------------------- issue 36, item 20: long waits say so
+# ----------------------------------------------------------------------------- long waits say so
 
 
 def test_ring_report_says_it_is_working_before_a_large_schedule():
@@ -584,7 +584,7 @@ def test_first_use_corpus_preparation_says_so_once_and_where(tmp_path, monkeypat
     assert prepare.prepare_stdlib(str(tmp_path)) == final and capsys.readouterr().err == ""
 
 
-# ----------------------------------------------------------------------------- issue 36, items 17 and 21: several processes
+# ----------------------------------------------------------------------------- several processes
 
 ONE_HOST_LACKS_THE_DATA = '''
 import importlib.util

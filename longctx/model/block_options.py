@@ -69,7 +69,7 @@ def options(model_config) -> BlockOptions:
 def extra_params(model_config) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
     """{name: (shape, logical axes, init)} of the parameters the options add to a block, beside
     Llama's (wq, wk, wv, wo, w_gate, w_up, w_down, and attn_norm, mlp_norm where pre_norms).
-    None of them is drawn at random (so Llama's parameters are drawn as before) and none takes
+    None of them is drawn at random (so Llama's parameters are drawn as without them) and none takes
     weight decay (norm gains and biases: the Llama/MaxText convention)."""
     m, o = model_config, options(model_config)
     d, n, k, h = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim

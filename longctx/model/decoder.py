@@ -246,7 +246,7 @@ class DecoderBlock(nnx.Module):
         self.w_gate = param((d, f), ("embed", "mlp"), d ** -0.5)
         self.w_up = param((d, f), ("embed", "mlp"), d ** -0.5)
         self.w_down = param((f, d), ("mlp", "embed"), f ** -0.5)
-        # (set after Llama's, none drawn at random: a Llama block's parameters are drawn as before)
+        # (set after Llama's, none drawn at random: a Llama block's parameters are drawn as without them)
         for name, (shape, axes, init) in block_options.extra_params(m).items():
             setattr(self, name, param(shape, axes, init=init, weight_decay=False))
 

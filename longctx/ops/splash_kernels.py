@@ -3,8 +3,8 @@
 Splash's wrappers (`_splash_attention_forward`, `_splash_attention_bwd_dq`, `_bwd_dkv`) declare
 out, dq, dk and dv in the input dtype. That suits one call over a whole sequence, which rounds
 once. A ring step's results are partials that the ring sums in float32 over sp steps: rounded
-to bf16 first, a result carries a rounding per step besides its final one (out's mean error
-was 1.04-1.54x single-device splash's at bf16, S=4096, sp=4; benchmarks/bench_bf16_error.py).
+to bf16 first, a result carries a rounding per step besides its final one (so rounded, out's mean
+error is 1.04-1.54x single-device splash's at bf16, S=4096, sp=4; benchmarks/bench_bf16_error.py).
 The kernel bodies already compute in float32 and cast only when they store
 (`o_ref[...] = x.astype(o_ref.dtype)`), so declaring float32 results is the whole change: the
 kernels are splash's, unmodified, and the block specs below are splash's, specialised to the

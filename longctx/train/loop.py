@@ -53,7 +53,7 @@ class _StopRequest:
     Before the first step (`starting`, from `train_and_evaluate`'s start until `training`) nothing
     has been trained, so there is nothing to save: a signal ends the run at once, with one line and
     SystemExit(128 + the signal), through every `finally` (the lease is released, what was opened
-    is closed). Before, SIGTERM there killed the process silently (status 143).
+    is closed), not the silent status 143 of Python's default SIGTERM.
 
     Python runs a signal's handler only when the main thread is next in Python, which a compile or
     a long step can put off for minutes. So the acknowledgement also comes from a thread that reads
@@ -155,9 +155,9 @@ class _StopRequest:
 
 def check_workdir(workdir: str, *, create: bool = True) -> None:
     """The workdir, and the directories in it that the run writes at once (the lease at start-up,
-    the checkpoints at the first save), can be written: a checkpoints/ that refused writes (an
-    immutable or foreign-owned directory in a writable workdir) was found only by the first save,
-    which Orbax then left waiting 300 s. Only the workdir is made here (none with `create=False`,
+    the checkpoints at the first save), can be written: a checkpoints/ that refuses writes (an
+    immutable or foreign-owned directory in a writable workdir) would otherwise be found only by the
+    first save, which Orbax leaves waiting 300 s. Only the workdir is made here (none with `create=False`,
     for --validate_only): one not made yet is judged by the directory it would be made in."""
     workdir_lib.check_named(workdir)
     for name in ("", checkpoint_lib.CHECKPOINTS_DIR, lease_lib.LEASE_DIR):

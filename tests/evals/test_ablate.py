@@ -61,8 +61,8 @@ def test_unknown_key_in_a_grid_is_one_sentence(tmp_path):
 
 
 def test_every_variant_is_checked_before_the_first_trains(tmp_path):
-    """A bad value in the last variant is one line and exit status 2 before any run starts (it
-    was found after the variants before it had trained, and exited 1)."""
+    """A bad value in the last variant is one line and exit status 2 before any run starts, not
+    after the variants before it have trained."""
     grid = tmp_path / "grid.py"
     grid.write_text('BASE = "configs/base.py:tiny"\n'
                     'def get_grid():\n    return {"first": {}, "typo": {"attention.layout": "zigzagg"}}\n')

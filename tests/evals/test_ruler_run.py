@@ -99,8 +99,8 @@ def test_eval_ruler_names_one_model(tmp_path):
 
 
 def test_lengths_no_task_fits_are_refused_and_nothing_is_written(tmp_path):
-    """Before, the command exited 0 and replaced the earlier ruler.json and ruler.png with empty
-    ones. (The 2373a90 fixture's model, byte tokenizer: niah's template alone is over 256 bytes.)"""
+    """One line, exit status 2, and the earlier ruler.json and ruler.png as they were (not empty
+    ones). (The 2373a90 fixture's model, byte tokenizer: niah's template alone is over 256 bytes.)"""
     out = tmp_path / "out"
     out.mkdir()
     (out / "ruler.json").write_text("earlier")

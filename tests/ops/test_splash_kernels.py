@@ -3,7 +3,7 @@
 1. The same kernels, the same math: on splash's own MaskInfo, our calls give exactly what
    splash's wrappers give once rounded (splash rounds its results to the input dtype; we do
    not).
-2. What that is for (issue 12): the bf16 ring is no less accurate than plain single-device
+2. What that is for: the bf16 ring is no less accurate than plain single-device
    splash on the same inputs, against the dense float32 oracle.
 3. The grid's table axis ends at the last live entry of the busiest row or column (sized at run
    time); in 1., splash's unshrunk dkv tables have a column that ends early. The forward's
@@ -225,7 +225,7 @@ def _inputs_oracle_and_single_device_errors():
 def test_bf16_ring_is_as_accurate_as_single_device_splash(layout):
     """Mean absolute error of out, dq, dk and dv against the float32 oracle: the ring's no larger
     than single-device splash's (within 1%). Here it is 1.000x for out, dk and dv and 0.87x for
-    dq; with each step's partials rounded to bf16 (splash's own wrappers) it was 1.08-1.50x
+    dq; with each step's partials rounded to bf16 (splash's own wrappers) it is 1.08-1.50x
     (out), 1.00-1.07x (dq), 1.14-1.23x (dk, dv), depending on the layout."""
     x, want, single = _inputs_oracle_and_single_device_errors()
     ring = _errors(_ring(x[4], layout), x, want)

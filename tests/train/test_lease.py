@@ -385,8 +385,8 @@ class _Stepped:
 def test_a_paused_holder_loses_a_taken_over_lease_whichever_refreshes_first(tmp_path, taker_refreshed):
     """Holder A (a real process) is paused past the stale time; B (another) takes over. When A wakes
     it finds the lease lost, whether B has refreshed since (which removes every record below B's,
-    so that A's create of its next number succeeds: before the fix A took that for proof and both
-    refreshed forever) or not (A's next number exists). From then on A writes nothing and B holds."""
+    so that A's create of its next number succeeds, which A must not take for proof: both would
+    refresh forever) or not (A's next number exists). From then on A writes nothing and B holds."""
     workdir, clock_file = str(tmp_path / "run"), tmp_path / "clock"
     clock_file.write_text(str(time.time()))
 
