@@ -465,7 +465,7 @@ def set_type_keys(taken: dict[str, re.Match]) -> None:
     as ml_collections reads a literal (true/false, a number, None, else the string)."""
     from absl import flags  # lazily: only absl scripts parse absl flags
 
-    from longctx import config as config_lib  # lazily: it imports jax, which start() must precede
+    from longctx.model import layer_types  # lazily: it imports jax, which start() must precede
 
     for m in taken.values():
         text = m["value"].capitalize() if m["value"] in ("true", "false") else m["value"]
@@ -473,8 +473,7 @@ def set_type_keys(taken: dict[str, re.Match]) -> None:
             value = ast.literal_eval(text)
         except (SyntaxError, ValueError):
             value = m["value"]
-        config_lib.apply_overrides(flags.FLAGS[m["flag"]].value,
-                                   {f"attention.layer_types.{m['type']}.{m['key']}": value})
+        layer_types.set_type_key(flags.FLAGS[m["flag"]].value, m["type"], m["key"], value)
 
 
 def quote_keyword_keys(argv: list[str], config_flag_names: list[str]) -> list[str]:

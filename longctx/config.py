@@ -52,13 +52,8 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> None:
     only what sets it apart (longctx/model/layer_types.py)."""
     for key, value in overrides.items():
         *sections, name = key.split(".")
-        types = config.attention.get("layer_types") or {}
-        if (sections[:2] == ["attention", "layer_types"] and len(sections) == 3 and name in layer_types_lib.TYPE_KEYS
-                and name not in (types.get(sections[2]) or {})):
-            with config.unlocked():
-                if sections[2] not in config.attention.layer_types:
-                    config.attention.layer_types[sections[2]] = {}
-                config.attention.layer_types[sections[2]][name] = value
+        if _new_type_key(config, sections, name):
+            layer_types_lib.set_type_key(config, sections[2], name, value)
             continue
         node = config
         for section in sections:
@@ -68,6 +63,14 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> None:
         if isinstance(node[name], float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         node[name] = value
+
+
+def _new_type_key(config, sections: list[str], name: str) -> bool:
+    """Whether `sections`.`name` is attention.layer_types.<type>.<key>, a key a type may set
+    (layer_types.TYPE_KEYS) that the config's type does not set yet."""
+    if sections[:2] != ["attention", "layer_types"] or len(sections) != 3 or name not in layer_types_lib.TYPE_KEYS:
+        return False
+    return name not in ((config.attention.get("layer_types") or {}).get(sections[2]) or {})
 
 
 def init_from_allowed(config) -> tuple[str, ...]:
@@ -356,10 +359,11 @@ def _check_layer_types(config, sp: int, shard_len: int) -> None:
              f"attention.layer_types defines {', '.join(sorted(types))} but attention.pattern is empty, so no "
              f"layer is of them: name them in --config.attention.pattern (one period, in order, e.g. "
              f"{','.join(sorted(types))}) or set --config.attention.layer_types={{}}.")
-    unused = sorted(set(types) - set(layer_types_lib.pattern(config.attention)))
+    period = layer_types_lib.period(config)  # (a type the pattern names and none defines: its sentence)
+    unused = sorted(set(types) - {layer_type.name for layer_type in period})
     _require(not unused, f"attention.layer_types.{unused[0] if unused else ''} is defined but attention.pattern="
              f"{text!r} names no layer of it: add it to the pattern, or fix its name if it is misspelt.")
-    for layer_type in layer_types_lib.period(config):
+    for layer_type in period:
         if layer_type.name == layer_types_lib.UNIFORM:
             continue
         prefix, a = layer_types_lib.type_prefix(layer_type.name), layer_type.attention

@@ -230,6 +230,16 @@ def whole_row_notes(config) -> list[str]:
     return notes
 
 
+def set_type_key(config, name: str, key: str, value) -> None:
+    """Sets type `name`'s `key` (one of TYPE_KEYS) in `config`, defining the type where the config
+    does not: a type holds only what sets it apart, so a key it does not set yet is still its own."""
+    with config.unlocked():
+        types = config.attention.layer_types
+        if name not in types:
+            types[name] = {}
+        types[name][key] = value
+
+
 def type_prefix(name: str) -> str:
     """The config path errors name for a key of type `name` (attention.* for the uniform type)."""
     return "attention." if name == UNIFORM else f"attention.layer_types.{name}."

@@ -27,10 +27,10 @@ parameter shapes, listed with both values), another block (checkpoint_compat.BLO
 (1 + w) norms, GeGLU, ...) or a different train-state structure (e.g. another
 optimizer chain; the differing arrays are listed). Other model keys that changed (rope_theta,
 dtype, remat, ...) are only reported, and so is another attention (a mask key, the pattern, a layer
-type's mask or RoPE), with the flags that keep the checkpoint's. When the data iterator state cannot carry over (the process
-count, the data stream's config, the process -> data shard map or the dataset changed; metadata/
-records the last two), the state is restored, the data stream restarts from a fresh shuffle seeded
-with the step, and the sentence says why.
+type's mask or RoPE), with the flags that keep the checkpoint's. When the data iterator state
+cannot carry over (the process count, the data stream's config, the process -> data shard map or
+the dataset changed; metadata/ records the last two), the state is restored, the data stream
+restarts from a fresh shuffle seeded with the step, and the sentence says why.
 """
 
 from __future__ import annotations

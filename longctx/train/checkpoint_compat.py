@@ -126,12 +126,13 @@ def attention_notice(saved: dict, current: dict) -> str | None:
         found.append((key, _get(saved, key) if key == "attention.pattern" else before, text))
     if not found:
         return None
-    flags = [f"--config.{key}={_flag_value(before)}" for key, before, _ in found if not key.endswith(".rope_scaling")]
+    by_hand = [key for key, _, _ in found if key.endswith(".rope_scaling")]  # (described, not a value)
+    flags = [f"--config.{key}={_flag_value(before)}" for key, before, _ in found if key not in by_hand]
     if not _get(saved, "attention.pattern") and _get(current, "attention.layer_types"):
         flags.append("--config.attention.layer_types={}")  # (a uniform model defines no type)
-    by_hand = [key for key, _, _ in found if key.endswith(".rope_scaling")]
     fix = " ".join(flags) + (" and " if flags and by_hand else "") + (
-        f"set {', '.join(by_hand)} as the checkpoint has {'it' if len(by_hand) == 1 else 'them'}" if by_hand else "")
+        f"set {', '.join(by_hand)} as the checkpoint has {'it' if len(by_hand) == 1 else 'them'}"
+        if by_hand else "")
     return (f"resuming with another attention than the checkpoint's (the parameters fit, so it trains on): "
             f"{'; '.join(text for _, _, text in found)}; to train the checkpoint's model on, pass {fix}")
 
