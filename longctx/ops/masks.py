@@ -116,7 +116,7 @@ def make_mask_spec(causal=False, sliding_window=None, chunk_size=None) -> MaskSp
     if chunk_size is not None:
         if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
-        chunk_size = int(chunk_size)
+        chunk_size = min(int(chunk_size), MAX_WINDOW)  # (one chunk holds every position)
     return MaskSpec(bool(causal), window, chunk_size)
 
 

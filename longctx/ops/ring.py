@@ -503,7 +503,7 @@ def prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, po
                                   sliding_window=sliding_window, chunk_size=chunk_size)
     if q_segment_ids is not None:
         q_segment_ids, kv_segment_ids = _kernel_segment_ids(
-            q_segment_ids, kv_segment_ids, positions, chunk_size if per_document_chunks else None,
+            q_segment_ids, kv_segment_ids, positions, spec.chunk if per_document_chunks else None,
             layout, seq_len, axis_name)
     if per_document_chunks:
         # Chunks are now in the ids; what stays static is that a chunk spans at most chunk_size
