@@ -54,6 +54,7 @@ NEEDS_A_FILE = {
     "long_docs.jsonl": "the reader's own long documents",
     "data/mine": "written by the prepare_data command above it",
     "runs/demo": "written by the train.py command above it (docs/ruler.md)",
+    "runs/v5e_resume": "written by the train.py command above it (docs/tpu.md)",
     "runs/llama_tiny_hf": "written by the convert_hf.py command above it (docs/ruler.md)",
     "Meta-Llama-3-8B": "the released model the reader downloads",
     "runs/llama3_8b_hf": "written by step 1 of 'Extend a released model'",

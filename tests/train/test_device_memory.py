@@ -205,9 +205,13 @@ class _Device:
 
 
 def test_peak_memory_is_the_busiest_device_s_where_the_backend_reports_it():
-    tpu = [_Device({"peak_bytes_in_use": 7 * GIB, "bytes_limit": int(15.75 * GIB), "bytes_in_use": GIB}),
-           _Device({"peak_bytes_in_use": 9 * GIB, "bytes_limit": int(15.75 * GIB)})]
-    assert train_loop._peak_memory(tpu) == {"peak_bytes_in_use": 9 * GIB, "bytes_limit": int(15.75 * GIB)}
+    tpu = [_Device({"peak_bytes_in_use": 7 * GIB, "bytes_limit": int(15.75 * GIB), "bytes_in_use": GIB,
+                    "peak_bytes_reserved": 3 * GIB}),
+           _Device({"peak_bytes_in_use": 9 * GIB, "bytes_limit": int(15.75 * GIB), "peak_bytes_reserved": 2 * GIB})]
+    assert train_loop._peak_memory(tpu) == {"peak_bytes_in_use": 9 * GIB, "peak_bytes_reserved": 3 * GIB,
+                                            "bytes_limit": int(15.75 * GIB)}
+    gpu = [_Device({"peak_bytes_in_use": 7 * GIB, "bytes_limit": int(15.75 * GIB)})]
+    assert train_loop._peak_memory(gpu) == {"peak_bytes_in_use": 7 * GIB, "bytes_limit": int(15.75 * GIB)}
     assert train_loop._peak_memory([_Device(None)]) == {}  # CPU
     assert train_loop._peak_memory(jax.local_devices()) == {}
 
@@ -215,12 +219,13 @@ def test_peak_memory_is_the_busiest_device_s_where_the_backend_reports_it():
 def test_the_first_step_s_peak_memory_is_said_and_recorded(tmp_path, monkeypatch, capsys):
     """Where the devices report memory (a TPU's peak_bytes_in_use), the first step's peak is one
     line, a field of the first metrics row and an entry of run_info.json."""
-    peak = {"peak_bytes_in_use": int(13.5 * GIB), "bytes_limit": int(15.75 * GIB)}
+    peak = {"peak_bytes_in_use": int(5.75 * GIB), "peak_bytes_reserved": 10 * GIB, "bytes_limit": int(15.75 * GIB)}
     monkeypatch.setattr(train_loop, "_peak_memory", lambda devices: dict(peak))
     workdir = str(tmp_path / "run")
     train_loop.train_and_evaluate(_config(2), workdir)
-    assert ("longctx: peak device memory after the first step: 13.50 of 15.75 GiB (peak_bytes_in_use of the "
-            "busiest device).") in capsys.readouterr().out
+    assert ("longctx: peak device memory after the first step: 5.75 GiB in arrays (peak_bytes_in_use) and "
+            "10.00 GiB reserved for programs (peak_bytes_reserved) of 15.75 GiB, on the busiest device."
+            ) in capsys.readouterr().out
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert rows[0]["train/peak_bytes_in_use"] == peak["peak_bytes_in_use"]
