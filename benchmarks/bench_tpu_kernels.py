@@ -94,6 +94,15 @@ def _pairs(mask, S, seg):
     return int(np.sum(counts.astype(np.int64) * (counts + 1) // 2))
 
 
+def _mask(masks, mask, window, S):
+    """One head's mask from a splash mask module (stock's or tokamax's: the same classes)."""
+    if mask == "full":
+        return masks.FullMask((S, S))
+    if window:
+        return masks.LocalMask((S, S), window_size=(window, 0), offset=0)
+    return masks.CausalMask((S, S))
+
+
 def _attention(impl, mask, S, block, seg, heads, head_dim):
     """attn(q, k, v): [S, heads, head_dim] -> [S, heads, head_dim], or None where `impl` is
     not importable here."""
@@ -120,9 +129,7 @@ def _attention(impl, mask, S, block, seg, heads, head_dim):
     if impl == "stock":
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-        one = (sm.FullMask((S, S)) if mask == "full" else
-               sm.LocalMask((S, S), window_size=(window, 0), offset=0) if window else
-               sm.CausalMask((S, S)))
+        one = _mask(sm, mask, window, S)
         sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=min(block, 512),
                               block_q_dkv=block, block_kv_dkv=block,
                               block_kv_dkv_compute=min(block, 512), use_fused_bwd_kernel=True)
@@ -136,9 +143,7 @@ def _attention(impl, mask, S, block, seg, heads, head_dim):
             from maxtext.kernels.tokamax_splash_attention import splash_attention_mask as tm
         except ImportError:
             return None
-        one = (tm.FullMask((S, S)) if mask == "full" else
-               tm.LocalMask((S, S), window_size=(window, 0), offset=0) if window else
-               tm.CausalMask((S, S)))
+        one = _mask(tm, mask, window, S)
         config = tk.SplashConfig(block_q=block, block_kv=block, block_kv_compute=min(block, 512),
                                  block_q_dkv=block, block_kv_dkv=block,
                                  block_kv_dkv_compute=min(block, 512), use_fused_bwd_kernel=True)
