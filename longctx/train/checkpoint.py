@@ -135,6 +135,16 @@ def _drop_reports_of_abandoned_io() -> None:
     sys.unraisablehook = hook
 
 
+def unfinished_saves(directory) -> list[int]:
+    """The steps whose save Orbax began under `directory` and never committed: their
+    `<step>.orbax-checkpoint-tmp-<time>` directories, left by a run killed while writing."""
+    if not directory.exists():
+        return []
+    steps = (name.split(".", 1)[0] for name in (p.name for p in directory.iterdir())
+             if ".orbax-checkpoint-tmp" in name)
+    return sorted({int(step) for step in steps if step.isdigit()})
+
+
 class Checkpointer:
     """One run's checkpoints. Constructed before anything compiles so that a bad checkpoint
     directory or a model-shape mismatch fails fast."""
@@ -143,6 +153,7 @@ class Checkpointer:
         self.config = config
         self.workdir = workdir_lib.resolve(workdir)
         self.directory = self.workdir / CHECKPOINTS_DIR
+        self._unfinished = unfinished_saves(self.directory)  # (before the manager may tidy them)
         c = config.checkpoint
         options = ocp.CheckpointManagerOptions(
             max_to_keep=c.max_to_keep,
@@ -253,7 +264,8 @@ class Checkpointer:
                 self._set_aside(step, error)
                 continue
             state, data_iterator, data_note = result
-            return state, data_iterator, f"resumed from {self.directory}/{step} (step {step}){data_note}"
+            return (state, data_iterator,
+                    f"resumed from {self.directory}/{step} (step {step}){data_note}{self._unfinished_note()}")
 
         state = setup.init(jax.random.PRNGKey(self.config.seed))
         init_from = self.config.checkpoint.init_from
@@ -264,7 +276,15 @@ class Checkpointer:
                        if self._init_from_changes else "")
             return state.replace(params=params), make_data_iterator(), (
                 f"fresh start with parameters from {where} and a fresh optimizer state{changed}{carried}")
-        return state, make_data_iterator(), "fresh start"
+        return state, make_data_iterator(), f"fresh start{self._unfinished_note()}"
+
+    def _unfinished_note(self) -> str:
+        """Why a later step a stopped run began to save is not the one resumed from."""
+        if not self._unfinished:
+            return ""
+        steps = ", ".join(str(s) for s in self._unfinished)
+        return (f"; the save of step {steps} was never finished (the run stopped while writing it), so it "
+                "is not a checkpoint")
 
     def _read_step_info(self, step: int) -> dict:
         """The small parts of a step (config, metadata, the state's array shapes): read first, so

@@ -351,9 +351,20 @@ def test_partial_save_is_never_read(runs, tmp_path, capsys):
     _, state, iterator, note = _restore_in_process(workdir, _config())
     iterator.close()
     assert note.startswith(f"resumed from {workdir}/checkpoints/5 (step 5)"), note
+    assert note.endswith("; the save of step 6 was never finished (the run stopped while writing it), so it is "
+                         "not a checkpoint"), note
     assert int(state.step) == 5 and os.path.isdir(partial)
     assert "WARNING" not in capsys.readouterr().out
     assert not os.path.exists(os.path.join(workdir, "checkpoints_unreadable"))
+
+
+def test_unfinished_saves_are_the_steps_of_orbax_tmp_directories(tmp_path):
+    from etils import epath
+    directory = epath.Path(tmp_path / "checkpoints")
+    assert checkpoint_lib.unfinished_saves(directory) == []
+    for name in ("5", "7.orbax-checkpoint-tmp-1733480000", "12.orbax-checkpoint-tmp", "notes.orbax-checkpoint-tmp"):
+        (directory / name).mkdir(parents=True)
+    assert checkpoint_lib.unfinished_saves(directory) == [7, 12]
 
 
 # ----------------------------------------------------------------------------- other meshes
