@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -242,7 +243,10 @@ def _inputs_oracle_and_single_device_errors():
     return x, want, _errors(lambda q, k, v: _single_device_splash(q, k, v, seg), x, want)
 
 
-@pytest.mark.parametrize("layout", layout_lib.LAYOUTS)
+@pytest.mark.parametrize("layout", [layout if layout == "zigzag" else pytest.param(layout, marks=pytest.mark.skipif(
+    not os.environ.get("LONGCTX_EXHAUSTIVE"), reason="the bf16 ring's other layouts run with LONGCTX_EXHAUSTIVE=1 "
+    "(the splash ring in every layout against the float32 reference: tests/ops/test_ring_attention.py)"))
+    for layout in layout_lib.LAYOUTS])
 def test_bf16_ring_is_as_accurate_as_single_device_splash(layout):
     """Mean absolute error of out, dq, dk and dv against the float32 oracle: the ring's no larger
     than single-device splash's (within 1%). Here it is 1.000x for out, dk and dv and 0.87x for
