@@ -282,9 +282,12 @@ class Checkpointer:
         """Why a later step a stopped run began to save is not the one resumed from."""
         if not self._unfinished:
             return ""
+        if len(self._unfinished) == 1:
+            return (f"; the save of step {self._unfinished[0]} was never finished (the run stopped while "
+                    "writing it), so it is not a checkpoint")
         steps = ", ".join(str(s) for s in self._unfinished)
-        return (f"; the save of step {steps} was never finished (the run stopped while writing it), so it "
-                "is not a checkpoint")
+        return (f"; the saves of steps {steps} were never finished (a run stopped while writing them), so "
+                "they are not checkpoints")
 
     def _read_step_info(self, step: int) -> dict:
         """The small parts of a step (config, metadata, the state's array shapes): read first, so
