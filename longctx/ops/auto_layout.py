@@ -51,6 +51,10 @@ def resolve_layout_for_layers(layout: str, seq_len: int, num_shards: int, layers
     type; each layout's score is `resolve_layout`'s, summed over the types weighted by their layer
     counts, so a Gemma-3-like 5:1 model weighs its window layers five times its global one. With
     one type it is `resolve_layout` itself."""
+    if layout_lib.per_row(layout):
+        if seq_len % num_shards:
+            raise ValueError(f"seq_len={seq_len} is not divisible by num_shards={num_shards}")
+        return layout
     if layout != "auto":
         layout_lib.permutation(layout, seq_len, num_shards)
         return layout

@@ -31,6 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
+# Layouts that differ from row to row, worked out from each row's documents in the data
+# pipeline (document_layout.py); the ring learns each token's position from the data.
+PER_DOCUMENT = "per_document"
+ROW_LAYOUTS = (PER_DOCUMENT,)
+
+
+def per_row(layout: str) -> bool:
+    """Whether `layout` is a permutation of each row's own, not one for every row."""
+    return layout in ROW_LAYOUTS
 MAX_STRIPE = 512  # the ring's largest default block (masks.default_block_size)
 
 
