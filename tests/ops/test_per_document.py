@@ -1,12 +1,13 @@
-"""The ring in a per-row layout against the dense float32 reference: forward and the gradients
-of q, k, v and the sinks.
+"""The ring and every other context-parallel strategy in a per-row layout against the dense
+float32 reference: forward and the gradients of q, k, v and the sinks.
 
 Natural-order rows of packed documents are laid out one by one (parallel/document_layout.py:
 each row its own permutation and numbering of its documents), attended by the ring and put back
 in natural order, and compared with the reference on the natural rows. Every mask runs with one
 impl or the other (windows, chunks per document, sinks, soft cap and GQA spread over the cases);
 a row in an arbitrary order (a random permutation, ids numbered by each document's first column)
-checks that the per-row block tests never drop a needed block on rows the layout did not make.
+checks that the per-row block tests never drop a needed block on rows the layout did not make;
+all-gather, Ulysses, usp and halo run a mask each.
 Shapes: sp 4, shards of 256 tokens, blocks of 128, head_dim 32.
 """
 import functools
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from longctx.ops import reference_attention, ring_attention
+from longctx.ops import context_parallel, reference_attention
 from longctx.parallel import document_layout
 from tests.ops import oracle
 from tests.ops.test_ring_attention import (FWD_TOL, GRAD_TOL, HEADS, MASKS, _inputs, _mesh,
@@ -66,14 +67,15 @@ def _laid_out(seg, arbitrary: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _ring_program(impl, mask_items, soft_cap, with_aux):
+def _ring_program(impl, mask_items, soft_cap, with_aux, strategy, degree):
     mesh = _mesh(SP, 2)
     data = P(("dp", "fsdp"), "sp")
 
     def per_shard(q, k, v, ids, pos, aux):
-        return ring_attention(q, k, v, ids, None, aux, positions=pos, logits_soft_cap=soft_cap,
-                              axis_name="sp", layout=document_layout.NAME, impl=impl,
-                              block_sizes=BLOCK, **dict(mask_items))
+        return context_parallel.context_parallel_attention(
+            q, k, v, ids, None, aux, positions=pos, logits_soft_cap=soft_cap, axis_name="sp",
+            layout=document_layout.NAME, impl=impl, block_sizes=BLOCK, strategy=strategy,
+            ulysses_degree=degree, **dict(mask_items))
 
     def ring(q, k, v, seg, perm, ids, aux):
         f = jax.shard_map(per_shard, mesh=mesh, in_specs=(data,) * 5 + (P() if with_aux else None,),
@@ -99,13 +101,14 @@ def _ref_program(mask_items, soft_cap):
     return jax.jit(functools.partial(_out_and_grads, ref))
 
 
-def _check(*, impl, mask, kv_heads, with_aux, soft_cap, arbitrary=False, seed=0):
+def _check(*, impl, mask, kv_heads, with_aux, soft_cap, arbitrary=False, seed=0, strategy="ring",
+           degree=None):
     q, k, v, _, aux, dout = _inputs(seed, 4, SEQ_LEN, kv_heads)
     seg = _documents(seed, 4)
     aux = aux if with_aux else None
     perm, ids = _laid_out(seg, arbitrary)
     mask_items = tuple(sorted(MASKS[mask].items()))
-    out, grads = _ring_program(impl, mask_items, soft_cap, with_aux)(
+    out, grads = _ring_program(impl, mask_items, soft_cap, with_aux, strategy, degree)(
         q, k, v, jnp.asarray(seg), jnp.asarray(perm), jnp.asarray(ids), aux, dout)
     ref_out, ref_grads = _ref_program(mask_items, soft_cap)(q, k, v, jnp.asarray(seg), None, aux,
                                                             dout)
@@ -132,3 +135,14 @@ def test_per_document_ring_matches_reference(impl, mask, kv_heads, with_aux, sof
 @pytest.mark.parametrize("impl,mask", [("xla", "causal_window"), ("splash", "chunked")])
 def test_rows_in_an_arbitrary_order(impl, mask):
     _check(impl=impl, mask=mask, kv_heads=2, with_aux=True, soft_cap=None, arbitrary=True)
+
+
+@pytest.mark.parametrize("strategy,degree,impl,mask,kv_heads", [
+    ("all_gather", None, "xla", "causal_window", 2),
+    ("ulysses", None, "splash", "causal", 2),
+    ("usp", 2, "xla", "chunked", HEADS),
+    ("halo", None, "splash", "symmetric_window", 2),
+], ids=lambda x: str(x))
+def test_every_strategy_takes_it(strategy, degree, impl, mask, kv_heads):
+    _check(impl=impl, mask=mask, kv_heads=kv_heads, with_aux=True, soft_cap=None, strategy=strategy,
+           degree=degree)
