@@ -406,8 +406,9 @@ def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data
     sp = mesh.shape["sp"]
     shard = sharding_lib.data_shard(mesh, d.global_batch_size, d.seq_len)
     rows, records = mixture_rows(config, dirs, shard=shard, sp=sp, seed_offset=seed_offset)
-    perm = pipeline.layout_permutation(layout, d.seq_len, sp)
-    ds = pipeline.batched(rows, shard.local_batch_size, perm, num_workers=d.num_workers,
+    ds = pipeline.batched(rows, shard.local_batch_size,
+                          pipeline.layout_transform(layout, d.seq_len, sp, pipeline.layout_block(config)),
+                          num_workers=d.num_workers,
                           prefetch_buffer_size=d.prefetch_buffer_size)
     return pipeline.BatchIterator(ds, mesh, shard, d.global_batch_size, d.seq_len,
                                   pipeline.load_metadata(next(iter(dirs.values()))), seed_offset=seed_offset,

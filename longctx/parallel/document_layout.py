@@ -291,8 +291,11 @@ class RowLayout:
     segment_ids: np.ndarray
 
 
-def row_layout(segment_ids, num_shards: int, block: int) -> RowLayout:
-    """The per-document layout of one natural-order row of segment ids [S] (0 = padding)."""
+def row_layout(segment_ids, num_shards: int, block: int, positions=None) -> RowLayout:
+    """The per-document layout of one natural-order row of segment ids [S] (0 = padding).
+    `positions` (in-document, default 0, 1, ... from each document's start): a document whose
+    positions go beyond its length (a caller's rows at inference) gets room for all of them in
+    the numbering, so that no two documents' global positions meet."""
     ids = np.asarray(segment_ids)
     seq_len = len(ids)
     if seq_len % num_shards or (seq_len // num_shards) % block:
@@ -300,6 +303,10 @@ def row_layout(segment_ids, num_shards: int, block: int) -> RowLayout:
                          f"block={block}")
     starts, lengths = documents(ids)
     plan = best_plan(ids, num_shards, block)
+    spans = lengths
+    if positions is not None and len(lengths):
+        ends = np.maximum.reduceat(np.asarray(positions, np.int64), starts) + 1
+        spans = np.maximum(lengths, ends)
     offset = np.zeros(len(lengths), np.int64)
     numbered = np.zeros(len(lengths), bool)
     cursor = 0
@@ -308,7 +315,7 @@ def row_layout(segment_ids, num_shards: int, block: int) -> RowLayout:
         nonlocal cursor
         if not numbered[doc]:
             offset[doc], numbered[doc] = cursor, True
-            cursor += int(lengths[doc])
+            cursor += int(spans[doc])
 
     for doc in plan.spread:
         number(doc)
@@ -319,6 +326,9 @@ def row_layout(segment_ids, num_shards: int, block: int) -> RowLayout:
     for d in range(num_shards):
         for doc, _, _, region in plan.pieces[d]:
             number(doc)
+    if cursor >= 2 ** 30:
+        raise ValueError(f"positions up to {cursor:,} in a row: global positions must stay below "
+                         "2**30 (int32 on device)")
     shard_len = seq_len // num_shards
     padding = np.flatnonzero(ids <= 0)
     perm = np.empty(seq_len, np.int64)
@@ -341,3 +351,20 @@ def global_positions(segment_ids, positions):
     """Each token's position in the virtual row of its per-document layout (numpy or jax.numpy
     arrays, any shape): segment id - 1 + its position in its document; 0 on padding."""
     return (segment_ids > 0) * (segment_ids - 1 + positions)
+
+
+def permute_rows(batch: dict, num_shards: int, block: int) -> tuple[dict, np.ndarray]:
+    """(the batch laid out, the permutations int64 [b, S]) of a batch of natural-order rows (a
+    dict of [b, S] arrays: tokens, segment_ids, positions, ...): every array of each row
+    permuted by that row's layout, its segment ids renumbered (`RowLayout`)."""
+    ids = np.asarray(batch["segment_ids"])
+    positions = batch.get("positions")
+    out = {k: np.empty_like(v) for k, v in batch.items()}
+    perms = np.empty(ids.shape, np.int64)
+    for r in range(len(ids)):
+        row = row_layout(ids[r], num_shards, block, None if positions is None else positions[r])
+        for k, v in batch.items():
+            out[k][r] = np.asarray(v[r])[row.permutation]
+        out["segment_ids"][r] = row.segment_ids
+        perms[r] = row.permutation
+    return out, perms
