@@ -349,13 +349,13 @@ def achieved_shares(config, sp: int = 1, rows: int = REPORT_ROWS, seed_offset: i
             next(it)
         tokens = it.tokens
     finally:
-        _close(it)
+        close_iterator(it)
     total = max(1, sum(tokens.values()))
     return {n: {"weight": round(records[n]["weight"], 6), "share": round(tokens[n] / total, 6)}
             for n in tokens}
 
 
-def _close(iterator) -> None:
+def close_iterator(iterator) -> None:
     close = getattr(iterator, "close", None)  # read threads, else they go at garbage collection
     if close is not None:
         close()
@@ -381,7 +381,7 @@ def layout_sample(config, data_dir: str, rows: int = pipeline.LAYOUT_SAMPLE_ROWS
     try:
         return np.stack([next(it)["segment_ids"] for _ in range(rows)])
     finally:
-        _close(it)
+        close_iterator(it)
 
 
 def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data_dir: str,

@@ -27,7 +27,7 @@ import dataclasses
 import grain
 import numpy as np
 
-from longctx.data import dispatch, packing, pipeline
+from longctx.data import dispatch, mixture, packing, pipeline, sharding
 from longctx.ops import tables
 from longctx.ops.masks import MaskSpec
 from longctx.parallel import layout as layout_lib
@@ -44,13 +44,14 @@ class Rows:
     epoch_rows: int
 
 
-def layouts_for(packer: str) -> tuple[str, ...]:
-    """The layouts a packer's rows can be run under (config.validate's rule)."""
+def layouts_for(packer: str, row_layouts: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The layouts a packer's rows can be run under (config.validate's rule): the static ones,
+    and those of `row_layouts` asked for (a per-row layout takes any packer's rows)."""
     fixed = packing.packer_layout(packer)
-    return (fixed,) if fixed else layout_lib.LAYOUTS
+    return (fixed,) if fixed else layout_lib.LAYOUTS + tuple(row_layouts)
 
 
-def epoch_rows(rows: grain.IterDataset, keep: int | None) -> Rows:
+def epoch_rows(rows, keep: int | None) -> Rows:
     """Reads every row of a one-epoch stream; keeps the segment ids of the first `keep` (all:
     None)."""
     kept, real, count, seq_len = [], 0, 0, None
@@ -69,6 +70,22 @@ def data_rows(data_dir: str, packer: str, *, seq_len: int, sp: int, block: int,
     return epoch_rows(pipeline.packed_rows(data_dir, "train", seq_len=seq_len, packer=packer,
                                            seed=seed, num_epochs=1, num_shards=sp,
                                            block_size=block), keep)
+
+
+def mixture_rows(config, packer: str, *, seq_len: int, sp: int, block: int, rows: int,
+                 seed: int = 0) -> Rows:
+    """The first `rows` rows of a config's data mixture (data.sources, mixture.py: each source
+    packed on its own, rows taken by token share), with `packer`; its padding over those rows."""
+    config = config.copy_and_resolve_references()
+    config.data.update(seq_len=seq_len, packer=packer, shuffle_seed=seed)
+    config.attention.block_size = block
+    mixed, _ = mixture.mixture_rows(config, mixture.source_dirs(config),
+                                    shard=sharding.DataShard(0, 1, 0, 1), sp=sp)
+    it = iter(mixed)
+    try:
+        return epoch_rows((next(it) for _ in range(rows)), None)
+    finally:
+        mixture.close_iterator(it)
 
 
 def document_rows(documents, packer: str, *, seq_len: int, sp: int, block: int,
