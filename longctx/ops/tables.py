@@ -190,14 +190,22 @@ def schedule_from_classes(classes: np.ndarray) -> Schedule:
 def ring_schedule(seq_len: int, num_shards: int, block_size: int | None = None,
                   layout: str = "contiguous", causal: bool = False, sliding_window=None,
                   chunk_size=None) -> Schedule:
-    """Schedule stats of the ring for a mask and a (concrete) layout; block_size=None: default."""
+    """Schedule stats of the ring for a mask and a (concrete) layout; block_size=None: default.
+    A per-row layout's: of a row of one document, laid out as its rows are."""
     spec = make_mask_spec(causal, sliding_window, chunk_size)
-    layout_lib.permutation(layout, seq_len, num_shards)  # validates layout and divisibility
+    if not layout_lib.per_row(layout):
+        layout_lib.permutation(layout, seq_len, num_shards)  # validates layout and divisibility
     shard_len = seq_len // num_shards
     block = default_block_size(shard_len, layout) if block_size is None else int(block_size)
     if block < 1 or shard_len % block:
         raise ValueError(f"block_size={block_size} does not divide the shard length "
                          f"{shard_len} (seq_len={seq_len} / num_shards={num_shards})")
+    if layout_lib.per_row(layout):
+        one = document_schedule(spec, layout, seq_len, num_shards, block,
+                                np.ones((1, seq_len), np.int32), count_kept=False)
+        busiest = one.critical_path
+        return Schedule(one.computed_blocks, one.run_steps,
+                        float(one.computed_blocks.sum()) / (num_shards * busiest) if busiest else 1.0)
     return schedule_from_classes(block_classes(spec, layout, seq_len, num_shards, block, block))
 
 
@@ -208,7 +216,7 @@ def one_document_steps_visited(seq_len: int, num_shards: int, block_size: int, l
     each document's start, so the ring runs the causal window a chunk spans and prunes by the
     chunks' ids; it stops after the last step with a chunk's blocks only where its steps are one
     run (zigzag, 131,072 tokens, sp=8, chunks of 8,192: 1 step has work, 3 are visited)."""
-    if chunk_size is None:
+    if chunk_size is None and not layout_lib.per_row(layout):
         return len(ring_schedule(seq_len, num_shards, block_size, layout, causal, sliding_window).run_steps)
     spec = make_mask_spec(causal, sliding_window, chunk_size)
     return len(document_schedule(spec, layout, seq_len, num_shards, block_size,
