@@ -7,6 +7,10 @@ Shapes (this device's shard, layout order; L = S / sp):
 Letters: b batch, L/t local query positions, n query heads, kvh kv heads, h head_dim.
 
 At ring step s device d holds the K/V (and kv segment ids) that started on device (d - s) mod sp.
+In a per-row layout (the per-document one) the segment ids are tables.RowTokens: ids and each
+token's global position, which travel together, and the blocks come from them (row_blocks.py)
+instead of the closed form; every step may have work, so the ring visits steps up to the last
+with a live block on some device.
 Only `run_steps` (steps with work on some device) execute; consecutive run steps are a
 `lax.fori_loop` passing K/V one hop per iteration, and a gap between runs is a single ppermute
 of the gap's length, so K/V never travel further than the last run step and the traced program
@@ -450,7 +454,10 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     by nothing. Blocks whose queries and keys share no document are skipped (ops/tables.py).
     positions [b, L]: each token's position in its document (the model's RoPE positions); with
     segment ids and chunk_size they make chunked attention per document, chunks counted from
-    each document's start, as at inference. softmax_aux [heads] are attention-sink logits
+    each document's start, as at inference. layout="per_document" (each row laid out from its
+    documents by the data pipeline, parallel/document_layout.py) needs segment ids and
+    positions: a token's global position is then segment id - 1 + its position, and the blocks
+    of each step are classed per row from the data (ops/row_blocks.py). softmax_aux [heads] are attention-sink logits
     (differentiable). impl="splash" runs the Pallas TPU kernel (interpret mode off TPU);
     impl="xla" the same schedule in plain XLA. block_sizes: None (masks.default_block_size:
     512/256/128 dividing L, or L/2 for zigzag), an int (keys computed up to 512 at a time
