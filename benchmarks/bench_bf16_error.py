@@ -1,5 +1,5 @@
 """bf16 accuracy of the ring against plain single-device splash: both on the same bf16 inputs,
-both measured against the dense float32 oracle (issue 12: the ring's error must be no larger).
+both measured against the dense float32 oracle (the ring's error must be no larger).
 
   .venv/bin/python benchmarks/bench_bf16_error.py            # S = 4096, sp = 4, causal and 9 documents/row
 

@@ -10,9 +10,9 @@ and from the closed form (longctx/plan/collectives.py); optionally beside MaxTex
 
 Cases: bench_ring.py's (causal, docs9 batch 2, docs_s32, gqa 4/2, window 256; 4 heads x 64,
 float32, sp = 4), one layout for every strategy (--layout, zigzag: Ulysses needs no balance, the
-others take the ring's), block --block (512) but --docs-block (256) for docs_s32: issue 38 asks
-every strategy to run at least 3x faster with skipping on than off for documents of mean length
-S/32 at S = 8192 and block 256 (a target line per strategy and impl).
+others take the ring's), block --block (512) but --docs-block (256) for docs_s32: the target is
+every strategy at least 3x faster with skipping on than off for documents of mean length S/32 at
+S = 8192 and block 256 (a target line per strategy and impl).
 
 Peers (--peers DIR, a `pip install --no-deps --target` directory with maxtext==0.2.5):
   maxtext_ring        bench_ring.py's maxtext peer (the tokamax splash ring)
@@ -33,8 +33,8 @@ the Ulysses size. A peer that cannot express a case, or fails, is recorded as su
 Communication: per (case, strategy), the lowered program of one attention call (impl xla, the
 same collectives as splash), forward and backward, with skip_documents=False (the static
 schedule: the ring with documents may stop early, a loop count no program text can tell, so this
-is its most), beside the closed form; per peer, its whole fwd+bwd program's HLO. And the issue's
-table: bytes per device per layer for Llama-3-8B attention (32 heads, 8 KV, head_dim 128, bf16)
+is its most), beside the closed form; per peer, its whole fwd+bwd program's HLO. And the
+communication table: bytes per device per layer for Llama-3-8B attention (32 heads, 8 KV, head_dim 128, bf16)
 at 131,072 tokens on sp = 16, by formula and, with libtpu, from the TPU lowering of one attention
 fwd+bwd (Mosaic kernels) on the abstract v5p:2x2x4 topology (lowered, not compiled: seconds).
 CPU timings do not show interconnect costs: here the sp devices share one host's memory.
@@ -65,7 +65,7 @@ from longctx.plan import aot, collectives  # noqa: E402
 STRATEGIES = {"ring": None, "all_gather": None, "ulysses": None, "usp": 2}  # name: Ulysses degree
 PEERS = ("maxtext_ring", "maxtext_all_gather", "maxtext_ulysses", "maxtext_usp")
 MIB = 2 ** 20
-# The issue's communication table: Llama-3-8B attention, 131,072 tokens, sp = 16.
+# The communication table: Llama-3-8B attention, 131,072 tokens, sp = 16.
 LLAMA3_8B = collectives.Shape(batch=1, seq_len=131072, sp=16, heads=32, kv_heads=8, head_dim=128,
                               dtype_bytes=2)
 TABLE_STRATEGIES = (("ring", None), ("all_gather", None), ("ulysses", None), ("usp", 2),
@@ -220,7 +220,7 @@ def communication(mesh, case, seq_len, sp, block, layout):
 
 
 def llama3_8b_table(tpu: bool) -> dict:
-    """The issue's table: bytes per device per layer (one attention call), 8B shape, by formula
+    """The communication table: bytes per device per layer (one attention call), 8B shape, by formula
     and, when libtpu is here, from the TPU lowering (splash, layout auto, causal)."""
     shape, rows = LLAMA3_8B, []
     mesh = None
@@ -301,7 +301,7 @@ def _good(rec, key="median_s"):
 
 
 def targets(result, key="median_s"):
-    """One line per strategy x impl: the issue's >= 3x with skipping at docs_s32, S = 8192, block 256."""
+    """One line per strategy x impl: the target, >= 3x with skipping at docs_s32, S = 8192, block 256."""
     lines = []
     rows = [r for r in result["rows"] if r["case"] == "docs_s32"]
     for row in rows:

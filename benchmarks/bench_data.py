@@ -51,7 +51,7 @@ MIXTURE_SECTION = "bench_data_mixture"
 THREE_SOURCES = {"packages": dict(path=mixture.EMBEDDED_PACKAGES, weight=0.5),
                  "files": dict(path=mixture.EMBEDDED_FILES, weight=0.3, upsample_factor=2.0, upsample_above=8192),
                  "short": dict(path=mixture.EMBEDDED_FILES, weight=0.2, max_length=4096)}
-TARGET_RATIO, MAX_SLOWDOWN = 5.0, 0.20  # issue 52's: >= 5x the step's tokens/s; 1 -> 8 sources <= 20% slower
+TARGET_RATIO, MAX_SLOWDOWN = 5.0, 0.20  # the targets: >= 5x the step's tokens/s; 1 -> 8 sources <= 20% slower
 
 
 def bench_one(data_dir, meta, packer, seq_len, workers, batch_size, tokens, sp=4):
@@ -235,8 +235,8 @@ def mixture_markdown(result: dict) -> str:
         "those of 8,192+ tokens read twice, files of at most 4,096 tokens 20%); 1 and 8 sources are "
         "copies of the per-file corpus, each its own shuffle. Each window spans "
         f"{result['cycles']} fill-and-emit cycles of every source's {result['packer']} bins after its "
-        "first row; tokens/s counts every position of a row, as the step consumes it. Targets "
-        f"(issue 52): the mixture at least {TARGET_RATIO:.0f}x the step's tokens/s, 8 sources at "
+        "first row; tokens/s counts every position of a row, as the step consumes it. Targets"
+        f": the mixture at least {TARGET_RATIO:.0f}x the step's tokens/s, 8 sources at "
         f"most {MAX_SLOWDOWN:.0%} slower than 1.",
         "",
         bc.table(["round", "3 sources, tokens/s", "train step, tokens/s", "step (s)", "ratio",

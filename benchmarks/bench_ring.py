@@ -1,4 +1,5 @@
-"""The ring on the same work as issue 12's table: fwd+bwd time of every longctx impl x layout,
+"""The ring on its benchmark work (causal rows of one document, packed documents, GQA, a window):
+fwd+bwd time of every longctx impl x layout,
 with and without document skipping, optionally beside other JAX rings, every result checked.
 
   .venv/bin/python benchmarks/bench_ring.py --peers /tmp/peers      # the table: S = 2048, 8192, with peers

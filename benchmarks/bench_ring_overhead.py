@@ -1,6 +1,6 @@
 """Where the ring's time goes on documents: the time of one block, and the time that does not
 scale with blocks, so that the speedup of document skipping can be read against what the blocks
-alone allow (issue 12's target: at least 4x on documents of mean length S/32 at S = 8192).
+alone allow (the target: at least 4x on documents of mean length S/32 at S = 8192).
 
   .venv/bin/python benchmarks/bench_ring_overhead.py               # splash and xla, contiguous, S = 8192,
                                                       # sp = 4 and sp = 1 (about two minutes)

@@ -1,5 +1,5 @@
 """The report of benchmarks/bench_ring.py from its JSON alone: the markdown tables (wall and
-process CPU time), the ratios of each row, and one line per target of issue 12.
+process CPU time), the ratios of each row, and one line per target (targets()).
 
 Row ratios (from medians of variants that ran and, where checked, matched the oracle): longctx
 best vs the fastest peer, skipping on vs off (with the blocks computed off/on, free of timing
@@ -85,7 +85,7 @@ def summary(row, key="median_s"):
 
 
 def targets(result, key="median_s"):
-    """One line per target of issue 12, from medians of `key` (wall or process CPU time)."""
+    """One line per target of the ring's work, from medians of `key` (wall or process CPU time)."""
     rows = {(r["case"], r["seq_len"]): r for r in result["rows"]}
     big = max((r["seq_len"] for r in result["rows"]), default=None)
     unit = "ms" if key == "median_s" else "CPU ms"
@@ -250,7 +250,7 @@ def markdown(result):
                 "The work done per run: less sensitive than wall time to other jobs on a shared "
                 "machine (threads that spin while waiting count too).\n",
                 _table(result, "median_cpu_s")]
-    out += ["\n### Targets (issue 12), by wall time\n"]
+    out += ["\n### Targets, by wall time\n"]
     out += [f"- {t}" for t in targets(result)] + [f"- {check_line(result)}"]
     if has_cpu:
         out += ["\n### The same targets, by process CPU time\n"]

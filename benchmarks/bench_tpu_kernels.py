@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
+from longctx import cli  # noqa: E402
 from longctx.plan import measured_blocks  # noqa: E402
 
 RAISED_VMEM_KIB = 98304
@@ -386,8 +387,13 @@ def _merge(path, rows, device, command):
 
 def main(argv=None):
     args = _arguments(argv)
+    if args.render_only:
+        cli.validated(f"--render-only from {args.json}")
     if bc.render_only(args, markdown):
         return
+    if not args.child:
+        cli.validated(f"the flags are fine ({len(args.seqs.split(','))} length(s), "
+                      f"{len(args.masks.split(','))} mask(s), {len(args.blocks.split(','))} block(s))")
     if args.child:
         rows = measure(args, args.child)
         import jax
@@ -423,4 +429,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

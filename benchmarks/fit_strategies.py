@@ -1,7 +1,7 @@
 """Which context-parallel strategy fits how long a sequence: the whole train step of a preset,
 compiled for a TPU topology with each `attention.cp`, one real compile per cell.
 
-  .venv/bin/python benchmarks/fit_strategies.py                  # the table of issue 38 (hours)
+  .venv/bin/python benchmarks/fit_strategies.py                  # the whole table (hours)
   .venv/bin/python benchmarks/fit_strategies.py --cached-only     # the cells measured so far
   .venv/bin/python benchmarks/fit_strategies.py --render-only     # rewrite the markdown
 
@@ -30,7 +30,7 @@ STRATEGIES = {  # name -> estimate.py overrides
     "ulysses": ["--config.attention.cp=ulysses"],
     "usp x4": ["--config.attention.cp=usp", "--config.attention.cp_ulysses=4"],
 }
-# (preset, topology, sp, L): issue 38's table (8B on 64 v5p chips at 131,072 / 524,288 /
+# (preset, topology, sp, L): the table's cells (8B on 64 v5p chips at 131,072 / 524,288 /
 # 2,097,152 tokens, 70B on 512 at 131,072). The sweep puts one sequence on each fsdp rank, so the
 # 2,097,152-token row rings over all 64 chips (sp=64, batch 1): at sp=16 it would hold 4 such
 # sequences, which no strategy fits (the ring's step: 95.8 GiB, docs/fit_llama3_8b.md).

@@ -48,6 +48,7 @@ processes (launch/local.py's, ablate.py's).
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import importlib.util
 import keyword
@@ -399,7 +400,8 @@ def parse_absl_flags(argv: list[str]) -> list[str]:
     # ml_collections reads the overrides from sys.argv itself, not from the argv it is given.
     names = [name for name, _ in _config_flags()]
     argv = list(argv)
-    sys.argv[:] = quote_keyword_keys(sys.argv, names)
+    new_type_keys = take_new_type_keys(argv)
+    sys.argv[:] = quote_keyword_keys([arg for arg in sys.argv if arg not in new_type_keys], names)
     try:
         rest = flags.FLAGS(quote_keyword_keys(argv, names))
     except flags.Error as e:
@@ -420,7 +422,58 @@ def parse_absl_flags(argv: list[str]) -> list[str]:
     error = config_file_error(argv)  # ml_collections defers a missing file's error to first use
     if error is not None:
         raise error
+    set_type_keys(new_type_keys)
     return rest
+
+
+def _new_type_key(arg: str) -> re.Match | None:
+    """`--<config flag>.attention.layer_types.<type>.<key>=VALUE`, parsed (or None)."""
+    return re.match(r"^--?(?P<flag>[^.=]+)\.attention\.layer_types\.(?P<type>[^.=]+)\.(?P<key>[^.=]+)=(?P<value>.*)$",
+                    arg, re.S)
+
+
+def take_new_type_keys(argv: list[str]) -> dict[str, re.Match]:
+    """Removes from `argv` (in place) and returns, by argument, each override of a layer type's key
+    (layer_types.TYPE_KEYS: docs/attention.md lists them) that the config file's type does not set,
+    or of a type it does not define. ml_collections overrides only keys a config already has, and a
+    type sets only what sets it apart, so to ml_collections `--config.attention.layer_types.local.
+    chunk_size=64` on a type without a chunk is an unknown key; `set_type_keys` sets these once the
+    flags are parsed."""
+    from longctx.model import layer_types  # lazily: it imports jax, which start() must precede
+
+    taken = {}
+    for name, flag in _config_flags():
+        spec = _flag_value(argv, name)
+        matches = [(arg, m) for arg in argv[1:] if (m := _new_type_key(arg)) and m["flag"] == name
+                   and m["key"] in layer_types.TYPE_KEYS]
+        if spec is None or not matches:
+            continue
+        try:
+            config = flag.parser.parse(spec)
+            types = config.attention.get("layer_types") or {}
+        except Exception:  # noqa: BLE001  (the config file itself fails: parsing says so)
+            continue
+        for arg, m in matches:
+            if m["type"] not in types or m["key"] not in types[m["type"]]:
+                taken[arg] = m
+    argv[:] = [arg for arg in argv if arg not in taken]
+    return taken
+
+
+def set_type_keys(taken: dict[str, re.Match]) -> None:
+    """Sets the layer-type keys `take_new_type_keys` took, in the parsed configs, each value read
+    as ml_collections reads a literal (true/false, a number, None, else the string)."""
+    from absl import flags  # lazily: only absl scripts parse absl flags
+
+    from longctx.model import layer_types  # lazily: it imports jax, which start() must precede
+
+    for m in taken.values():
+        text = m["value"].capitalize() if m["value"] in ("true", "false") else m["value"]
+        try:
+            value = ast.literal_eval(text)
+        except (SyntaxError, ValueError):
+            value = m["value"]
+        layer_types.set_type_key(flags.FLAGS[m["flag"]].value, m["type"], m["key"], value)
 
 
 def quote_keyword_keys(argv: list[str], config_flag_names: list[str]) -> list[str]:
@@ -507,9 +560,30 @@ def load_config_file(spec: str, flag: str = "--config"):
         raise ConfigError(one_line(e)) from None
     except Exception as e:  # noqa: BLE001  (the user's file: whatever it raises is bad input)
         where = _location_in(e, path)
+        locked = _locked_key(e)
+        if locked:
+            raise ConfigError(f"{flag}={spec}: the config file does not load: {where}{locked}.") from None
         text = e.msg if isinstance(e, SyntaxError) else next(iter(str(e).splitlines()), "")
         raise ConfigError(f"{flag}={spec}: the config file does not load: {where}"
                           f"{type(e).__name__}{': ' + text.strip() if text.strip() else ''}.") from None
+
+
+def _locked_key(error: BaseException) -> str | None:
+    """For a key a config file sets that its (locked) config does not have, where ml_collections'
+    message dumps the whole section: the key and the section's keys, closest first; else None."""
+    m = re.search(r'Key "([^"]+)" does not exist and cannot be added since the config is locked', str(error))
+    tb, section = error.__traceback__, None
+    while tb is not None:  # the innermost ConfigDict method's `self`: the section it was set on
+        owner = tb.tb_frame.f_locals.get("self")
+        if type(owner).__name__ == "ConfigDict":
+            section = owner
+        tb = tb.tb_next
+    if not m or section is None:
+        return None
+    keys = [str(k) for k in section.keys()]
+    ranked = difflib.get_close_matches(m.group(1), keys, n=len(keys), cutoff=0.0)
+    return (f"{m.group(1)!r} is not a key of the section it is set on (the config is locked against new "
+            f"keys); its keys, closest first: {', '.join(ranked)}")
 
 
 def _location_in(error: BaseException, path: str) -> str:
@@ -567,8 +641,13 @@ def check_key(config, path: str, arg: str) -> ConfigError | None:
         if part not in keys and not keys:
             return ConfigError(f"unknown config key {path} in {arg}: {'.'.join(seen) or 'the config'} "
                                "has no keys.")
+        if seen[:2] == ["attention", "layer_types"] and len(seen) == 3:  # (a type sets any of its keys)
+            from longctx.model import layer_types  # lazily: it imports jax, which start() must precede
+
+            keys = list(layer_types.TYPE_KEYS)
         if part not in keys:
-            where = f"the keys of {'.'.join(seen)}" if seen else "the config's top-level keys"
+            where = (f"the keys of {'.'.join(seen)}" if len(seen) != 3 or seen[1] != "layer_types"
+                     else "the keys a layer type sets") if seen else "the config's top-level keys"
             ranked = difflib.get_close_matches(part, keys, n=len(keys), cutoff=0.0)
             return ConfigError(f"unknown config key {'.'.join(seen + [part])} in {arg}; {where}, "
                                f"closest first: {', '.join(ranked)}.")

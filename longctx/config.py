@@ -47,9 +47,14 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> None:
     """Sets dotted keys ("model.num_layers": 4) on a (locked) ConfigDict; ints become floats where
     the field is a float. The one setter of dotted keys (the converter's overrides, a grid's
     variants, a saved config changed for inference): an unknown key raises KeyError, a value of the
-    wrong type TypeError, for the caller to put in its own words."""
+    wrong type TypeError, for the caller to put in its own words. A layer type's key
+    (attention.layer_types.<type>.<key>) is set whether or not the type sets it yet: a type holds
+    only what sets it apart (longctx/model/layer_types.py)."""
     for key, value in overrides.items():
         *sections, name = key.split(".")
+        if _new_type_key(config, sections, name):
+            layer_types_lib.set_type_key(config, sections[2], name, value)
+            continue
         node = config
         for section in sections:
             node = node[section]
@@ -58,6 +63,14 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> None:
         if isinstance(node[name], float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         node[name] = value
+
+
+def _new_type_key(config, sections: list[str], name: str) -> bool:
+    """Whether `sections`.`name` is attention.layer_types.<type>.<key>, a key a type may set
+    (layer_types.TYPE_KEYS) that the config's type does not set yet."""
+    if sections[:2] != ["attention", "layer_types"] or len(sections) != 3 or name not in layer_types_lib.TYPE_KEYS:
+        return False
+    return name not in ((config.attention.get("layer_types") or {}).get(sections[2]) or {})
 
 
 def init_from_allowed(config) -> tuple[str, ...]:
@@ -148,6 +161,11 @@ def _check_sources(config) -> None:
         _require(isinstance(s["path"], str) and s["path"],
                  f"{key}.path={s['path']!r} must name a prepared directory (or "
                  f"{mixture.EMBEDDED_FILES} / {mixture.EMBEDDED_PACKAGES}).")
+        embedded = (mixture.EMBEDDED_FILES, mixture.EMBEDDED_PACKAGES)
+        _require(not s["path"].startswith("embedded:") or s["path"] in embedded,
+                 f"{key}.path={s['path']} names no embedded source: the embedded sources are "
+                 f"{mixture.EMBEDDED_FILES} (the Python standard library, one file per document) and "
+                 f"{mixture.EMBEDDED_PACKAGES} (one top-level package per document).")
         for k in ("weight", "upsample_factor"):
             _require(isinstance(s[k], numbers.Real) and not isinstance(s[k], bool) and math.isfinite(s[k]),
                      f"{key}.{k}={s[k]!r} must be a number.")
@@ -341,7 +359,16 @@ def _check_layer_types(config, sp: int, shard_len: int) -> None:
     """Each layer type of attention.pattern, as resolved (its keys over attention.*), by the rules
     attention.* itself meets; a message names the type's key (attention.layer_types.<name>.<key>).
     An unknown type or key is one sentence from layer_types itself."""
-    for layer_type in layer_types_lib.period(config):
+    types, text = config.attention.get("layer_types") or {}, config.attention.get("pattern") or ""
+    _require(not types or text.strip(),
+             f"attention.layer_types defines {', '.join(sorted(types))} but attention.pattern is empty, so no "
+             f"layer is of them: name them in --config.attention.pattern (one period, in order, e.g. "
+             f"{','.join(sorted(types))}) or set --config.attention.layer_types={{}}.")
+    period = layer_types_lib.period(config)  # (a type the pattern names and none defines: its sentence)
+    unused = sorted(set(types) - {layer_type.name for layer_type in period})
+    _require(not unused, f"attention.layer_types.{unused[0] if unused else ''} is defined but attention.pattern="
+             f"{text!r} names no layer of it: add it to the pattern, or fix its name if it is misspelt.")
+    for layer_type in period:
         if layer_type.name == layer_types_lib.UNIFORM:
             continue
         prefix, a = layer_types_lib.type_prefix(layer_type.name), layer_type.attention

@@ -9,12 +9,15 @@ Writes DIR/ablation.md (final train/val loss, tokens/s, ring schedule efficiency
 --seeds N, their mean and standard deviation over N seeds and which variants lie within each
 other's spread; the validation loss past each variant's shortest window; K/V bytes per step),
 DIR/ablation.png (loss curves) and DIR/position_loss.png (validation loss by token position).
-Re-running skips finished runs and resumes unfinished ones from their checkpoints.
+Re-running skips finished runs and resumes unfinished ones from their checkpoints. Every variant's
+config is checked (as --validate_only checks it) before the first run starts: a bad one is one line,
+exit status 2, and nothing runs.
 """
 
 import argparse
 import os
 import shlex
+import subprocess
 import sys
 
 # longctx from this checkout even without .venv, so that cli.start() can say in one line what is missing
@@ -31,19 +34,35 @@ from longctx.errors import ConfigError  # noqa: E402
 
 def validate_grid(grid: str) -> str:
     """--validate_only: every variant's config checked as its training run would check it (on the
-    devices the runs would see), none started."""
+    devices the runs would see; attention.cp=auto and block_size=auto resolved by the planner as
+    scripts/train.py resolves them), none started."""
     devices.configure_cpu_devices()  # what each run's cli.start() sets up
+    # lazily, as every jax import here: the parent process that starts the runs must not start
+    # jax (on a TPU host it would hold the chips its runs need)
     import jax
 
     from longctx import config as config_lib
+    from longctx.plan import auto
 
     _, variants = ablation.load_grid(grid)
     for variant in variants:
         try:
-            config_lib.validate(variant.config, num_devices=jax.device_count())
+            config = auto.resolve(variant.config, jax.devices()).config
+            config_lib.validate(config, num_devices=jax.device_count())
         except ConfigError as e:
             raise ConfigError(f"grid variant {variant.name!r}: {e}") from None
     return f"the {len(variants)} variants of {grid} are fine"
+
+
+def validate_in_a_child(args) -> int:
+    """`validate_grid` before the first run trains (a bad last variant would otherwise fail after
+    the others' hours), in a process of its own for the reason above; its exit status, and its one
+    line where it refused."""
+    check = subprocess.run([sys.executable, os.path.abspath(__file__), f"--grid={args.grid}",
+                            f"--workdir={args.workdir}", "--validate_only"], capture_output=True, text=True)
+    if check.returncode:
+        sys.stderr.write(check.stderr)
+    return check.returncode
 
 
 def kv_bytes_per_step(config, layout: str, mesh: dict) -> int | None:
@@ -82,6 +101,10 @@ def main() -> int:
     workdir_lib.check_named(args.workdir)
     if cli.validate_only():
         cli.validated(validate_grid(args.grid))
+    if not args.dry_run:
+        status = validate_in_a_child(args)
+        if status:
+            return status
     variants = ablation.run_grid(args.grid, args.workdir, seeds=args.seeds, dry_run=args.dry_run)
     if args.dry_run:
         return 0

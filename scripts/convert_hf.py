@@ -85,12 +85,21 @@ def parse_mesh(text: str) -> dict:
     return {"mesh.dp": dp, "mesh.fsdp": fsdp, "mesh.sp": sp}
 
 
+def check_hf_directory(path: str) -> None:
+    """--hf names a directory here: the converter reads files and downloads nothing."""
+    if not os.path.isdir(path):
+        raise MissingFileError(f"--hf={path} is not a directory here: --hf takes a local directory of a Hugging "
+                               "Face checkpoint (config.json and model.safetensors) and convert_hf.py downloads "
+                               "nothing, so download the model's files first and pass their directory.")
+
+
 def check_arguments(args) -> str:
     """--validate_only: each command's inputs read as far as their config (the HF config.json, the
     checkpoint's saved config, the token file's existence), its flags parsed, --out checked as the
     command checks it; no weights read."""
     parse_mesh(args.mesh)
     if args.command == "to-longctx":
+        check_hf_directory(args.hf)
         hf.config_overrides(hf.read_config(args.hf), os.path.join(args.hf, hf.CONFIG_FILE))
         load_config(args.config)
         if not (args.out or args.print_config):
@@ -110,6 +119,7 @@ def check_arguments(args) -> str:
 
 
 def to_longctx(args) -> int:
+    check_hf_directory(args.hf)
     hf_config = hf.read_config(args.hf)
     overrides = hf.config_overrides(hf_config, os.path.join(args.hf, hf.CONFIG_FILE))
     overrides["model.param_dtype"] = args.param_dtype
@@ -177,9 +187,11 @@ def _read_tokens(path: str) -> dict:
     if not os.path.isfile(path):
         raise MissingFileError(f"--tokens={path} does not exist.")
     try:
-        loaded = np.load(path)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"--tokens={path} is not a .npy or .npz file ({e}).") from None
+        loaded = np.load(path)  # (allow_pickle=False: numpy's ValueError for any other file)
+    except (ValueError, OSError):
+        raise ConfigError(f"--tokens={path} is not a .npy or .npz file: write the token ids with numpy.save "
+                          "(an int array [batch, n]) or numpy.savez (tokens=..., and the optional arrays "
+                          "convert_hf.py -h lists).") from None
     rows = {"tokens": loaded} if isinstance(loaded, np.ndarray) else {k: loaded[k] for k in loaded.files}
     if "tokens" not in rows:
         raise ConfigError(f"--tokens={path} has no array named 'tokens'.")

@@ -14,8 +14,9 @@ sentences, the validation documents of a prepared dataset, or essay text from th
 length and needle depth, seeded, and scores each answer as RULER does (the fraction of expected
 strings found) on the greedy answer, found by teacher forcing in one forward pass per row on the
 run's mesh and layout (longctx/evals/ruler.py). A task that does not fit at a length is reported
-as not run. --workdir (a training run) or --checkpoint (a scripts/convert_hf.py output, or any
-directory of checkpoints) names the model; its tokenizer and haystack data are found as
+as not run; where none fits at any length the command refuses in one line and writes nothing.
+--workdir (a training run) or --checkpoint (a scripts/convert_hf.py output, or any directory of
+checkpoints) names the model; its tokenizer and haystack data are found as
 scripts/eval_needle.py finds them (--tokenizer, --data). Writes ruler.json (score per task and
 length, per depth, and the tokenizer, haystacks and seed used) and the heatmap ruler.png to --out
 (default: the model's directory) and prints the score per task.
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     depths = eval_needle.evenly_spread_depths(args.depths)
     lengths = args.lengths or needle.default_lengths(runner.config.data.seq_len, shortest=256)
     result = ruler.evaluate(runner, tokenizer, documents, tasks=args.tasks, lengths=lengths, depths=depths,
-                            samples=args.samples, seed=args.seed)
+                            samples=args.samples, seed=args.seed, refuse_if_none_fit=True)
     result.update(step=step, model=args.workdir, data_dir=source.data_dir, data_tokenizer=source.data_tokenizer,
                   tokenizer=source.tokenizer, tokenizer_from=source.tokenizer_from,
                   haystack_retokenized=source.retokenized)

@@ -449,6 +449,16 @@ def _config_of(a):
         raise ConfigError(f"--sp: {a.config} leaves mesh.sp to the devices ({a.sp}); give --sp.")
     config.mesh.update(dp=1, fsdp=1, sp=a.sp)
     config.data.global_batch_size = a.batch_size
+    # The sequence first: it is what --sp splits here (validate would name d_model, split over sp
+    # with the parameters, before it).
+    zigzag = config.attention.layout == "zigzag"  # (2 * sp pieces)
+    if a.seq_len % (a.sp * (2 if zigzag else 1)):
+        split = a.seq_len // 2 if zigzag else a.seq_len
+        fits = [n for n in range(2, min(split, 4096) + 1) if split % n == 0][:4]
+        raise ConfigError(f"--sp {a.sp} does not divide {'half of ' if zigzag else ''}the {a.seq_len:,}-token "
+                          f"sequence{' (the zigzag layout)' if zigzag else ''}, which the sp devices hold in "
+                          f"equal shards: pass an --sp that does ({', '.join(map(str, fits))}, ...) or another "
+                          "--seq-len.")
     config_lib.validate(config, num_devices=a.sp)
     return config
 

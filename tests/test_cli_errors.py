@@ -110,9 +110,9 @@ def test_a_layer_type_named_by_a_python_keyword_takes_overrides(tmp_path):
     assert the_line(bad) == "longctx: attention.layer_types.global.rope_theta=-1.0 must be positive."
     typo = run(*common, "--config.attention.layer_types.global.rope_thetaa=5e5")
     assert typo.returncode == 2
-    assert the_line(typo) == ("longctx: unknown config key attention.layer_types.global.rope_thetaa in "
-                              "--config.attention.layer_types.global.rope_thetaa=5e5; the keys of "
-                              "attention.layer_types.global, closest first: rope_theta.")
+    assert the_line(typo).startswith("longctx: unknown config key attention.layer_types.global.rope_thetaa in "
+                                     "--config.attention.layer_types.global.rope_thetaa=5e5; the keys a layer "
+                                     "type sets, closest first: rope_theta, "), the_line(typo)
     good = run(*common, "--config.attention.layer_types.global.rope_theta=500000.0")
     assert good.returncode == 0, good.stderr[-2000:]
 
@@ -304,15 +304,16 @@ def test_a_failed_run_is_one_line_exit_1(tmp_path):
     """RunError (what ablate raises for a failed variant; the loop raises it for a non-finite loss
     or a failed save) prints one line and exits 1; the variant's own line is shown above it."""
     grid = tmp_path / "grid.py"
+    missing = tmp_path / "no_data"  # (a valid config: the run finds the directory missing)
     grid.write_text('BASE = "configs/base.py:tiny"\n'
-                    'def get_grid():\n    return {"bad": {"mesh.sp": 3}}\n')
+                    f'def get_grid():\n    return {{"bad": {{"data.path": "{missing}"}}}}\n')
     r = run("scripts/ablate.py", f"--grid={grid}", f"--workdir={tmp_path / 'runs'}")
     assert r.returncode == 1
     assert "Traceback" not in r.stdout + r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("longctx: ")]
-    assert lines[0].startswith("longctx: mesh: ")  # the training run's own message
+    assert lines[0].startswith(f"longctx: data.path={missing} "), lines  # the training run's own message
     assert re.fullmatch(r"longctx: variant 'bad' failed with exit code 2 \(its message is above\): "
-                        r".*scripts/train\.py --config=configs/base\.py:tiny .*--config\.mesh\.sp=3",
+                        rf".*scripts/train\.py --config=configs/base\.py:tiny .*--config\.data\.path={missing}",
                         lines[-1]), lines
 
 
@@ -355,7 +356,7 @@ def test_verbose_is_taken_off_the_command_line_before_the_script_sees_it(capsys,
     assert os.environ[cli.DEBUG_ENV] == "1"  # children (ablate's runs) show tracebacks too
 
 
-# ----------------------------------------------------------------------------- issue 36, item 17: a config file that does not load
+# ----------------------------------------------------------------------------- a config file that does not load
 
 
 def test_config_file_with_a_syntax_error_is_one_line_naming_file_and_line(tmp_path):
@@ -398,7 +399,20 @@ def test_config_file_that_does_not_load_names_file_and_line_for_argparse_scripts
         cli.load_config_file("configs/base.py:tinyy")  # the config's own sentence, as it was
 
 
-# ----------------------------------------------------------------------------- issue 36, item 19: the fix, said
+def test_a_misspelt_key_in_a_config_file_names_the_key_and_the_closest_ones(tmp_path):
+    """ml_collections' own message dumps the whole section (YAML of its FieldReferences included)."""
+    bad = tmp_path / "mine.py"
+    bad.write_text("import ml_collections\n\ndef get_config(arg=None):\n"
+                   "    c = ml_collections.ConfigDict({'model': {'num_layers': 2, 'num_heads': 4, 'dtype': 'float32'}})\n"
+                   "    c.lock()\n    c.model.num_layer = 4\n    return c\n")
+    with pytest.raises(ConfigError) as e:
+        cli.load_config_file(str(bad))
+    assert str(e.value) == (f"--config={bad}: the config file does not load: {bad}:6: 'num_layer' is not a key of "
+                            "the section it is set on (the config is locked against new keys); its keys, closest "
+                            "first: num_layers, num_heads, dtype.")
+
+
+# ----------------------------------------------------------------------------- the fix, said
 
 
 def _suggested_fix(message: str) -> dict:
@@ -462,7 +476,7 @@ def test_vocab_too_small_for_the_dataset_says_the_size_to_set(dataset, tmp_path)
     assert fixed.returncode == 0, fixed.stderr[-2000:]
 
 
-# ----------------------------------------------------------------------------- issue 36, item 18: --validate_only
+# ----------------------------------------------------------------------------- --validate_only
 
 
 def test_validated_ends_a_validate_only_run_with_one_line_and_status_0(capsys, monkeypatch):
@@ -516,7 +530,7 @@ def test_train_validate_only_checks_and_writes_nothing(dataset, tmp_path):
                              "file, not a directory.")
 
 
-# ----------------------------------------------------------------------------- issue 36, item 20: long waits say so
+# ----------------------------------------------------------------------------- long waits say so
 
 
 def test_ring_report_says_it_is_working_before_a_large_schedule():
@@ -570,7 +584,7 @@ def test_first_use_corpus_preparation_says_so_once_and_where(tmp_path, monkeypat
     assert prepare.prepare_stdlib(str(tmp_path)) == final and capsys.readouterr().err == ""
 
 
-# ----------------------------------------------------------------------------- issue 36, items 17 and 21: several processes
+# ----------------------------------------------------------------------------- several processes
 
 ONE_HOST_LACKS_THE_DATA = '''
 import importlib.util

@@ -35,7 +35,7 @@ ZERO_IS_MEANINGFUL = {
     ("scripts/prepare_data.py", "--val-fraction"): "no validation split",
     ("scripts/plan.py", "--compile"): "0: no compile",
 }
-# The flags the issue found failing, which the walk must reach.
+# Flags a walk must reach (each once failed in a way the walk would have found).
 MUST_BE_WALKED = {("scripts/ring_report.py", "--tokens"), ("scripts/ring_report.py", "--batch-size"),
                   ("scripts/ring_report.py", "--batches"), ("scripts/plan.py", "--top"),
                   ("scripts/estimate.py", "--sweep_start_shard"), ("scripts/eval_needle.py", "--samples")}
@@ -79,7 +79,7 @@ def test_a_flag_where_0_means_something_says_so_in_its_help(walked):
 
 
 def test_ring_report_names_the_flag_under_validate_only_as_it_runs():
-    """The three command lines of the issue, run as scripts (forked after the imports)."""
+    """Three command lines run as scripts (forked after the imports)."""
     base = [sys.executable, "scripts/ring_report.py", "--seq-len", "8192", "--sp", "4", "--block", "256",
             "--causal", "--mix", "uniform", "--validate_only"]
     cases = {"--tokens": "0", "--batch-size": "0", "--batches": "0"}

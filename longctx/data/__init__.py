@@ -6,7 +6,8 @@ The train loop's interface:
   check_splits(config, metadata, data_dir, mesh): the splits the run reads are not too small
   layout_sample(config, data_dir) -> segment ids of the rows attention.layout='auto' is chosen on
   make_batch_iterator(config, mesh, *, split, layout, data_dir, seed_offset=0, source=None)
-  validation_sources(config), achieved_shares(config, sp), describe_shares(shares): mixtures
+  validation_sources(config), achieved_shares(config, sp), describe_shares(shares),
+  describe_data(config, data_dir): mixtures
   check_sources(config, mesh): --validate_only's check of every source (writes nothing)
 These read data.path (pipeline.py) or the mixture of data.sources (mixture.py). See pipeline.py for the batch format and the Orbax checkpoint recipe for the iterator.
 
@@ -21,7 +22,7 @@ _EXPORTS = {
     "BatchIterator": "pipeline", "check_splits": "mixture", "load_metadata": "pipeline",
     "make_batch_iterator": "mixture", "layout_sample": "mixture", "packed_rows": "pipeline",
     "resolve_dataset": "mixture", "validation_sources": "mixture", "achieved_shares": "mixture",
-    "describe_shares": "mixture", "check_sources": "mixture",
+    "describe_shares": "mixture", "describe_data": "mixture", "check_sources": "mixture",
     "DataShard": "sharding", "data_shard": "sharding",
     "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
 }

@@ -114,8 +114,11 @@ def source_dir(config, source: Source, *, prepare: bool = True) -> str | None:
         if not os.path.isdir(path):
             raise MissingFileError(f"{key} does not exist: {prepare_it}.")
         if not os.path.isfile(os.path.join(path, prepare_lib.METADATA)):
+            # A directory of other files (docs/) is no place to write a dataset into.
+            fix = (prepare_it if not os.listdir(path) else "point it at a directory scripts/prepare_data.py "
+                   "wrote (its --output), or prepare one into a new directory (docs/data.md, \"Mixtures\")")
             raise MissingFileError(f"{key} holds no {prepare_lib.METADATA}, so it is not a prepared "
-                                   f"dataset: {prepare_it}.")
+                                   f"dataset: {fix}.")
     one = config.copy_and_resolve_references()
     one.data.path = "" if source.path == EMBEDDED_FILES else source.path
     try:
@@ -359,6 +362,15 @@ def close_iterator(iterator) -> None:
     close = getattr(iterator, "close", None)  # read threads, else they go at garbage collection
     if close is not None:
         close()
+
+
+def describe_data(config, data_dir: str) -> str:
+    """What the start-up line calls the run's data: 'data DIR', or for a mixture its sources (the
+    first's directory, `resolve_dataset`'s, stands for their metadata only)."""
+    names = [s.name for s in sources(config)]
+    if not names:
+        return f"data {data_dir}"
+    return f"data mixture of {len(names)} sources ({', '.join(names)}: data.sources)"
 
 
 def describe_shares(shares: dict, rows: int = REPORT_ROWS) -> str:

@@ -34,6 +34,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from longctx.errors import ConfigError
 from longctx.evals import inference
 from longctx.evals import needle as needle_lib
 from longctx.evals import ruler_tasks
@@ -147,13 +148,21 @@ def make_samples(tokenizer, documents, tasks: Sequence[str], lengths: Sequence[i
 
 
 def evaluate(runner, tokenizer, documents, *, tasks: Sequence[str], lengths: Sequence[int],
-             depths: Sequence[float] = DEFAULT_DEPTHS, samples: int = 2, seed: int = 0) -> dict:
-    """Score per (task, length) and per (task, length, depth), with what was used."""
+             depths: Sequence[float] = DEFAULT_DEPTHS, samples: int = 2, seed: int = 0,
+             refuse_if_none_fit: bool = False) -> dict:
+    """Score per (task, length) and per (task, length, depth), with what was used. Where no task
+    fits at any length, `refuse_if_none_fit` raises the ConfigError that says so (before anything
+    compiles); else every cell is reported as not run."""
     seq_len = runner.config.data.seq_len
     lengths = sorted(lengths)
     if max(lengths) > seq_len:
         raise ValueError(f"RULER length {max(lengths)} is longer than data.seq_len={seq_len}.")
     made, skipped = make_samples(tokenizer, documents, tasks, lengths, depths, samples, seed)
+    if not made and refuse_if_none_fit:
+        why = skipped[(tasks[0], lengths[-1])].rstrip(".")
+        raise ConfigError(f"no RULER task of {', '.join(tasks)} fits in {', '.join(map(str, lengths))} tokens: "
+                          f"{why}; ask for longer --lengths (up to the model's sequence length, or "
+                          "--seq-len) or other --tasks.")
     found = teacher_forced(runner, made) if made else []
     score = {(t, n): [] for t in tasks for n in lengths}
     by_depth = {(t, n, d): [] for t in tasks for n in lengths for d in depths}

@@ -11,8 +11,8 @@
                            (Gemma: its checkpoints store w so)
   model.mlp_activation     silu: SwiGLU (Llama) | gelu_tanh: GeGLU with the tanh approximation of
                            GELU (Gemma's gelu_pytorch_tanh)
-  model.scale_embeddings   the looked-up embeddings times sqrt(d_model) (Gemma; not the tied
-                           output projection)
+  model.scale_embeddings   the looked-up embeddings times sqrt(d_model), rounded to model.dtype
+                           (Gemma; not the tied output projection)
   model.query_pre_attn_scalar   attention logits scaled by query_pre_attn_scalar ** -0.5 instead
                            of head_dim ** -0.5 (Gemma 2/3); None: head_dim
 
@@ -29,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 QK_NORMS = ("none", "per_head", "whole")
 NORM_POSITIONS = ("pre", "post", "sandwich")
@@ -68,7 +69,7 @@ def options(model_config) -> BlockOptions:
 def extra_params(model_config) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
     """{name: (shape, logical axes, init)} of the parameters the options add to a block, beside
     Llama's (wq, wk, wv, wo, w_gate, w_up, w_down, and attn_norm, mlp_norm where pre_norms).
-    None of them is drawn at random (so Llama's parameters are drawn as before) and none takes
+    None of them is drawn at random (so Llama's parameters are drawn as without them) and none takes
     weight decay (norm gains and biases: the Llama/MaxText convention)."""
     m, o = model_config, options(model_config)
     d, n, k, h = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
@@ -126,5 +127,9 @@ def query_factor(model_config) -> float | None:
 
 
 def embed_factor(model_config) -> float | None:
-    """The embeddings' scale (sqrt(d_model) under scale_embeddings), None for none."""
-    return math.sqrt(model_config.d_model) if options(model_config).scale_embeddings else None
+    """The embeddings' scale under scale_embeddings, None for none: sqrt(d_model) rounded to
+    model.dtype, as transformers' Gemma rounds it to its weights' dtype before it multiplies
+    (sqrt(3840) = 61.97 is 62.0 in bfloat16)."""
+    if not options(model_config).scale_embeddings:
+        return None
+    return float(np.asarray(math.sqrt(model_config.d_model), jnp.dtype(model_config.dtype)))

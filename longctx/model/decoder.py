@@ -244,7 +244,7 @@ class DecoderBlock(nnx.Module):
         self.w_gate = param((d, f), ("embed", "mlp"), d ** -0.5)
         self.w_up = param((d, f), ("embed", "mlp"), d ** -0.5)
         self.w_down = param((f, d), ("mlp", "embed"), f ** -0.5)
-        # (set after Llama's, none drawn at random: a Llama block's parameters are drawn as before)
+        # (set after Llama's, none drawn at random: a Llama block's parameters are drawn as without them)
         for name, (shape, axes, init) in block_options.extra_params(m).items():
             setattr(self, name, param(shape, axes, init=init, weight_decay=False))
 
@@ -330,7 +330,7 @@ class Decoder(nnx.Module):
         # scatter-adds every occurrence of a token into that token's row, and a low-precision copy
         # of the table would make that sum a bf16 one (a frequent token's row lost most of it).
         x = self.embed[...][tokens]
-        scale = block_options.embed_factor(m)  # (Gemma's sqrt(d_model), in float32)
+        scale = block_options.embed_factor(m)  # (Gemma's sqrt(d_model), rounded to model.dtype)
         x = (x if scale is None else x * scale).astype(jnp.dtype(m.dtype))
         for spec in mesh_lib.embedding_lookup_reshards():  # ends at _EMBED_ACTIVATION
             x = jax.lax.with_sharding_constraint(x, spec)

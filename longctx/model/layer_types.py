@@ -61,10 +61,17 @@ class LayerType:
 
 
 def pattern(attention_config) -> tuple[str, ...]:
-    """The type names of one period, in order; (UNIFORM,) without a pattern."""
+    """The type names of one period, in order; (UNIFORM,) without a pattern. An empty entry
+    (`local,,global`) is one sentence."""
     text = attention_config.get("pattern") or ""
+    if not text.strip():
+        return (UNIFORM,)
     names = tuple(name.strip() for name in text.split(","))
-    return names if text.strip() else (UNIFORM,)
+    if "" in names:
+        named = [name for name in names if name]
+        raise ConfigError(f"attention.pattern={text!r} has an empty entry (position {names.index('') + 1}): "
+                          f"name a layer type at every position, e.g. {','.join(named) or 'local,global'}.")
+    return names
 
 
 def is_hybrid(config) -> bool:
@@ -202,6 +209,35 @@ def by_type(which, functions, *operands):
     if isinstance(which, (int, np.integer)):
         return functions[int(which)](*operands)
     return jax.lax.switch(which, functions, *operands)
+
+
+def whole_row_notes(config) -> list[str]:
+    """One line for each type whose window or chunk reaches every key of a data.seq_len-token row:
+    its layers attend as a global layer does (a global layer in disguise), which the config does
+    not say outright; said once at start-up."""
+    seq_len, notes = config.data.seq_len, []
+    for layer_type in distinct(config):
+        a, prefix = layer_type.attention, type_prefix(layer_type.name)
+        window, chunk = a.get("sliding_window"), a.get("chunk_size")
+        if window is not None and window >= seq_len - 1:
+            notes.append(f"{prefix}sliding_window={window} reaches every earlier key of the {seq_len:,}-token "
+                         f"rows (data.seq_len), so its layers are global layers in disguise: set it below "
+                         f"{seq_len - 1} for local ones, or unset it.")
+        if chunk is not None and chunk >= seq_len:
+            notes.append(f"{prefix}chunk_size={chunk} holds the whole {seq_len:,}-token rows (data.seq_len) "
+                         f"in one chunk, so its layers are global layers in disguise: set it below {seq_len} "
+                         "for chunked ones, or unset it.")
+    return notes
+
+
+def set_type_key(config, name: str, key: str, value) -> None:
+    """Sets type `name`'s `key` (one of TYPE_KEYS) in `config`, defining the type where the config
+    does not: a type holds only what sets it apart, so a key it does not set yet is still its own."""
+    with config.unlocked():
+        types = config.attention.layer_types
+        if name not in types:
+            types[name] = {}
+        types[name][key] = value
 
 
 def type_prefix(name: str) -> str:

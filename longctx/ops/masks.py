@@ -19,6 +19,9 @@ from longctx.parallel import layout as layout_lib
 # (int32, where lo - position and position - hi must not overflow).
 _BIG = np.int64(2) ** 62
 _BIG_ON_DEVICE = 2 ** 30
+# The longest window side a MaskSpec holds: one of 2**30 already reaches every position a device
+# holds, and a longer one (2**31 - 1, "unbounded") would wrap pos + window past int32 on device.
+MAX_WINDOW = _BIG_ON_DEVICE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +98,8 @@ def document_chunk_ids(segment_ids, chunk: int, positions=None) -> np.ndarray:
 
 
 def make_mask_spec(causal=False, sliding_window=None, chunk_size=None) -> MaskSpec:
-    """Validates the user's mask keywords (ValueError naming the argument) into a MaskSpec."""
+    """Validates the user's mask keywords (ValueError naming the argument) into a MaskSpec. A
+    window side longer than MAX_WINDOW is held as MAX_WINDOW: it allows the same keys."""
     window = None
     if sliding_window is not None:
         if isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool):
@@ -108,10 +112,11 @@ def make_mask_spec(causal=False, sliding_window=None, chunk_size=None) -> MaskSp
                              "(left, right) of ints")
         if min(window) < 0:
             raise ValueError(f"sliding_window={sliding_window!r} must be non-negative")
+        window = (min(window[0], MAX_WINDOW), min(window[1], MAX_WINDOW))  # (the same keys)
     if chunk_size is not None:
         if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
-        chunk_size = int(chunk_size)
+        chunk_size = min(int(chunk_size), MAX_WINDOW)  # (one chunk holds every position)
     return MaskSpec(bool(causal), window, chunk_size)
 
 

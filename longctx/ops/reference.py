@@ -22,6 +22,7 @@ def _dense_mask(seq_len, causal, sliding_window, chunk_size):
     if sliding_window is not None:
         left, right = ((sliding_window, sliding_window) if isinstance(sliding_window, int)
                        else sliding_window)
+        left, right = min(left, seq_len), min(right, seq_len)  # (int32 positions: i + right must not wrap)
         mask &= (j >= i - left) & (j <= i + right)
     if chunk_size is not None:
         mask &= (j <= i) & (i // chunk_size == j // chunk_size)

@@ -556,7 +556,7 @@ def prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, po
                              for ids in (q_segment_ids, kv_segment_ids))
     if q_segment_ids is not None:
         q_segment_ids, kv_segment_ids = _kernel_segment_ids(
-            q_segment_ids, kv_segment_ids, positions, chunk_size if per_document_chunks else None,
+            q_segment_ids, kv_segment_ids, positions, spec.chunk if per_document_chunks else None,
             layout, seq_len, axis_name)
     if per_row:
         q_segment_ids = tables_lib.RowTokens(q_segment_ids, q_where)

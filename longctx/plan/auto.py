@@ -34,12 +34,24 @@ AUTO = planner.AUTO
 def _instead(key: str, config, num_devices: int) -> str:
     """What to set instead of an auto key, where the planner has no figures for the chip: a value
     config.validate then accepts (the block fits the config's shards)."""
-    if key == "attention.cp":
-        return "--config.attention.cp=ring (or all_gather, ulysses, usp)"
+    if key.endswith(".cp"):  # attention.cp or a layer type's
+        return f"--config.{key}=ring (or all_gather, ulysses, usp)"
     if key == "attention.layout":
         return "--config.attention.layout=auto (the ring's own choice)"
     block = planner.BLOCK_SIZES[0] if config is None else planner.fallback_block(config, num_devices)
     return f"--config.attention.block_size={block}"
+
+
+def _named(keys, config) -> list[str]:
+    """`keys` with attention.cp as the keys set to auto that ask for it (attention.cp, a layer
+    type's attention.layer_types.<name>.cp), each of which the fix must set."""
+    if config is None or "attention.cp" not in keys:
+        return list(keys)
+    a = config.attention
+    cp = (["attention.cp"] if a.get("cp") == AUTO else []) + [
+        f"attention.layer_types.{name}.cp" for name, settings in sorted((a.get("layer_types") or {}).items())
+        if dict(settings).get("cp") == AUTO]
+    return [named for key in keys for named in (cp or [key] if key == "attention.cp" else [key])]
 
 
 def topology_of(devices, asked=("attention.cp",), config=None) -> hardware.Topology:
@@ -50,7 +62,7 @@ def topology_of(devices, asked=("attention.cp",), config=None) -> hardware.Topol
     chip = hardware.chip_for_device_kind(kind)
     if chip is None:
         known = ", ".join(hardware.CHIPS)
-        keys = [k for k in asked if k != "attention.layout"]  # layout=auto runs without the planner
+        keys = [k for k in _named(asked, config) if k != "attention.layout"]  # layout=auto runs without the planner
         raise ConfigError(f"{' and '.join(f'{k}=auto' for k in keys)} "
                           f"need{'s' if len(keys) == 1 else ''} the step-time model's figures for "
                           f"the chip, and longctx has none for {devices[0].platform} devices "

@@ -1,5 +1,5 @@
 """Communication of attention over sp: bytes each device sends and receives, read from a program's
-HLO and, beside it, in closed form per context-parallel strategy (issue 38, item 4).
+HLO and, beside it, in closed form per context-parallel strategy.
 
 Read from the HLO (`hlo_traffic`): every collective of the program (all-gather, all-to-all,
 collective-permute, reduce-scatter, all-reduce, their -start/-done async forms and collectives

@@ -26,10 +26,11 @@ raised before anything is written or moved: a different model shape (the config 
 parameter shapes, listed with both values), another block (checkpoint_compat.BLOCK_KEYS: Gemma's
 (1 + w) norms, GeGLU, ...) or a different train-state structure (e.g. another
 optimizer chain; the differing arrays are listed). Other model keys that changed (rope_theta,
-dtype, remat, ...) are only reported. When the data iterator state cannot carry over (the process
-count, the data stream's config, the process -> data shard map or the dataset changed; metadata/
-records the last two), the state is restored, the data stream restarts from a fresh shuffle seeded
-with the step, and the sentence says why.
+dtype, remat, ...) are only reported, and so is another attention (a mask key, the pattern, a layer
+type's mask or RoPE), with the flags that keep the checkpoint's. When the data iterator state
+cannot carry over (the process count, the data stream's config, the process -> data shard map or
+the dataset changed; metadata/ records the last two), the state is restored, the data stream
+restarts from a fresh shuffle seeded with the step, and the sentence says why.
 """
 
 from __future__ import annotations
@@ -187,6 +188,9 @@ class Checkpointer:
         changed = compat.section_differences(saved, self.config.to_dict(), "model", skip=compat.SHAPE_KEYS)
         if changed:
             _say("resuming with changed model settings (parameter shapes are the same): " + "; ".join(changed))
+        attention = compat.attention_notice(saved, self.config.to_dict())
+        if attention:
+            _say(attention)
 
     def _check_init_from(self) -> None:
         """init_from's model must be this run's: the same shapes, and the same function (RoPE,

@@ -4,7 +4,9 @@ A checkpoint that reads fine can still belong to another run. Three questions, e
 the small parts of a step (its config JSON and its arrays' shapes), before any array is read:
   - model shape: the config keys that fix parameter shapes differ -> an error (`ConfigError`); on
     resume also the block options that add no parameters (norm_plus_one, mlp_activation, ...): a
-    resumed run is the same model, and Gemma's (1 + w) gains read as plain ones are another;
+    resumed run is the same model, and Gemma's (1 + w) gains read as plain ones are another; an
+    attention that computes otherwise (a mask key, the pattern, a layer type's mask or RoPE)
+    trains on, with one line saying so and how to keep the checkpoint's (`attention_notice`);
   - train-state structure: the arrays themselves differ (e.g. another optimizer chain) -> an error
     listing them;
   - data stream: the process count, the keys that define the training stream, the process ->
@@ -39,6 +41,10 @@ BLOCK_KEYS = tuple(f"model.{k}" for k in block_options.DEFAULTS if f"model.{k}" 
 # code meant then (Llama's block, one layer type).
 ABSENT_MEANS = {**{f"model.{k}": v for k, v in block_options.DEFAULTS.items()},
                 "attention.pattern": "", "attention.layer_types": {}}
+# The attention keys that change what the same parameters compute: reported on resume
+# (`attention_notice`, with the pattern and the layer types), refused on init_from unless allowed.
+RESUME_ATTENTION_KEYS = tuple(k for k in config_lib.INIT_FROM_KEYS
+                              if k.startswith("attention.") and k != "attention.pattern")
 # Data keys that define the training stream: if one differs, the saved iterator state means nothing.
 STREAM_KEYS = tuple(f"data.{k}" for k in (
     "path", "seq_len", "global_batch_size", "packer", "shuffle_seed", "num_workers"))
@@ -107,6 +113,33 @@ def model_shape_error(config, where: str, saved_config: dict, init_from: bool = 
         return None
     return ConfigError(f"the model in {where} differs from this config: " + "; ".join(diffs)
                        + f". {_INIT_FROM_OTHER_SHAPE if init_from else _RESUME_OTHER_SHAPE}")
+
+
+def attention_notice(saved: dict, current: dict) -> str | None:
+    """The start-up line of a resume whose attention computes otherwise than the checkpoint's (the
+    parameters fit, so it trains on: the mask keys of attention.*, the pattern and every layer
+    type's mask and RoPE, layer by layer as `layer_type_differences` compares them), with the
+    flags that train on the checkpoint's model instead; None when they agree."""
+    found = [(key, _get(saved, key), text) for key in RESUME_ATTENTION_KEYS
+             for text in config_differences(saved, current, [key])]
+    for key, before, text in layer_type_differences(saved, current, config_lib.INIT_FROM_TYPE_KEYS):
+        found.append((key, _get(saved, key) if key == "attention.pattern" else before, text))
+    if not found:
+        return None
+    by_hand = [key for key, _, _ in found if key.endswith(".rope_scaling")]  # (described, not a value)
+    flags = [f"--config.{key}={_flag_value(before)}" for key, before, _ in found if key not in by_hand]
+    if not _get(saved, "attention.pattern") and _get(current, "attention.layer_types"):
+        flags.append("--config.attention.layer_types={}")  # (a uniform model defines no type)
+    fix = " ".join(flags) + (" and " if flags and by_hand else "") + (
+        f"set {', '.join(by_hand)} as the checkpoint has {'it' if len(by_hand) == 1 else 'them'}"
+        if by_hand else "")
+    return (f"resuming with another attention than the checkpoint's (the parameters fit, so it trains on): "
+            f"{'; '.join(text for _, _, text in found)}; to train the checkpoint's model on, pass {fix}")
+
+
+def _flag_value(value) -> str:
+    """`value` as a --config flag writes it (strings bare, the rest as Python literals)."""
+    return value if isinstance(value, str) else repr(value)
 
 
 def check_fits(config, where: str, saved_config: dict, saved_arrays: dict, target) -> None:

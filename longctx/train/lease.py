@@ -1,9 +1,9 @@
 """One run per workdir: a lease that a run holds while it runs, and that a second run respects.
 
-Two trainers started on one workdir used to both start "fresh" and overwrite each other's
-checkpoints, metrics.jsonl and run_info.json. Now `hold(workdir)` (in `train_and_evaluate`, after
-the config, the workdir and the data are checked, before anything in the workdir is read or
-written) takes `workdir/.lease/`:
+Two trainers on one workdir would both start "fresh" and overwrite each other's checkpoints,
+metrics.jsonl and run_info.json. So `hold(workdir)` (in `train_and_evaluate`, after the config,
+the workdir and the data are checked, before anything in the workdir is read or written) takes
+`workdir/.lease/`:
 
 - free (no lease, or the last holder released it): taken, silently;
 - held by a live run: refused with one sentence naming the holder (host, pid, since when) and the
@@ -18,7 +18,8 @@ A change counts only if the number it created is then the highest: a holder paus
 time, whose lease was taken over meanwhile and refreshed by the taker (which removed every record
 below its own, this run's n+1 included), can still create n+1, and finds the taker's above it.
 Such a holder has lost the lease: it writes nothing more, and its run stops before its next save
-(longctx.train.loop), with one line naming the taker.
+(longctx.train.loop reads the lease at each sync step and again right before a save that follows
+an evaluation), with one line naming the taker.
 Each record names the holder: host, pid (and on Linux the pid's start time and the boot/pid
 namespace it lives in), the run's start, its last refresh and a random run id.
 
@@ -43,7 +44,8 @@ What the storage must offer (the storage-specific part is `_LocalFiles` and `_Fs
 four operations each):
 - create a file with its content only if it does not exist, atomically: locally the content is
   written to a private temporary file that is then hard-linked to the record's name (`link(2)`
-  fails with EEXIST if the name exists: atomic on local file systems and NFS); on gs:// an upload
+  fails with EEXIST if the name exists: atomic on local file systems and NFS, where an EEXIST is
+  checked against the private file's link count); on gs:// an upload
   with the precondition `ifGenerationMatch=0` (gcsfs >= 2024.12: `pipe_file(mode="create")`,
   which raises FileExistsError on HTTP 412);
 - list a directory as it is now (gs:// is strongly consistent for listings; gcsfs's listing cache
@@ -218,7 +220,9 @@ class _LocalFiles:
 
     def create(self, name: str, data: bytes) -> bool:
         """Writes `name` with `data` unless it exists; False if it did. Atomic: link(2) of a
-        complete private file."""
+        complete private file. On NFS a LINK whose reply was lost is sent again, and the retry
+        answers EEXIST for the name the first call made: the private file's link count (2: the
+        name is this file) tells that success from another run's name, as open(2) advises."""
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, name)
         temporary = os.path.join(self.directory, f".tmp-{secrets.token_hex(8)}")
@@ -230,7 +234,7 @@ class _LocalFiles:
             os.link(temporary, path)
             return True
         except FileExistsError:
-            return False
+            return os.stat(temporary).st_nlink == 2
         finally:
             os.unlink(temporary)
 

@@ -26,6 +26,7 @@ from longctx import data as data_lib
 from longctx import errors, ops
 from longctx.model import attention as attention_lib
 from longctx.model import flops as flops_lib
+from longctx.model import layer_types as layer_types_lib
 from longctx.ops import tables
 from longctx.parallel import mesh as mesh_lib
 from longctx.parallel import processes
@@ -52,7 +53,7 @@ class _StopRequest:
     Before the first step (`starting`, from `train_and_evaluate`'s start until `training`) nothing
     has been trained, so there is nothing to save: a signal ends the run at once, with one line and
     SystemExit(128 + the signal), through every `finally` (the lease is released, what was opened
-    is closed). Before, SIGTERM there killed the process silently (status 143).
+    is closed), not the silent status 143 of Python's default SIGTERM.
 
     Python runs a signal's handler only when the main thread is next in Python, which a compile or
     a long step can put off for minutes. So the acknowledgement also comes from a thread that reads
@@ -154,9 +155,9 @@ class _StopRequest:
 
 def check_workdir(workdir: str, *, create: bool = True) -> None:
     """The workdir, and the directories in it that the run writes at once (the lease at start-up,
-    the checkpoints at the first save), can be written: a checkpoints/ that refused writes (an
-    immutable or foreign-owned directory in a writable workdir) was found only by the first save,
-    which Orbax then left waiting 300 s. Only the workdir is made here (none with `create=False`,
+    the checkpoints at the first save), can be written: a checkpoints/ that refuses writes (an
+    immutable or foreign-owned directory in a writable workdir) would otherwise be found only by the
+    first save, which Orbax leaves waiting 300 s. Only the workdir is made here (none with `create=False`,
     for --validate_only): one not made yet is judged by the directory it would be made in."""
     workdir_lib.check_named(workdir)
     for name in ("", checkpoint_lib.CHECKPOINTS_DIR, lease_lib.LEASE_DIR):
@@ -269,7 +270,8 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
                       else " (auto, chosen by the mask)" if config.attention.layout == "auto" else "")
             print(f"longctx: {jax.process_count()} process(es), {jax.device_count()} {jax.devices()[0].platform} "
                   f"devices, mesh {dict(mesh.shape)}, layout {layout}{chosen}, attention impl {config.attention.impl}, "
-                  f"~{config_lib.num_params_estimate(config) / 1e6:.1f}M params, data {data_dir}", flush=True)
+                  f"~{config_lib.num_params_estimate(config) / 1e6:.1f}M params, "
+                  f"{data_lib.describe_data(config, data_dir)}", flush=True)
             if mix:
                 print(f"longctx: {data_lib.describe_shares(mix)}", flush=True)
 
@@ -332,11 +334,13 @@ def _train_and_evaluate_held(config: ml_collections.ConfigDict, workdir: str, si
 
 
 def _start_up_notes(config, checkpointer, state) -> list[str]:
-    """`optimizer_notes` for this start: on a resume, against the config the checkpoint was saved with."""
+    """`optimizer_notes` for this start (on a resume, against the config the checkpoint was saved
+    with), and the layer types whose window or chunk spans the whole row."""
     step, saved = int(jax.device_get(state.step)), None
     if step > 0:  # (a fresh start, init_from included, is at step 0)
         saved = checkpointer.saved_config(step)
-    return optimizer_notes(config, saved, int(jax.device_get(applied_updates(state.opt_state))))
+    return (optimizer_notes(config, saved, int(jax.device_get(applied_updates(state.opt_state))))
+            + layer_types_lib.whole_row_notes(config))
 
 
 def _compile_ahead(config, setup, train_step, memory_advice) -> dict:
@@ -614,6 +618,12 @@ def _loop(run: _Run, state, train_iter, stop: _StopRequest) -> tuple[dict, int |
                 run.writer.write(done, found, prefix=f"{evaluator.prefix}/")
                 say(f"step {done}: {evaluator.log_line(found)}")
                 window.restart_clock(done, time.perf_counter())
+            if (save or stopping) and (evaluate_now or hooks_now):
+                # An evaluation takes minutes, in which another run may have taken the lease over:
+                # read it again right before the save.
+                _, lease_lost = stop.agreed(not run.lease.still_held())
+                if lease_lost:
+                    raise _lease_lost_error(run, done)
             if save or stopping:
                 checkpointer.maybe_save(done, state, train_iter, force=True)
             if stopping:

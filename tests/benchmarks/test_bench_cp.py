@@ -1,6 +1,6 @@
 """benchmarks/bench_cp.py --render-only on the committed docs/bench_cp.json (a copy): the report
 says that CPU timings do not show interconnect costs, puts the bytes beside every strategy's
-time, has the issue's target line per strategy and impl, and the 8B communication table. Cheap
+time, has the target line per strategy and impl, and the 8B communication table. Cheap
 (a subprocess that imports jax; nothing compiles). The run itself is the benchmark's job: its
 oracle checks and the formula-vs-HLO agreement are in the JSON this reads."""
 import json

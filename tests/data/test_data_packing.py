@@ -153,8 +153,8 @@ def alarm():
 @pytest.mark.parametrize("packer", packing.PACKERS)
 def test_tiny_split_yields_rows_after_one_epoch_or_two(tmp_path, packer, alarm, monkeypatch):
     """Three documents of 7-18 tokens: the first rows come after at most two epochs of reads
-    (plus grain's read-ahead of 64 records), repeating the split. First/best-fit used to fill 1024
-    bins first: ~5,000 documents (37 s) at seq_len 64, ~10 minutes at 1024."""
+    (plus grain's read-ahead of 64 records), repeating the split, not after filling 1024 bins first
+    (~5,000 documents, 37 s, at seq_len 64; ~10 minutes at 1024)."""
     (tmp_path / "tiny.jsonl").write_text("".join(
         json.dumps({"text": t}) + "\n" for t in ("hello", "tiny doc here", "abcdefghijklmnop")))
     prepare.prepare([str(tmp_path / "tiny.jsonl")], str(tmp_path / "data"), val_fraction=0.0,

@@ -2,14 +2,17 @@
 the Arrow files of Hugging Face `datasets.save_to_disk`, each giving the same documents as the
 plain .jsonl, and one sentence, naming the file and row, for each bad input.
 
-Parquet and Arrow need pyarrow (the `formats` extra, not in `test`: its wheel is 55 MB), .zst
-needs zstandard (in both); their tests are skipped where the package is absent."""
+Parquet and Arrow need pyarrow, .zst zstandard: both are in setup.cfg's `test` extra (and in
+`formats`), imported here plainly so that a set-up without them fails, not skips."""
 
 import gzip
 import json
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 from longctx.data import pipeline, prepare
 from longctx.errors import ConfigError
@@ -50,16 +53,12 @@ def test_gzipped_jsonl_gives_the_same_documents(tmp_path, reference):
 
 
 def test_zstd_jsonl_gives_the_same_documents(tmp_path, reference):
-    zstandard = pytest.importorskip("zstandard")
     (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl_bytes()))
     _prepare(tmp_path / "c.jsonl.zst", tmp_path / "out")
     assert _documents(tmp_path / "out") == reference
 
 
 def test_parquet_column_by_text_field(tmp_path, reference):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
     pq.write_table(pa.table({"id": list(range(4)), "body": TEXTS}), tmp_path / "c.parquet",
                    row_group_size=2)
     _prepare(tmp_path / "c.parquet", tmp_path / "out", text_field="body")
@@ -69,7 +68,6 @@ def test_parquet_column_by_text_field(tmp_path, reference):
 def test_hf_save_to_disk_directory_reads_its_arrow_files_only(tmp_path, reference):
     """The layout `datasets.save_to_disk` writes: Arrow stream files beside state.json and
     dataset_info.json (made here with pyarrow; the datasets package is not needed)."""
-    pa = pytest.importorskip("pyarrow")
     disk = tmp_path / "hf"
     disk.mkdir()
     table = pa.table({"text": TEXTS, "id": list(range(4))})
@@ -85,7 +83,6 @@ def test_hf_save_to_disk_directory_reads_its_arrow_files_only(tmp_path, referenc
 
 
 def _corrupt_zst(tmp_path):
-    zstandard = pytest.importorskip("zstandard")
     data = zstandard.ZstdCompressor().compress(_jsonl_bytes() * 50)
     path = tmp_path / "bad.jsonl.zst"
     path.write_bytes(data[: len(data) // 2])
@@ -93,9 +90,6 @@ def _corrupt_zst(tmp_path):
 
 
 def _table(tmp_path, suffix, columns):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
     path = tmp_path / f"t{suffix}"
     if suffix == ".parquet":
         pq.write_table(pa.table(columns), path)
@@ -123,8 +117,6 @@ def _table(tmp_path, suffix, columns):
      r"d.parquet is not a readable Parquet file \(.*\); replace it with a good copy."),
 ])
 def test_bad_structured_input_is_one_sentence(tmp_path, make, message):
-    if "parquet" in message or "arrow" in message:
-        pytest.importorskip("pyarrow")
     path = make(tmp_path)
     with pytest.raises(ConfigError, match=message) as e:
         _prepare(path, tmp_path / "out")

@@ -231,6 +231,9 @@ def test_length_filters_and_upsampling_select_documents():
     ({"path": "x", "wieght": 1.0}, "data.sources.s has unknown key(s) wieght"),
     ({"path": "x", "upsample_factor": 3.0}, "upsample_factor=3.0 needs upsample_above"),
     ({"path": "x", "min_length": 10, "max_length": 5}, "max_length=5 is below its min_length=10"),
+    ({"path": "embedded:pkgs"}, "data.sources.s.path=embedded:pkgs names no embedded source: the embedded "
+                                "sources are embedded:files (the Python standard library, one file per document) "
+                                "and embedded:packages (one top-level package per document)."),
 ])
 def test_bad_sources_are_one_sentence(source, message):
     c = base.get_config("tiny")

@@ -39,6 +39,9 @@ def test_a_mixture_trains_reports_its_shares_and_evaluates_each_source(source_di
     for name, weight in WEIGHTS.items():
         assert shares[name]["weight"] == weight and abs(shares[name]["share"] - weight) < 0.01
     assert "longctx: data mixture by tokens over the first 200 rows: books " in out
+    # The start-up line names the mixture, not its first source's directory as the run's data.
+    (start,) = [line for line in out.splitlines() if " process(es), " in line]
+    assert start.endswith("params, data mixture of 3 sources (books, code, web: data.sources)"), start
     records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
     val = [r for r in records if "val/loss" in r][-1]
     for name in WEIGHTS:

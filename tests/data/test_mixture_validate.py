@@ -76,8 +76,8 @@ def _truncate_a_shard(directory: str) -> str:
     return shard
 
 
-@pytest.mark.parametrize("case", ["missing", "file", "not_prepared", "tokenizer", "corrupt", "filters",
-                                  "no_validation", "vocab"])
+@pytest.mark.parametrize("case", ["missing", "file", "not_prepared", "other_files", "tokenizer", "corrupt",
+                                  "filters", "no_validation", "vocab"])
 def test_each_bad_source_is_one_sentence_naming_it(dirs, tmp_path, case):
     code = {"path": _copy(dirs, tmp_path), "weight": 0.3}
     extra = {}
@@ -95,6 +95,13 @@ def test_each_bad_source_is_one_sentence_naming_it(dirs, tmp_path, case):
         want = (f"data.sources.code.path={code['path']} holds no metadata.json, so it is not a prepared "
                 f"dataset: prepare it with scripts/prepare_data.py --output {code['path']} (docs/data.md, "
                 "\"Mixtures\").")
+    elif case == "other_files":  # (docs/: writing a dataset into it is no fix)
+        code["path"] = str(tmp_path / "docs")
+        os.mkdir(code["path"])
+        open(os.path.join(code["path"], "guide.md"), "w").close()
+        want = (f"data.sources.code.path={code['path']} holds no metadata.json, so it is not a prepared "
+                "dataset: point it at a directory scripts/prepare_data.py wrote (its --output), or prepare one "
+                "into a new directory (docs/data.md, \"Mixtures\").")
     elif case == "tokenizer":
         _edit_metadata(code["path"], tokenizer="sentencepiece:other.model")
         want = (f"data.sources.code ({code['path']}) has tokenizer='sentencepiece:other.model' and "

@@ -60,6 +60,20 @@ def test_unknown_key_in_a_grid_is_one_sentence(tmp_path):
     assert "unknown config key" in result.stderr
 
 
+def test_every_variant_is_checked_before_the_first_trains(tmp_path):
+    """A bad value in the last variant is one line and exit status 2 before any run starts, not
+    after the variants before it have trained."""
+    grid = tmp_path / "grid.py"
+    grid.write_text('BASE = "configs/base.py:tiny"\n'
+                    'def get_grid():\n    return {"first": {}, "typo": {"attention.layout": "zigzagg"}}\n')
+    result = run_ablate(f"--grid={grid}", f"--workdir={tmp_path / 'runs'}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stdout == "" and not (tmp_path / "runs").exists()
+    assert result.stderr.splitlines() == [
+        "longctx: grid variant 'typo': attention.layout='zigzagg' is not one of 'contiguous', 'zigzag', "
+        "'striped', 'auto'."], result.stderr
+
+
 def test_each_variant_says_which_of_how_many_it_is(tmp_path, monkeypatch):
     """A grid's runs take minutes each: the line before each says "variant k of N" (with the
     runs themselves replaced here by a stand-in that succeeds; the first variant finished)."""

@@ -219,7 +219,7 @@ def test_eval_needle_reads_a_converted_model_with_its_own_tokenizer(tmp_path):
 
 def test_eval_needle_on_a_run_without_a_checkpoint_names_the_workdir(tmp_path):
     """A run that has not saved yet (or a workdir that does not exist): one sentence naming
-    --workdir and what to do; before, it blamed checkpoint.init_from, a key the user never set."""
+    --workdir and what to do, not checkpoint.init_from, a key the user never set."""
     started = tmp_path / "run"
     (started / "checkpoints").mkdir(parents=True)
     (started / "metrics.jsonl").write_text("")

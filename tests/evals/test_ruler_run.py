@@ -20,6 +20,7 @@ from tests.validate_commands import run_scripts
 SCRIPT = os.path.join(REPO, "scripts", "eval_ruler.py")
 CONVERT = os.path.join(REPO, "scripts", "convert_hf.py")
 HF_LLAMA = os.path.join(REPO, "tests", "assets", "hf", "llama_untied")
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "checkpoint_2373a90")
 
 
 @pytest.mark.slow
@@ -95,6 +96,25 @@ def test_eval_ruler_names_one_model(tmp_path):
         assert result["returncode"] == 2, result
         assert (result["stdout"] + result["stderr"]).strip().splitlines() == [line], result
     assert results[3]["returncode"] == 2 and "'passkey' is not a RULER task" in results[3]["stderr"]
+
+
+def test_lengths_no_task_fits_are_refused_and_nothing_is_written(tmp_path):
+    """One line, exit status 2, and the earlier ruler.json and ruler.png as they were (not empty
+    ones). (The 2373a90 fixture's model, byte tokenizer: niah's template alone is over 256 bytes.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ruler.json").write_text("earlier")
+    (out / "ruler.png").write_text("earlier")
+    (result,) = run_scripts([[SCRIPT, f"--checkpoint={FIXTURE}", "--tokenizer=byte", "--lengths=128,256",
+                              "--tasks=niah_single_1,niah_multikey_1", "--samples=1", "--depths=1",
+                              f"--out={out}"]])
+    assert result["returncode"] == 2, result
+    assert result["stderr"].strip().splitlines() == [
+        "longctx: no RULER task of niah_single_1, niah_multikey_1 fits in 128, 256 tokens: niah_single_1 cannot "
+        "fit in 256 tokens of this tokenizer (its template, needles and answer take 359); ask for longer "
+        "--lengths (up to the model's sequence length, or --seq-len) or other --tasks."], result
+    assert (out / "ruler.json").read_text() == (out / "ruler.png").read_text() == "earlier"
+    assert sorted(p.name for p in out.iterdir()) == ["ruler.json", "ruler.png"]
 
 
 def test_the_ruler_hook_without_its_evaluator_is_one_sentence_before_any_compile(tmp_path):

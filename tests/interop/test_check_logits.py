@@ -21,6 +21,7 @@ from longctx.errors import ConfigError
 from longctx.evals import inference
 from longctx.ops import blocks
 from tests import ROOT as REPO
+from tests.validate_commands import run_scripts
 
 HF_DIR = os.path.join(REPO, "tests", "assets", "hf", "llama3_scaling")
 ASSETS = os.path.join(REPO, "tests", "assets", "hf")
@@ -80,6 +81,27 @@ def test_bad_token_ids_are_one_sentence(converted, tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         f"longctx: --tokens={ids}: 'tokens' holds id 512 at [0, 3], outside the model's vocabulary "
         "of 512 ids (model.vocab_size).")
+
+
+def test_a_missing_hf_directory_and_a_token_file_numpy_cannot_read_are_one_sentence_each(tmp_path):
+    """--hf names a local directory (a hub name is no such thing: nothing is downloaded); numpy's
+    own advice about allow_pickle, for a text file, is no fix for the user."""
+    text = tmp_path / "ids.txt"
+    text.write_text("1 2 3\n")
+    script = os.path.join(REPO, "scripts", "convert_hf.py")
+    fixture = os.path.join(REPO, "tests", "fixtures", "checkpoint_2373a90")
+    results = run_scripts([[script, "to-longctx", "--hf=meta-llama/Llama-3-8B", f"--out={tmp_path / 'out'}"],
+                           [script, "to-longctx", "--hf=meta-llama/Llama-3-8B", "--print-config", "--validate_only"],
+                           [script, "check-logits", f"--checkpoint={fixture}", f"--tokens={text}"]])
+    hub = ("longctx: --hf=meta-llama/Llama-3-8B is not a directory here: --hf takes a local directory of a "
+           "Hugging Face checkpoint (config.json and model.safetensors) and convert_hf.py downloads nothing, so "
+           "download the model's files first and pass their directory.")
+    assert [r["returncode"] for r in results] == [2, 2, 2], results
+    assert [r["stderr"].strip().splitlines() for r in results[:2]] == [[hub], [hub]]
+    assert results[2]["stderr"].strip().splitlines() == [
+        f"longctx: --tokens={text} is not a .npy or .npz file: write the token ids with numpy.save (an int array "
+        "[batch, n]) or numpy.savez (tokens=..., and the optional arrays convert_hf.py -h lists)."]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("rows, message", [

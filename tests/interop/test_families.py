@@ -7,7 +7,8 @@ sliding (a period of 3 and a remainder, two RoPEs: theta 10,000 and 1,000,000 wi
 query scale of query_pre_attn_scalar=24); OLMo 3 three sliding to one full (YaRN on the full
 layer only). Converted, each must give transformers' float32 logits within 1e-4 on the ring
 (sp=4, zigzag), with both attention impls, and go back to the same tensors bit for bit and a
-config.json of the same class and layer_types.
+config.json of the same class and layer_types. In bfloat16 their logits must be no further from
+transformers' float32 ones than transformers' own bfloat16 logits are.
 """
 
 import json
@@ -46,6 +47,21 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("name", FAMILY_MODELS)
 def test_logits_match_transformers(name, converted):
     assert_logits_match_transformers(converted[name], name)
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_logits_in_bfloat16_are_no_further_from_float32_than_transformers_own(name, converted):
+    """model.dtype=bfloat16 (with Gemma's embedding scale rounded to it, as transformers rounds it):
+    the logits' RMS distance from transformers' float32 logits is at most that of transformers' own
+    bfloat16 logits (golden_logits_bf16.npz: the stored models read in bfloat16), on the same rows."""
+    runner = inference.runner_from_checkpoint(converted[name], {**RING, "model.dtype": "bfloat16"})
+    inputs, golden, where = golden_rows()
+    logits = runner.logits_at(inputs, where)
+    transformers_bf16 = np.load(os.path.join(ASSETS, "golden_logits_bf16.npz"))[name]
+    rms = lambda x: float(np.sqrt(np.mean(np.square(x - golden[name]))))  # noqa: E731
+    print(f"{name}: RMS from float32, longctx bfloat16 {rms(logits):.3g}, transformers bfloat16 "
+          f"{rms(transformers_bf16):.3g}")
+    assert 0 < rms(logits) <= rms(transformers_bf16)
 
 
 @pytest.mark.parametrize("name, wrong", [

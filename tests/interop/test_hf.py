@@ -393,7 +393,7 @@ def test_overwrite_never_deletes_what_the_export_reads(tmp_path):
 def test_overwrite_replaces_an_export_never_the_users_own_files(tmp_path):
     """An export carries staging.MARKER and --overwrite replaces it; a non-empty directory without
     it (the user's own files, a downloaded model) is refused, with --overwrite or without, and
-    left as it was: before, --overwrite deleted it."""
+    left as it is."""
     export = str(tmp_path / "export")
     with staging.staged(export, overwrite=False) as out:
         open(os.path.join(out, "model.safetensors"), "w").close()

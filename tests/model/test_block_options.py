@@ -158,6 +158,28 @@ def test_block_option_matches_the_dense_reference(case):
                                    layout_lib.permutation(LAYOUT, 256, 4), rows["loss_mask"])
 
 
+@pytest.mark.parametrize("d_model, dtype, scale", [
+    (3840, "bfloat16", 62.0), (3840, "float32", np.float32(np.sqrt(3840))),  # Gemma 3 12B: 61.97
+    (48, "bfloat16", 6.9375), (64, "bfloat16", 8.0)])
+def test_the_embedding_scale_is_rounded_to_the_compute_dtype(d_model, dtype, scale):
+    """transformers' Gemma multiplies the embeddings by sqrt(d_model) as a tensor of its weights'
+    dtype: in bfloat16, 62.0 for d_model 3840, not 61.97."""
+    config = options_config(scale_embeddings=True)
+    config.model.update(d_model=d_model, dtype=dtype)
+    assert block_options.embed_factor(config.model) == scale
+
+
+def test_the_decoder_scales_its_embeddings_by_the_rounded_factor():
+    """The decoder's own program multiplies by bfloat16's sqrt(48) = 6.9375, not 6.9282."""
+    config = options_config(scale_embeddings=True)
+    config.model.update(d_model=48, dtype="bfloat16")
+    tokens = jnp.zeros((2, config.data.seq_len), jnp.int32)
+    with jax.set_mesh(mesh_lib.make_mesh(config.mesh)):
+        model = Decoder(config, layout=LAYOUT, rngs=nnx.Rngs(params=0))
+        program = str(jax.make_jaxpr(lambda t: model(t, t, t + 1))(tokens))
+    assert "6.9375" in program and "6.928" not in program
+
+
 def test_every_option_at_its_default_is_llamas_block():
     """Not one parameter more or less (every earlier checkpoint restores: tests/train/
     test_checkpoint_format.py restores the 2373a90 fixture)."""

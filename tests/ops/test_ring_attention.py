@@ -348,6 +348,31 @@ def test_auto_layout_is_what_the_data_pipeline_is_told():
            soft_cap=None)
 
 
+def test_an_unbounded_two_sided_window_is_full_attention():
+    """sliding_window=(2**31 - 1, 2**31 - 1), a window meant as "unbounded", attends as no window
+    does (pos + window wrapped past int32 on device, and every query lost its keys)."""
+    seq_len, batch = SHARD * 4, 4
+    q, k, v, seg, aux, dout = _inputs(3, batch, seq_len, 2)
+    huge = (("sliding_window", (2**31 - 1, 2**31 - 1)),)
+    ring = _ring_program(4, 2, seq_len, "contiguous", "xla", huge, None, False, False)
+    out, grads = ring(q, k, v, None, None, None, dout)
+    ref_out, ref_grads = _ref_program((), None)(q, k, v, None, None, None, dout)
+    oracle.assert_matches_reference(out, grads, ref_out, ref_grads, FWD_TOL, GRAD_TOL)
+
+
+def test_a_chunk_past_int32_is_one_chunk_per_document():
+    """chunk_size=2**31 with documents: every document is one chunk (causal within documents);
+    the chunk ids' `position % chunk` overflowed int32 inside jit."""
+    seq_len, batch = SHARD * 4, 4
+    q, k, v, seg, aux, dout = _inputs(4, batch, seq_len, 2)
+    causal = (("causal", True),)
+    ring = _ring_program(4, 2, seq_len, "zigzag", "xla", causal + (("chunk_size", 2**31),), None,
+                         True, False)
+    out, grads = ring(q, k, v, seg, None, None, dout)
+    ref_out, ref_grads = _ref_program(causal, None)(q, k, v, seg, None, None, dout)
+    oracle.assert_matches_reference(out, grads, ref_out, ref_grads, FWD_TOL, GRAD_TOL)
+
+
 @pytest.mark.parametrize("impl", ["xla", "splash"])
 def test_fully_masked_rows_are_zero_and_finite(impl):
     """Queries whose segment has no key anywhere: output 0, gradients 0, no NaN/Inf."""

@@ -250,6 +250,25 @@ def test_auto_for_layers_of_several_masks_weighs_each_by_its_layer_count():
     assert chosen[1] != chosen[30]  # the count matters
 
 
+# Windows at and past int32's reach: 2**30 is where the cap starts, 2**31 - 511 the first whose
+# pos + window wrapped at 512 tokens, 2**31 - 1 the largest int32, 2**31 the first past it.
+HUGE_WINDOWS = (2**30 - 1, 2**30, 2**31 - 512, 2**31 - 511, 2**31 - 1, 2**31, 2**63)
+
+
+@pytest.mark.parametrize("window", HUGE_WINDOWS)
+def test_a_window_past_every_position_is_the_full_mask_on_device(window):
+    """A two-sided window meant as "unbounded" allows every key, on device (int32 positions) as
+    on the host: pos + window must not wrap, and a window past int32 must not raise in jit."""
+    spec = masks.make_mask_spec(sliding_window=(window, window))
+    pos = jnp.arange(512, dtype=jnp.int32)
+    lo, hi = jax.jit(spec.bounds)(pos)
+    assert int(lo.max()) <= 0 and int(hi.min()) >= 511, (int(lo.max()), int(hi.min()))
+    allowed = jax.jit(spec.allowed)(pos[:, None], pos[None, :])
+    assert bool(allowed.all())
+    host_lo, host_hi = spec.bounds(np.arange(512))
+    assert host_lo.max() <= 0 and host_hi.min() >= 511
+
+
 def test_bad_mask_arguments():
     with pytest.raises(ValueError, match=r"sliding_window=-3 must be non-negative"):
         masks.make_mask_spec(sliding_window=-3)

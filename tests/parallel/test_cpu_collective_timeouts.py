@@ -10,7 +10,7 @@ launch/local.py's children use it.
 The mechanism is checked for real on a program whose device 0 reaches a psum late (an io_callback
 that sleeps on it): XLA honours the flags by name, a timeout the user set is kept (and aborts as
 XLA's own would), and with LONGCTX_EXHAUSTIVE=1 a device 45 s late (past XLA's default 40 s) and
-the issue's soak (a 4-step tiny run on 8 devices beside four busy loops, 10 runs) pass.
+a soak (a 4-step tiny run on 8 devices beside four busy loops, 10 runs) pass.
 """
 
 from __future__ import annotations

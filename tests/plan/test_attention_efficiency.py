@@ -1,5 +1,5 @@
 """The attention kernel's efficiency as a function of the work per call (plan/step_time.py,
-kernel_efficiency), and what the calibration reports by sequence length (issue 51, item 1)."""
+kernel_efficiency), and what the calibration reports by sequence length."""
 
 import copy
 import json
@@ -108,7 +108,7 @@ def test_a_wider_head_and_a_chip_without_vector_cost_reach_more_of_peak():
 
 
 def test_the_long_end_is_held_out_and_within_a_quarter():
-    """Issue 51's bar: at least 3 published points at 512K tokens or more, held out of the fit,
+    """The bar: at least 3 published points at 512K tokens or more, held out of the fit,
     and the held-out mean absolute error there (docs/planner_calibration.json, which
     test_planner checks is the fit of today's constants) at most 25%."""
     long = [p for p in calibration.POINTS if p.seq_len >= 524_288 and not p.fit]

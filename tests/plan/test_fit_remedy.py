@@ -50,7 +50,7 @@ def test_the_longest_sequence_is_the_first_that_fits():
 
 
 def test_plan_that_nothing_fits_exits_2_with_the_nearest_slice():
-    """It used to print the table and `run #1: ...`, a run that does not fit, and exit 0."""
+    """Not the table and `run #1: ...` (a run that does not fit) with exit status 0."""
     result = subprocess.run([sys.executable, os.path.join(child_env.ROOT, "scripts", "plan.py"),
                              "--config=configs/base.py:llama3_8b_128k", "--topology=v5e:2x2", "--compile", "0"],
                             cwd=child_env.ROOT, env=child_env.script_env(), capture_output=True, text=True,

@@ -95,3 +95,13 @@ def test_a_type_left_to_cp_auto_is_named_with_the_fix():
     with pytest.raises(ConfigError, match=r"attention.layer_types.global.cp='auto'.*scripts/plan.py"):
         layer_type_report.type_reports(config, sp=4, layout="contiguous",
                                        segment_ids=np.ones((1, config.data.seq_len), np.int32))
+
+
+def test_an_sp_that_does_not_divide_the_sequence_names_the_sequence():
+    """(validate names d_model first, split over sp with the parameters, which this report does
+    not split.)"""
+    run = _ring_report("--config", "configs/base.py:tiny_hybrid", "--sp", "3")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "longctx: --sp 3 does not divide the 1,024-token sequence, which the sp devices hold in equal shards: "
+        "pass an --sp that does (2, 4, 8, 16, ...) or another --seq-len."], run.stderr

@@ -1,4 +1,4 @@
-"""Communication priced on the links it uses (issue 51, item 4): usp's pass between groups crosses
+"""Communication priced on the links it uses: usp's pass between groups crosses
 the links mesh.ring_cycle puts between device j and j + U, checked by hand and against the
 lowered program; the optimizer's and the matmuls' HBM traffic as their comments count it."""
 
@@ -108,7 +108,7 @@ def test_optimizer_bytes_per_parameter_are_28():
     ("dots_saveable", "recompute_qkv", 1.0), ("nothing_saveable", "recompute_qkv", 1.0)])
 def test_the_matmuls_hbm_passes_follow_what_is_recomputed(remat, residuals, passes):
     """recompute_qkv recomputes the layer's matmuls whatever the remat policy (model/flops.py):
-    their HBM passes count it as their FLOPs do (a *_saveable policy used to count 3 passes)."""
+    their HBM passes count it as their FLOPs do (a *_saveable policy too: 1 pass, not 3)."""
     c = copy.deepcopy(base.get_config("llama3_8b_128k"))
     c.unlock()
     c.model.remat_policy, c.attention.residuals = remat, residuals

@@ -1,4 +1,4 @@
-"""Documents priced per batch of the rows one sp group holds (issue 51, item 3): a run with one row
+"""Documents priced per batch of the rows one sp group holds: a run with one row
 per sp group waits, at each ring step, for the busiest device on that row alone, and its ring
 stops where that row's documents stop; the planner prices each sampled batch so and averages."""
 

@@ -1,4 +1,4 @@
-"""A --data sample priced as each candidate's run packs it (issue 51, item 3): data.packer =
+"""A --data sample priced as each candidate's run packs it: data.packer =
 shard_balanced places documents into the sp shards of a row, counting work in blocks of the
 ring's block, so the rows a candidate trains on depend on its sp and block. The planner prices
 each candidate on the sample packed with that candidate's sp and block, packed once per distinct

@@ -1,4 +1,4 @@
-"""A tie is a tie (issue 51, item 5): rows the step-time model cannot tell apart (within its
+"""A tie is a tie: rows the step-time model cannot tell apart (within its
 held-out error of the fastest) are ranked by what it knows better, the plan says so, and
 attention.cp=auto takes the row that ranking puts first."""
 

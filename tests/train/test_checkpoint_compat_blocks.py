@@ -4,7 +4,8 @@ A block option that adds parameters (qk_norm, qkv_bias, norm_position) is a shap
 does not (norm_plus_one, mlp_activation, scale_embeddings, query_pre_attn_scalar) is refused on
 resume and, on init_from, unless checkpoint.init_from_allow names it. The layer types follow the
 attention keys' rule: a type's mask or RoPE is compared on init_from (refused unless allowed, a
-type's own RoPE scaling listed as an extension), not on resume; a type's attention_sinks is a shape.
+type's own RoPE scaling listed as an extension) and on resume (one line, the run trains on); a
+type's attention_sinks is a shape.
 A config saved before these keys existed reads each as its default: the 2373a90 fixture (saved
 without any of them) is the model it was. Each Checkpointer here reads configs only (no compile).
 """
@@ -152,6 +153,53 @@ def test_a_layer_types_window_is_refused_on_init_from_and_allowed_by_its_key(tmp
     config.checkpoint.init_from_allow = "attention.layer_types.local.sliding_window"
     config_lib.validate(config)
     assert accepted(str(tmp_path / "new"), config) == [text]
+
+
+def saved_hybrid(tmp_path, name="saved"):
+    """The fixture with tiny_hybrid's pattern and layer types (6 layers) in its saved config."""
+    hybrid_saved = hybrid().to_dict()
+    return saved_with(tmp_path, name, model={"num_layers": 6},
+                      attention={k: hybrid_saved["attention"][k] for k in ("pattern", "layer_types")})
+
+
+NOTICE = "longctx: resuming with another attention than the checkpoint's (the parameters fit, so it trains on): "
+
+
+@pytest.mark.parametrize("change, line", [
+    (lambda c: setattr(c.attention, "pattern", "local,local,global"),
+     "attention.pattern: checkpoint 'local,local,local,local,local,global' vs config 'local,local,global' "
+     "(layer 2's sliding_window: checkpoint 128 vs config None); to train the checkpoint's model on, pass "
+     "--config.attention.pattern=local,local,local,local,local,global"),
+    (lambda c: c.attention.layer_types.local.update(sliding_window=64),
+     "attention.layer_types.local.sliding_window: checkpoint 128 vs config 64; to train the checkpoint's model "
+     "on, pass --config.attention.layer_types.local.sliding_window=128"),
+    (lambda c: c.attention.layer_types["global"].update(rope_theta=500_000.0),
+     "attention.layer_types.global.rope_theta: checkpoint 1000000.0 vs config 500000.0; to train the "
+     "checkpoint's model on, pass --config.attention.layer_types.global.rope_theta=1000000.0"),
+    (lambda c: setattr(c.attention, "logits_soft_cap", 30.0),
+     "attention.logits_soft_cap: checkpoint None vs config 30.0; to train the checkpoint's model on, pass "
+     "--config.attention.logits_soft_cap=None"),
+])
+def test_a_resume_with_another_pattern_or_layer_type_says_so_in_one_line(tmp_path, capsys, change, line):
+    """The parameters fit, so the run trains on (as with another model.rope_theta), with one line
+    naming the key, both values and the flags that keep the checkpoint's model."""
+    workdir = saved_hybrid(tmp_path)
+    config = fixture_shapes(hybrid())
+    accepted(workdir, config)
+    assert "attention" not in capsys.readouterr().out  # (the same model: no line)
+    change(config)
+    accepted(workdir, config)
+    out = capsys.readouterr().out
+    assert out == NOTICE + line + "\n", out
+
+
+def test_a_uniform_checkpoint_resumed_as_a_hybrid_says_how_to_stay_uniform():
+    uniform = fixture_config()
+    uniform.model.num_layers = 6
+    notice = compat.attention_notice(uniform.to_dict(), fixture_shapes(hybrid()).to_dict())
+    assert notice.startswith("resuming with another attention than the checkpoint's (the parameters fit, so it "
+                             "trains on): attention.pattern: checkpoint '' vs config "), notice
+    assert notice.endswith("pass --config.attention.pattern= --config.attention.layer_types={}"), notice
 
 
 @pytest.mark.parametrize("allow", ["attention.layer_types.local.cp", "attention.layer_types.nosuch.sliding_window"])

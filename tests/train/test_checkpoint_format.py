@@ -1,4 +1,5 @@
-"""A checkpoint written before the packages moved (issue 37) restores after the move, exactly.
+"""A checkpoint written by an older longctx (before its packages took their present layout) restores
+exactly.
 
 tests/fixtures/checkpoint_2373a90 was written by main at 2373a90 (its made_by.json holds the
 command): a 2-step run of a small tiny-model variant. Its parameters must read back as that

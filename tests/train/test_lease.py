@@ -229,6 +229,41 @@ def test_a_run_inside_a_run_is_refused(tmp_path):
             lease.acquire(str(tmp_path))
 
 
+def _retried_link(monkeypatch):
+    """os.link as NFS may answer it: the first LINK call made the name, its reply was lost, and
+    the client's retry of the same call found the name there (EEXIST)."""
+    real = os.link
+
+    def link(source, target):
+        real(source, target)
+        raise FileExistsError(17, "File exists", target)
+
+    monkeypatch.setattr(os, "link", link)
+
+
+def test_a_link_that_answered_eexist_after_making_the_name_is_a_create(tmp_path, monkeypatch):
+    """The private file's link count tells a retried success (2: the name is this file) from
+    another run's record (1), as open(2) advises for O_EXCL on NFS; taking EEXIST alone for
+    "someone else made it" made a starter refuse its own record as another run's."""
+    workdir = str(tmp_path)
+    _retried_link(monkeypatch)
+    said = []
+    held = lease.acquire(workdir, say=said.append, start_refreshing=False)
+    assert held.number == 1 and said == [] and sorted(_records(workdir)) == [1]
+    held.refresh()  # (a refresh creates through the same call)
+    assert not held.lost and held.number == 2 and sorted(_records(workdir)) == [2]
+    held.release()
+    assert _newest(workdir)["released"] is True
+    assert not [name for name in os.listdir(os.path.join(workdir, lease.LEASE_DIR)) if name.startswith(".tmp-")]
+
+
+def test_a_name_another_run_made_is_not_a_create(tmp_path):
+    files = lease._LocalFiles(str(tmp_path / lease.LEASE_DIR))
+    assert files.create("1.json", b"first")
+    assert not files.create("1.json", b"second")
+    assert files.read("1.json") == b"first" and files.names() == ["1.json"]
+
+
 def test_the_bucket_storage_through_fsspec(tmp_path):
     """_FsspecFiles (what gs:// uses) on fsspec's memory file system: create-if-absent, listing,
     and a whole take / refuse / release / take cycle through it."""
@@ -350,8 +385,8 @@ class _Stepped:
 def test_a_paused_holder_loses_a_taken_over_lease_whichever_refreshes_first(tmp_path, taker_refreshed):
     """Holder A (a real process) is paused past the stale time; B (another) takes over. When A wakes
     it finds the lease lost, whether B has refreshed since (which removes every record below B's,
-    so that A's create of its next number succeeds: before the fix A took that for proof and both
-    refreshed forever) or not (A's next number exists). From then on A writes nothing and B holds."""
+    so that A's create of its next number succeeds, which A must not take for proof: both would
+    refresh forever) or not (A's next number exists). From then on A writes nothing and B holds."""
     workdir, clock_file = str(tmp_path / "run"), tmp_path / "clock"
     clock_file.write_text(str(time.time()))
 

@@ -120,7 +120,7 @@ def test_two_processes_match_one_and_resume(tmp_path):
     assert launcher.returncode == 0, _tail(out)
     assert "got SIGTERM; forwarding SIGTERM to all processes" in out, _tail(out)
     assert child_output.find(out, 0, re.escape("longctx: 2 process(es), 8 cpu devices")), _tail(out)
-    assert out.count("longctx: 2 process(es)") == 1, _tail(out)  # once (issue 54 saw it twice)
+    assert out.count("longctx: 2 process(es)") == 1, _tail(out)  # once, not once per process
     stopped = child_output.find(out, 0, r"longctx: stopped at step (\d+) \(saved")
     assert stopped, _tail(out)
     stop_step = int(stopped.group(1))

@@ -61,8 +61,8 @@ cli.run_absl(main)
 
 @pytest.mark.parametrize("sig, name, status", [(signal.SIGTERM, "SIGTERM", 143), (signal.SIGINT, "Ctrl-C", 130)])
 def test_a_signal_during_start_up_is_one_line_and_releases_the_lease(tmp_path, sig, name, status):
-    """Before, SIGTERM there killed the process with status 143 and no line, and left its lease
-    behind (taken over by the next start, with a note)."""
+    """Not Python's silent status 143 with its lease left behind (for the next start to take over,
+    with a note)."""
     workdir = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "-c", HELD_IN_START_UP, f"--workdir={workdir}", *SMALL_RUN],
                             cwd=ROOT, env=child_env.script_env(), stdout=subprocess.PIPE,

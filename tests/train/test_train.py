@@ -207,7 +207,7 @@ def test_first_ctrl_c_is_acknowledged_at_once_and_the_second_abandons(capfd):
 
 def test_ctrl_c_is_acknowledged_while_the_main_thread_is_busy_outside_python(monkeypatch):
     """A compile or a long step keeps the main thread out of Python, where no signal handler runs:
-    the acknowledgement must not wait for it (before, it came after the step, or the compile)."""
+    the acknowledgement must not wait for it (until after the step, or the compile)."""
     import hashlib
     import os
     import signal

@@ -24,6 +24,7 @@ from configs import base
 from longctx import errors
 from longctx.parallel import mesh as mesh_lib
 from longctx.train import checkpoint as checkpoint_lib
+from longctx.train import hooks
 from longctx.train import lease as lease_lib
 from longctx.train import loop as train_loop
 from longctx.train import optimizer as train_optimizer
@@ -77,7 +78,7 @@ def _logged_steps(workdir) -> list[int]:
 
 
 def test_nonfinite_between_a_save_and_a_log_step_is_never_saved(tmp_path, monkeypatch):
-    """Saves at 4 and 8, logs at 1 and 10: the NaN of step 6 was saved at 8 before the fix."""
+    """Saves at 4 and 8, logs at 1 and 10: the NaN of step 6 must not be saved at 8."""
     workdir = str(tmp_path / "run")
     _diverge_at(monkeypatch, bad_step=6)
     with pytest.raises(errors.RunError) as error:
@@ -141,7 +142,7 @@ def test_disk_full_during_a_save_is_one_line_and_the_next_start_resumes(small_di
     proc = subprocess.run([sys.executable, TRAIN, f"--workdir={workdir}", *_overrides(config)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     # stderr holds tqdm's progress bar (carriage-return updates) and the one line, nothing else
-    # (before the fix, by timing, dozens of "Event loop is closed" tracebacks came with it).
+    # (by timing, dozens of "Event loop is closed" tracebacks could come with it).
     lines = [line.split("\r")[-1] for line in proc.stderr.splitlines()]
     lines = [line for line in lines if line.strip() and not line.startswith("train:")]
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -454,7 +455,7 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(tmp_path, m
     """Another run takes the lease over during step 3 (this one looked paused); the refresh thread
     has not run since: at step 4, a save step, the run reads the lease, stops with one line naming
     the taker, and saves (and logs) nothing more, so its max_to_keep cannot delete the other's
-    checkpoints. Before the fix it went on saving 4, 6 and 8."""
+    checkpoints (not 4, 6 and 8)."""
     workdir = str(tmp_path / "run")
     real = train_steps.jit_steps
 
@@ -480,6 +481,32 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(tmp_path, m
         r"this workdir: to go on with this one instead, stop that run and start this command again\.",
         str(error.value)), str(error.value)
     assert _steps(workdir) == [2] and _logged_steps(workdir) == [1]
+    assert "lease" not in capsys.readouterr().out  # (said once, by the error)
+
+
+def test_a_lease_taken_over_during_an_evaluation_is_read_again_before_the_save(tmp_path, capsys):
+    """The loop reads the lease at each sync step, then evaluates, then saves: an evaluation takes
+    minutes, in which another run may take the lease over. Here the evaluator of step 4, a save
+    step, does that; the run reads the lease again before the save, and stops without saving step 4
+    over the other run's checkpoints (not at step 6, having saved 4)."""
+    workdir = str(tmp_path / "run")
+
+    def build(context):
+        def evaluate(params, step):
+            if step == 4:
+                _take_the_lease_over(workdir)
+            return {"score": 1.0}
+
+        return evaluate
+
+    evaluator = hooks.Evaluator(every_key="eval_needle_every", prefix="needle", build=build,
+                                log_line=lambda found: "evaluated")
+    config = _config(8, every_steps=2, log_every=4)
+    config.train.eval_needle_every = 2
+    with pytest.raises(errors.RunError, match=r"was taken over by host elsewhere, pid 4242, .*; stopped after "
+                                              r"step 4 without saving it"):
+        train_loop.train_and_evaluate(config, workdir, evaluators=[evaluator])
+    assert _steps(workdir) == [2]
     assert "lease" not in capsys.readouterr().out  # (said once, by the error)
 
 

@@ -16,6 +16,8 @@ The tests read what it writes with numpy and longctx only (no torch, no transfor
                       `LOGIT_STRIDE`-th position (row 1: each document run on its own, so its
                       positions restart as in longctx's packing); stored strided to keep the
                       fixture small, the positions still span the whole 512 tokens
+  golden_logits_bf16.npz   the same for the family models (BF16_MODELS) read in bfloat16
+                      (`make_fixtures.py --bf16-only` makes it from the stored models)
   rope_export_golden.json   what to-hf must write for linear / llama3 / YaRN models
                       (EXPORT_CASES) and transformers' reading of the sources and the exports,
                       per transformers version (`make_fixtures.py --rope-export-only` adds the
@@ -48,6 +50,7 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BF16_MODELS = ("qwen3", "qwen2_window", "gemma3", "olmo3")  # golden_logits_bf16.npz's
 SEQ_LEN = 512
 DOCS_ROW1 = (300, 150, 62)  # packed document lengths of row 1
 LOGIT_STRIDE = 4
@@ -200,14 +203,15 @@ def randomise(model, seed: int) -> None:
 
 
 def logits_of(model, inputs) -> np.ndarray:
-    """[2, SEQ_LEN, vocab] float32; row 1 one document at a time (positions restart)."""
+    """[2, SEQ_LEN, vocab] float32 (a bfloat16 model's logits exactly); row 1 one document at a
+    time (positions restart)."""
     out = np.zeros((2, SEQ_LEN, TINY["vocab_size"]), np.float32)
     with torch.no_grad():
         tokens = torch.from_numpy(inputs["tokens"]).long()
-        out[0] = model(tokens[:1]).logits[0].numpy()
+        out[0] = model(tokens[:1]).logits[0].float().numpy()
         start = 0
         for n in DOCS_ROW1:
-            out[1, start:start + n] = model(tokens[1:, start:start + n]).logits[0].numpy()
+            out[1, start:start + n] = model(tokens[1:, start:start + n]).logits[0].float().numpy()
             start += n
     return out
 
@@ -255,9 +259,26 @@ def rope_export_golden() -> None:
     print(f"rope_export_golden.json: readings of transformers {transformers.__version__}")
 
 
+def bf16_golden() -> None:
+    """golden_logits_bf16.npz: transformers' logits of the family models read in bfloat16 (as
+    released checkpoints run), from the stored fixtures: the measure of bfloat16's own error,
+    against which tests/interop/test_families.py holds longctx's in bfloat16."""
+    inputs = dict(np.load(os.path.join(HERE, "inputs.npz")))
+    golden = {"positions_index": np.arange(0, SEQ_LEN, LOGIT_STRIDE)}
+    for name in BF16_MODELS:
+        model = MODELS[name][1].from_pretrained(os.path.join(HERE, name), attn_implementation="eager",
+                                                dtype=torch.bfloat16).eval()
+        golden[name] = logits_of(model, inputs)[:, ::LOGIT_STRIDE]
+        print(f"{name}: bfloat16 logits, max |logit| {np.abs(golden[name]).max():.2f}")
+    np.savez(os.path.join(HERE, "golden_logits_bf16.npz"), **golden)
+
+
 def main() -> None:
     if sys.argv[1:] == ["--rope-export-only"]:
         rope_export_golden()
+        return
+    if sys.argv[1:] == ["--bf16-only"]:
+        bf16_golden()
         return
     torch.manual_seed(0)
     inputs = make_inputs()
@@ -284,6 +305,7 @@ def main() -> None:
     with open(os.path.join(HERE, "rope_golden.json"), "w") as f:
         json.dump(rope_golden(), f, indent=1)
     rope_export_golden()
+    bf16_golden()
     versions = {"python": platform.python_version(), "torch": torch.__version__,
                 "transformers": transformers.__version__, "safetensors": safetensors.__version__,
                 "numpy": np.__version__}
