@@ -252,6 +252,8 @@ def _packers_report(a, mask_kw) -> int:
                                            segment_ids=ids[:8], **mask_kw)
         lengths = packer_report.pieces(ids)
         bounds = {"visited_bound": packer_report.visited_bound(lengths, len(ids), a.seq_len, a.sp),
+                  "rows_visited_bound": (packer_report.rows_visited_bound(ids, a.seq_len, a.sp)
+                                         if spec.window is None and spec.chunk is None else None),
                   "boundary_padding": packer_report.boundary_padding(lengths, a.seq_len, a.sp),
                   "contiguous_bound": (packer_report.contiguous_bound(lengths, a.seq_len, a.sp, a.block)
                                        if spec.causal and spec.window is None and spec.chunk is None
@@ -285,7 +287,9 @@ def _packers_report(a, mask_kw) -> int:
     for packer, r in report.items():
         contiguous = ("" if r["contiguous_bound"] is None else
                       f"; of ideal <= {r['contiguous_bound']:.3f} in the contiguous layout")
-        print(f"{packer:>18}  visited >= {r['visited_bound']:.2f} per row in any layout{contiguous}; "
+        rows_bound = ("" if r["rows_visited_bound"] is None else
+                      f" ({r['rows_visited_bound']:.2f} for these rows)")
+        print(f"{packer:>18}  visited >= {r['visited_bound']:.2f} per row in any layout{rows_bound}{contiguous}; "
               f"padding >= {r['boundary_padding']:.2%} if every piece longer than a shard starts on "
               "a shard boundary")
     if a.png:

@@ -10,10 +10,11 @@ padding. The ring's side is ops/tables.document_schedule, the host copy of what 
                  x kv_bytes_per_token, for one layer's forward pass
   padding        padding tokens / all tokens, over every row of one epoch
 
-and three bounds that hold for every packer, computed from the pieces the rows hold (a document,
-or a seq_len piece of a longer one), so a packer's figures can be held against what is possible:
+and bounds computed from the pieces the rows hold (a document, or a seq_len piece of a longer
+one), so a packer's and a layout's figures can be held against what is possible:
 
-  visited_bound     the fewest ring steps visited per row, on average, in any layout
+  visited_bound     the fewest ring steps visited per row, on average, by any packer in any layout
+  rows_visited_bound  the fewest for these rows as packed, in any layout (causal or full mask)
   contiguous_bound  the most of the ideal (ideal / critical path) any placement in the
                     contiguous layout reaches, for a causal mask
   boundary_padding  the least padding of any packer that starts every piece longer than a
@@ -157,6 +158,17 @@ def visited_bound(lengths: np.ndarray, rows: int, seq_len: int, sp: int) -> floa
     shard_len = seq_len // sp
     k = -(-lengths // shard_len)
     return max(1.0, float((k * lengths).sum()) / (seq_len * rows))
+
+
+def rows_visited_bound(segment_ids: np.ndarray, seq_len: int, sp: int) -> float:
+    """The fewest ring steps visited per row, on average, that any layout of these rows
+    [rows, seq_len] (natural order) reaches under a causal or full mask: a row visits at least
+    k = ceil(n / L) steps for its longest piece of n tokens (visited_bound's argument for one
+    piece), so the mean of that over the rows. It depends on which pieces share a row, which the
+    packer decides, so it is at least visited_bound."""
+    shard_len = seq_len // sp
+    longest = [int(pieces(row[None]).max(initial=0)) for row in segment_ids]
+    return float(np.mean([max(1, -(-n // shard_len)) for n in longest]))
 
 
 def contiguous_bound(lengths: np.ndarray, seq_len: int, sp: int, block: int) -> float:
