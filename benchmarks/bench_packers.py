@@ -4,8 +4,8 @@ any other packer/layout against the same (the per-document layout: --new best_fi
 
   .venv/bin/python benchmarks/bench_packers.py                  # 3 seeds, 6 steps (~45 minutes)
   .venv/bin/python benchmarks/bench_packers.py --quick          # 1 seed, 3 steps, 2 variants
-  .venv/bin/python benchmarks/bench_packers.py --new best_fit/per_document --layouts striped \
-      --json docs/bench_per_document.json                        # against today's best layout
+  .venv/bin/python benchmarks/bench_packers.py --new best_fit/per_document --layouts striped \\
+      --seeds 0,1 --json docs/bench_packers_per_document.json    # against today's best layout
 
 Each run is scripts/train.py in its own process (what a user runs), with train.num_steps=--steps
 and config.seed = data.shuffle_seed = <seed>: a seed changes the model's initialisation and the
