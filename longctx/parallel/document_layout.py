@@ -130,6 +130,7 @@ def _spread(plan: _Plan, doc: int, length: int, block: int) -> None:
     sp = len(plan.room)
     blocks = -(-length // block)
     best = None
+    tried, zigzags = set(), {}
     for (members, stride), extra_from in itertools.product(_group_options(sp, blocks), range(RESIDUES)):
         n = len(members)
         if extra_from >= min(n, RESIDUES):
@@ -152,8 +153,16 @@ def _spread(plan: _Plan, doc: int, length: int, block: int) -> None:
             big, small = (per_member + 1) // 2, per_member // 2
             first, second = (big, small) if front_heavy else (small, big)
             chunks = np.concatenate([first, second[::-1]])
+            # Many options come to the same shards and chunks (shards of equal room): each is
+            # scored once, and the first of equals wins as before.
+            signature = (members.tobytes(), chunks.tobytes())
+            if signature in tried:
+                continue
+            tried.add(signature)
+            if chunks.tobytes() not in zigzags:
+                zigzags[chunks.tobytes()] = zigzag_work(chunks, n, 0)
             work = np.zeros((sp, sp))
-            work[members[:, None], stride * np.arange(n)[None, :]] = zigzag_work(chunks, n, 0)
+            work[members[:, None], stride * np.arange(n)[None, :]] = zigzags[chunks.tobytes()]
             total = plan.work + work
             key = (short, _cost(total), float(np.square(total).sum()))
             if best is None or key < best[0]:
