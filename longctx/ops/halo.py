@@ -92,8 +92,10 @@ def _received(cfg, ex: Exchange, k, v, ks):
         return jnp.pad(part, pad, constant_values=fill)
 
     backend = ring.step_backend(cfg)
-    # ids padded as padding; a per-row layout's positions (tables.RowTokens) with anything
-    fills = tables_lib.RowTokens(ring.PAD_KV, 0) if isinstance(ks, tables_lib.RowTokens) else ring.PAD_KV
+    # ids padded as padding; a per-row layout's positions (tables.RowTokens) with anything; no
+    # ids, nothing (the fills take the structure of `ks`)
+    fills = (tables_lib.RowTokens(ring.PAD_KV, 0) if isinstance(ks, tables_lib.RowTokens) else
+             None if ks is None else ring.PAD_KV)
     return (backend.to_kv_layout(send(k, 0)), backend.to_kv_layout(send(v, 0)),
             jax.tree.map(send, ks, fills))
 
