@@ -57,8 +57,8 @@ TARGET_RATIO, MAX_SLOWDOWN = 5.0, 0.20  # the targets: >= 5x the step's tokens/s
 def bench_one(data_dir, meta, packer, seq_len, workers, batch_size, tokens, sp=4):
     rows = pipeline.packed_rows(data_dir, "train", seq_len=seq_len, packer=packer, seed=0,
                                 batch_size=batch_size, meta=meta)
-    perm = pipeline.layout_permutation("zigzag", seq_len, sp)
-    ds = pipeline.batched(rows, batch_size, perm, num_workers=workers, prefetch_buffer_size=4)
+    ds = pipeline.batched(rows, batch_size, pipeline.layout_transform("zigzag", seq_len, sp, 512),
+                          num_workers=workers, prefetch_buffer_size=4)
     it = iter(ds)
     t0 = time.perf_counter()
     next(it)

@@ -82,7 +82,7 @@ def init_from_allowed(config) -> tuple[str, ...]:
 def _choices() -> dict[str, tuple]:
     """Allowed values of the keys that name an implementation, each from the module that
     implements them."""
-    return {"attention.impl": ops.IMPLS, "attention.layout": layout.LAYOUTS + ("auto",),
+    return {"attention.impl": ops.IMPLS, "attention.layout": layout.LAYOUTS + layout.ROW_LAYOUTS + ("auto",),
             "attention.residuals": attention.RESIDUAL_POLICIES, "data.packer": packing.PACKERS,
             "model.dtype": DTYPES, "model.param_dtype": DTYPES,
             "model.remat_policy": tuple(decoder.REMAT_POLICIES), "train.on_nonfinite": NONFINITE_ACTIONS}
@@ -239,6 +239,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(placed_for is None or a.layout in (placed_for, "auto"),
              f"data.packer={d.packer!r} places documents in the shards of the {placed_for} layout, which "
              f"attention.layout={a.layout!r} would scatter: set --config.attention.layout={placed_for} or auto.")
+
+    _require(not layout.per_row(a.layout) or a.use_segment_ids,
+             f"attention.layout={a.layout!r} places each document of a row on its own, which needs "
+             "the document mask: set --config.attention.use_segment_ids=True or another layout.")
 
     # Sequence against the ring and the kernel blocks.
     seq_divisor = 2 * sp if a.layout == "zigzag" else sp

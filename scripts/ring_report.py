@@ -52,7 +52,8 @@ With `--data DIR` (a prepared directory's train split) or `--mix long_tail|unifo
 synthetic document lengths, longctx/data/length_mixes.py) the report compares packers instead:
 each packs one epoch of the same documents (`--packer`, a comma list; every packer by default),
 and the ring's schedule of each row is worked out under every layout the packer may run with
-(shard_balanced: contiguous only). Per packer and layout it prints the padding, the critical path
+(shard_balanced: contiguous only; `--layout per_document` adds each row laid out from its own
+documents, parallel/document_layout.py). Per packer and layout it prints the padding, the critical path
 against the ideal (kept blocks / sp), the ring steps visited per row and the K/V passed per row
 (longctx/data/packer_report.py defines each), and marks the layout "auto" picks on those rows:
 
@@ -80,6 +81,7 @@ from longctx.ops import context_parallel, strategy_schedule, tables  # noqa: E40
 from longctx.errors import ConfigError  # noqa: E402
 from longctx.data import length_mixes, packer_report  # noqa: E402
 from longctx.data.packing import PACKERS, packer_layout  # noqa: E402
+from longctx.parallel import layout as layout_lib  # noqa: E402
 
 
 def _window(text):
@@ -224,15 +226,25 @@ def _packers_report(a, mask_kw) -> int:
         lengths = length_mixes.document_lengths(a.mix, a.tokens, a.seed)
         documents = length_mixes.documents(lengths)
         source = f"{len(lengths):,} documents of the {a.mix} mix (seed {a.seed}, {int(lengths.sum()):,} tokens)"
+    elif a.mixture:
+        mixed = cli.load_config_file(a.mixture)
+        count = keep or max(1, a.tokens // a.seq_len)
+        source = f"the first {count} rows of {a.mixture}'s data mixture (shuffle seed {a.seed})"
     else:
         source = f"the train split of {a.data} (shuffle seed {a.seed})"
     report = {}
     for packer in _packers(a):
-        rows = (packer_report.document_rows(documents, packer, **shape) if a.mix else
-                packer_report.data_rows(a.data, packer, **shape))
+        if a.mix:
+            rows = packer_report.document_rows(documents, packer, **shape)
+        elif a.mixture:
+            rows = packer_report.mixture_rows(mixed, packer, seq_len=a.seq_len, sp=a.sp,
+                                              block=a.block, rows=count, seed=a.seed)
+        else:
+            rows = packer_report.data_rows(a.data, packer, **shape)
         ids = rows.segment_ids
+        row_layouts = (a.layout,) if a.layout in layout_lib.ROW_LAYOUTS else ()
         schedules = {layout: packer_report.row_schedules(spec, layout, a.seq_len, a.sp, a.block, ids)
-                     for layout in packer_report.layouts_for(packer)}
+                     for layout in packer_report.layouts_for(packer, row_layouts)}
         kept = packer_report.kept_blocks(spec, a.seq_len, a.sp, a.block, ids, schedules.get("contiguous"))
         # What a training run would pick on its first rows (train.state.resolve_layout).
         fixed = packer_layout(packer)
@@ -240,6 +252,8 @@ def _packers_report(a, mask_kw) -> int:
                                            segment_ids=ids[:8], **mask_kw)
         lengths = packer_report.pieces(ids)
         bounds = {"visited_bound": packer_report.visited_bound(lengths, len(ids), a.seq_len, a.sp),
+                  "rows_visited_bound": (packer_report.rows_visited_bound(ids, a.seq_len, a.sp)
+                                         if spec.window is None and spec.chunk is None else None),
                   "boundary_padding": packer_report.boundary_padding(lengths, a.seq_len, a.sp),
                   "contiguous_bound": (packer_report.contiguous_bound(lengths, a.seq_len, a.sp, a.block)
                                        if spec.causal and spec.window is None and spec.chunk is None
@@ -273,7 +287,9 @@ def _packers_report(a, mask_kw) -> int:
     for packer, r in report.items():
         contiguous = ("" if r["contiguous_bound"] is None else
                       f"; of ideal <= {r['contiguous_bound']:.3f} in the contiguous layout")
-        print(f"{packer:>18}  visited >= {r['visited_bound']:.2f} per row in any layout{contiguous}; "
+        rows_bound = ("" if r["rows_visited_bound"] is None else
+                      f" ({r['rows_visited_bound']:.2f} for these rows)")
+        print(f"{packer:>18}  visited >= {r['visited_bound']:.2f} per row in any layout{rows_bound}{contiguous}; "
               f"padding >= {r['boundary_padding']:.2%} if every piece longer than a shard starts on "
               "a shard boundary")
     if a.png:
@@ -338,15 +354,17 @@ def _say_when_large(a, layout) -> None:
 
 def _check_arguments(a) -> str:
     """--validate_only: what the report would refuse, checked without working out a schedule."""
-    from longctx.parallel import layout as layout_lib
-
-    if a.layout is None and not (a.doc_lengths or a.data or a.mix):
+    if a.layout is None and not (a.doc_lengths or a.data or a.mix or a.mixture):
         raise ConfigError("--layout is required (or give documents: --doc-lengths, --data or --mix).")
-    if a.layout not in (None, "auto") + layout_lib.LAYOUTS:
-        raise ConfigError(f"--layout={a.layout!r} is not one of {layout_lib.LAYOUTS + ('auto',)}.")
+    known = layout_lib.LAYOUTS + layout_lib.ROW_LAYOUTS + ("auto",)
+    if a.layout not in (None,) + known:
+        raise ConfigError(f"--layout={a.layout!r} is not one of {known}.")
+    if layout_lib.per_row(a.layout or "") and not (a.data or a.mix or a.mixture):
+        raise ConfigError(f"--layout={a.layout} lays out each row from its documents: give them "
+                          "with --data or --mix.")
     try:
-        layout_lib.permutation("contiguous" if a.layout in (None, "auto") else a.layout,
-                               a.seq_len, a.sp)
+        layout_lib.permutation("contiguous" if a.layout in (None, "auto") + layout_lib.ROW_LAYOUTS
+                               else a.layout, a.seq_len, a.sp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if a.block < 1 or (a.seq_len // a.sp) % a.block:
@@ -358,7 +376,9 @@ def _check_arguments(a) -> str:
         from longctx.data import pipeline
 
         pipeline.load_metadata(a.data)
-    if a.data or a.mix:
+    if a.mixture:
+        cli.load_config_file(a.mixture)
+    if a.data or a.mix or a.mixture:
         _packers(a)
         if a.mix and a.mix not in length_mixes.MIXES:
             raise ConfigError(f"--mix={a.mix!r} is not one of {', '.join(length_mixes.MIXES)}.")
@@ -387,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="W or LEFT,RIGHT (tokens, 0 or more)")
     p.add_argument("--chunk-size", type=cli.int_at_least(1), default=None, help="chunked causal")
     p.add_argument("--layout", default=None, help="contiguous | zigzag | striped | auto "
-                   "(required without documents; with them every layout is reported)")
+                   "(required without documents; with them every layout is reported); with --data "
+                   "--mix or --mixture, per_document reports each row laid out from its documents too")
     docs = p.add_mutually_exclusive_group()
     docs.add_argument("--doc-lengths", default=None,
                       help="synthetic documents of N tokens, or a comma list N1,N2,... repeated")
@@ -395,7 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a prepared data directory: compare packers on its train split")
     docs.add_argument("--mix", default=None, help="long_tail | uniform: compare packers on "
                       "seeded synthetic document lengths")
-    p.add_argument("--tokens", type=cli.int_at_least(1), default=16 << 20, help="with --mix: tokens to draw")
+    docs.add_argument("--mixture", default=None, help="FILE:PRESET: compare packers on the first "
+                      "--tokens of that config's data mixture (data.sources, e.g. "
+                      "configs/base.py:long_mix_cpu)")
+    p.add_argument("--tokens", type=cli.int_at_least(1), default=16 << 20,
+                   help="with --mix: tokens to draw; with --mixture: tokens of rows to read")
     p.add_argument("--seed", type=cli.int_at_least(0), default=0,
                    help="with --data / --mix: shuffle / draw seed (0 or more)")
     p.add_argument("--packer", default=",".join(PACKERS),
@@ -493,7 +518,7 @@ def main(argv=None) -> int:
     mask_kw = dict(causal=a.causal, sliding_window=a.sliding_window, chunk_size=a.chunk_size)
     if cli.validate_only():
         cli.validated(_check_arguments(a))
-    if a.data or a.mix:
+    if a.data or a.mix or a.mixture:
         try:
             return _packers_report(a, mask_kw)
         except ValueError as e:  # the tables' messages name the argument

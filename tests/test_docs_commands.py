@@ -28,6 +28,7 @@ import sys
 import pytest
 
 from longctx import cli
+from longctx.data import prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCUMENTS = (["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -72,6 +73,8 @@ NEEDS_A_FILE = {
     "my_config.py": "the reader's own config file, as docs/configs.md shows it (tests/test_user_config.py runs it)",
     "DIR": "where the reader pip-installed the peer rings (--peers DIR)",
     "/tmp/peers": "where the reader pip-installed the peer rings (--peers DIR)",
+    # docs/per_document.md's corpus commands, as benchmarks/bench_per_document.py prints them
+    "~/.cache/longctx/" + prepare.stdlib_cache_name(): "the embedded corpus, which the benchmark prepares",
 }
 # The same for a file a preset names (its data.path), in commands that read the data.
 PRESET_FILES = {"configs/base.py:llama3_8b_extend_128k": "data/llama3_long",

@@ -352,13 +352,13 @@ def achieved_shares(config, sp: int = 1, rows: int = REPORT_ROWS, seed_offset: i
             next(it)
         tokens = it.tokens
     finally:
-        _close(it)
+        close_iterator(it)
     total = max(1, sum(tokens.values()))
     return {n: {"weight": round(records[n]["weight"], 6), "share": round(tokens[n] / total, 6)}
             for n in tokens}
 
 
-def _close(iterator) -> None:
+def close_iterator(iterator) -> None:
     close = getattr(iterator, "close", None)  # read threads, else they go at garbage collection
     if close is not None:
         close()
@@ -393,7 +393,7 @@ def layout_sample(config, data_dir: str, rows: int = pipeline.LAYOUT_SAMPLE_ROWS
     try:
         return np.stack([next(it)["segment_ids"] for _ in range(rows)])
     finally:
-        _close(it)
+        close_iterator(it)
 
 
 def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data_dir: str,
@@ -418,8 +418,9 @@ def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data
     sp = mesh.shape["sp"]
     shard = sharding_lib.data_shard(mesh, d.global_batch_size, d.seq_len)
     rows, records = mixture_rows(config, dirs, shard=shard, sp=sp, seed_offset=seed_offset)
-    perm = pipeline.layout_permutation(layout, d.seq_len, sp)
-    ds = pipeline.batched(rows, shard.local_batch_size, perm, num_workers=d.num_workers,
+    ds = pipeline.batched(rows, shard.local_batch_size,
+                          pipeline.layout_transform(layout, d.seq_len, sp, pipeline.layout_block(config)),
+                          num_workers=d.num_workers,
                           prefetch_buffer_size=d.prefetch_buffer_size)
     return pipeline.BatchIterator(ds, mesh, shard, d.global_batch_size, d.seq_len,
                                   pipeline.load_metadata(next(iter(dirs.values()))), seed_offset=seed_offset,

@@ -10,10 +10,11 @@ padding. The ring's side is ops/tables.document_schedule, the host copy of what 
                  x kv_bytes_per_token, for one layer's forward pass
   padding        padding tokens / all tokens, over every row of one epoch
 
-and three bounds that hold for every packer, computed from the pieces the rows hold (a document,
-or a seq_len piece of a longer one), so a packer's figures can be held against what is possible:
+and bounds computed from the pieces the rows hold (a document, or a seq_len piece of a longer
+one), so a packer's and a layout's figures can be held against what is possible:
 
-  visited_bound     the fewest ring steps visited per row, on average, in any layout
+  visited_bound     the fewest ring steps visited per row, on average, by any packer in any layout
+  rows_visited_bound  the fewest for these rows as packed, in any layout (causal or full mask)
   contiguous_bound  the most of the ideal (ideal / critical path) any placement in the
                     contiguous layout reaches, for a causal mask
   boundary_padding  the least padding of any packer that starts every piece longer than a
@@ -27,7 +28,7 @@ import dataclasses
 import grain
 import numpy as np
 
-from longctx.data import dispatch, packing, pipeline
+from longctx.data import dispatch, mixture, packing, pipeline, sharding
 from longctx.ops import tables
 from longctx.ops.masks import MaskSpec
 from longctx.parallel import layout as layout_lib
@@ -44,13 +45,14 @@ class Rows:
     epoch_rows: int
 
 
-def layouts_for(packer: str) -> tuple[str, ...]:
-    """The layouts a packer's rows can be run under (config.validate's rule)."""
+def layouts_for(packer: str, row_layouts: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The layouts a packer's rows can be run under (config.validate's rule): the static ones,
+    and those of `row_layouts` asked for (a per-row layout takes any packer's rows)."""
     fixed = packing.packer_layout(packer)
-    return (fixed,) if fixed else layout_lib.LAYOUTS
+    return (fixed,) if fixed else layout_lib.LAYOUTS + tuple(row_layouts)
 
 
-def epoch_rows(rows: grain.IterDataset, keep: int | None) -> Rows:
+def epoch_rows(rows, keep: int | None) -> Rows:
     """Reads every row of a one-epoch stream; keeps the segment ids of the first `keep` (all:
     None)."""
     kept, real, count, seq_len = [], 0, 0, None
@@ -69,6 +71,22 @@ def data_rows(data_dir: str, packer: str, *, seq_len: int, sp: int, block: int,
     return epoch_rows(pipeline.packed_rows(data_dir, "train", seq_len=seq_len, packer=packer,
                                            seed=seed, num_epochs=1, num_shards=sp,
                                            block_size=block), keep)
+
+
+def mixture_rows(config, packer: str, *, seq_len: int, sp: int, block: int, rows: int,
+                 seed: int = 0) -> Rows:
+    """The first `rows` rows of a config's data mixture (data.sources, mixture.py: each source
+    packed on its own, rows taken by token share), with `packer`; its padding over those rows."""
+    config = config.copy_and_resolve_references()
+    config.data.update(seq_len=seq_len, packer=packer, shuffle_seed=seed)
+    config.attention.block_size = block
+    mixed, _ = mixture.mixture_rows(config, mixture.source_dirs(config),
+                                    shard=sharding.DataShard(0, 1, 0, 1), sp=sp)
+    it = iter(mixed)
+    try:
+        return epoch_rows((next(it) for _ in range(rows)), None)
+    finally:
+        mixture.close_iterator(it)
 
 
 def document_rows(documents, packer: str, *, seq_len: int, sp: int, block: int,
@@ -140,6 +158,17 @@ def visited_bound(lengths: np.ndarray, rows: int, seq_len: int, sp: int) -> floa
     shard_len = seq_len // sp
     k = -(-lengths // shard_len)
     return max(1.0, float((k * lengths).sum()) / (seq_len * rows))
+
+
+def rows_visited_bound(segment_ids: np.ndarray, seq_len: int, sp: int) -> float:
+    """The fewest ring steps visited per row, on average, that any layout of these rows
+    [rows, seq_len] (natural order) reaches under a causal or full mask: a row visits at least
+    k = ceil(n / L) steps for its longest piece of n tokens (visited_bound's argument for one
+    piece), so the mean of that over the rows. It depends on which pieces share a row, which the
+    packer decides, so it is at least visited_bound."""
+    shard_len = seq_len // sp
+    longest = [int(pieces(row[None]).max(initial=0)) for row in segment_ids]
+    return float(np.mean([max(1, -(-n // shard_len)) for n in longest]))
 
 
 def contiguous_bound(lengths: np.ndarray, seq_len: int, sp: int, block: int) -> float:

@@ -34,6 +34,7 @@ from grain import experimental as gx
 from longctx.data import dispatch
 from longctx.errors import ConfigError
 from longctx.ops import masks
+from longctx.parallel import document_layout
 
 # The keys a packer's rows can depend on beyond the documents, their order (data.shuffle_seed) and
 # the data shard: the config's values as the run resolved them ("mesh.sp": the mesh's sp axis), and
@@ -198,6 +199,20 @@ class RowFeatures(grain.transforms.Map):
             "targets": np.where(real, tt[:, 1], self.pad_id).astype(np.int32),
             "loss_mask": real.astype(np.int32),
         }
+
+
+class PermuteEachRow(grain.transforms.Map):
+    """Lays every row of a batch out in the per-document layout (parallel/document_layout.py):
+    each row its own permutation, worked out from its segment ids, which are renumbered as the
+    layout numbers the documents. A function of the row alone, so every host of an sp group and
+    a resumed run lay a row out the same; tokens, positions, targets and loss mask travel with
+    their tokens, so the loss sees every token with its own target."""
+
+    def __init__(self, num_shards: int, block: int):
+        self.num_shards, self.block = num_shards, block
+
+    def map(self, batch):
+        return document_layout.permute_rows(batch, self.num_shards, self.block)[0]
 
 
 class PermuteLayout(grain.transforms.Map):

@@ -308,9 +308,25 @@ def layout_permutation(layout: str, seq_len: int, num_shards: int) -> np.ndarray
     return None if np.array_equal(perm, np.arange(seq_len)) else perm
 
 
-def batched(rows: grain.IterDataset, batch_size: int, perm: np.ndarray | None, *,
+def layout_block(config) -> int:
+    """The block a per-row layout aligns documents to: the largest of the run's attention blocks
+    (every layer type's; the smaller ones divide it)."""
+    a = config.attention
+    blocks = [a.block_size] + [t.get("block_size") for t in (a.get("layer_types") or {}).values()]
+    return max(int(b) for b in blocks if b is not None)
+
+
+def layout_transform(layout: str, seq_len: int, num_shards: int, block: int) -> grain.transforms.Map:
+    """What puts a batch of natural-order rows into the sp layout: one permutation for every row
+    (PermuteLayout, nothing for the identity), or each row's own (the per-document layout)."""
+    if layout_lib.per_row(layout):
+        return packing.PermuteEachRow(num_shards, block)
+    return packing.PermuteLayout(layout_permutation(layout, seq_len, num_shards))
+
+
+def batched(rows: grain.IterDataset, batch_size: int, layout: grain.transforms.Map, *,
             num_workers: int = 0, prefetch_buffer_size: int = 2) -> grain.IterDataset:
-    ds = rows.batch(batch_size, drop_remainder=True).map(packing.PermuteLayout(perm))
+    ds = rows.batch(batch_size, drop_remainder=True).map(layout)
     if num_workers > 0:
         # Grain's workers read absl flags; outside an absl app (pytest, notebooks) they are
         # unparsed and reading one raises, so accept the defaults.
@@ -485,8 +501,8 @@ def make_batch_iterator(config, mesh, *, split: str = "train", layout: str, data
                        shard_index=shard.index, shard_count=shard.count, num_epochs=num_epochs,
                        shuffle=train, batch_size=shard.local_batch_size, num_bins=num_bins, meta=meta,
                        num_shards=sp, block_size=config.attention.block_size)
-    perm = layout_permutation(layout, d.seq_len, sp)
-    ds = batched(rows, shard.local_batch_size, perm, num_workers=d.num_workers if train else 0,
+    ds = batched(rows, shard.local_batch_size, layout_transform(layout, d.seq_len, sp, layout_block(config)),
+                 num_workers=d.num_workers if train else 0,
                  prefetch_buffer_size=d.prefetch_buffer_size)
     # What packed_rows packed with (it has checked the split and seq_len that the bins divide by).
     bins = packing.bins_for(d.packer, d.seq_len, shard.local_batch_size, num_bins,

@@ -26,9 +26,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from longctx import config as config_lib
 from longctx.errors import ConfigError
+from longctx.data import pipeline
 from longctx.interop import params_io
 from longctx.ops import blocks
 from longctx.ops import masks
+from longctx.parallel import document_layout
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from longctx.train import state as train_state
@@ -67,8 +69,10 @@ class Runner:
             rows = {k: np.concatenate([v, np.zeros((padded, n), np.int32)]) for k, v in rows.items()}
             where = np.concatenate([where, np.zeros((padded, where.shape[1]), where.dtype)])
         batch, perm = self._laid_out(rows)
-        inverse = layout_lib.inverse_permutation(perm)
-        index = inverse[where].astype(np.int32)  # natural position -> layout index
+        inverse = np.argsort(perm, axis=-1)  # [S] or per row [b, S]
+        # natural position -> layout index
+        index = (inverse[where] if inverse.ndim == 1 else
+                 np.take_along_axis(inverse, where, axis=1)).astype(np.int32)
         index = jax.device_put(index, NamedSharding(self.mesh, PartitionSpec()))
         with jax.set_mesh(self.mesh):
             out = self.forward_at(self.params, batch, index)
@@ -101,8 +105,11 @@ class Runner:
         full = {k: np.zeros((b, seq_len), np.int32) for k in ("tokens", "positions", "segment_ids")}
         for key in full:  # segment 0 beyond n: padding, attends to nothing real
             full[key][:, :n] = rows[key]
-        perm = layout_lib.permutation(self.layout, seq_len, self.sp)
         sharding = mesh_lib.batch_sharding(self.mesh)
+        if layout_lib.per_row(self.layout):  # each row its own permutation (its documents')
+            laid, perms = document_layout.permute_rows(full, self.sp, pipeline.layout_block(self.config))
+            return {k: jax.device_put(v, sharding) for k, v in laid.items()}, perms
+        perm = layout_lib.permutation(self.layout, seq_len, self.sp)
         return {k: jax.device_put(v[:, perm], sharding) for k, v in full.items()}, perm
 
 

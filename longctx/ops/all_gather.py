@@ -43,7 +43,7 @@ def _travelling(cfg, x):
 def _gathered(cfg, k, v, ks):
     """Every shard's K, V (travelling layout) and K/V segment ids, stacked [sp, ...] in shard
     order."""
-    gather = lambda x: None if x is None else lax.all_gather(x, cfg.axis_name)  # noqa: E731
+    gather = lambda x: jax.tree.map(lambda leaf: lax.all_gather(leaf, cfg.axis_name), x)  # noqa: E731
     return gather(_travelling(cfg, k)[0]), gather(_travelling(cfg, v)[0]), gather(ks)
 
 
@@ -52,10 +52,10 @@ def forward(cfg, q, k, v, qs, ks, aux):
     d = lax.axis_index(cfg.axis_name)
     shards = jnp.arange(cfg.sp, dtype=jnp.int32)
     qx = ring.scaled_query(cfg, q)[None]
-    qs1 = None if qs is None else qs[None]
+    qs1 = jax.tree.map(lambda x: x[None], qs)
     kv_heads = k.shape[2]
     acc = shard_pairs.forward_start(cfg, qx, qs1, kv_heads)
-    local = (_travelling(cfg, k), _travelling(cfg, v), None if ks is None else ks[None])
+    local = (_travelling(cfg, k), _travelling(cfg, v), jax.tree.map(lambda x: x[None], ks))
     acc = shard_pairs.forward(cfg, acc, qx, qs1, d[None], local, d[None], kv_heads)
     acc = shard_pairs.forward(cfg, acc, qx, qs1, d[None], _gathered(cfg, k, v, ks), shards,
                               kv_heads, skip_kv_shard=d)
@@ -72,7 +72,7 @@ def backward(cfg, res, do):
     shards = jnp.arange(cfg.sp, dtype=jnp.int32)
     do, di, lse_k = ring.backward_inputs(q, out, lse, do)
     qx = ring.scaled_query(cfg, q)
-    stack = lambda x: None if x is None else x[None]  # noqa: E731
+    stack = lambda x: jax.tree.map(lambda leaf: leaf[None], x)  # noqa: E731
     kv = _gathered(cfg, k, v, ks)
     acc = shard_pairs.backward_start(cfg, qx[None], stack(qs), lse_k[None], do[None], di[None],
                                      k.shape[2], kv[0].shape)

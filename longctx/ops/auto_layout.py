@@ -39,6 +39,8 @@ def resolve_layout(layout: str, seq_len: int, num_shards: int, *, causal=False,
     causal triangle, but packed documents keep only bands along the diagonal, which a layout that
     stripes the row balances better (on 8 rows of the embedded corpus at 131,072 tokens, sp=8,
     block 512, causal: critical path 29,552 blocks contiguous, 21,807 zigzag, 15,784 striped).
+    With documents the per-document layout (parallel/document_layout.py) is scored too, each row
+    laid out from its own documents as the data pipeline will.
     """
     mask = dict(causal=causal, sliding_window=sliding_window, chunk_size=chunk_size)
     return resolve_layout_for_layers(layout, seq_len, num_shards, [(1, mask, block_size)], segment_ids)
@@ -51,13 +53,20 @@ def resolve_layout_for_layers(layout: str, seq_len: int, num_shards: int, layers
     type; each layout's score is `resolve_layout`'s, summed over the types weighted by their layer
     counts, so a Gemma-3-like 5:1 model weighs its window layers five times its global one. With
     one type it is `resolve_layout` itself."""
+    if layout_lib.per_row(layout):
+        if seq_len % num_shards:
+            raise ValueError(f"seq_len={seq_len} is not divisible by num_shards={num_shards}")
+        return layout
     if layout != "auto":
         layout_lib.permutation(layout, seq_len, num_shards)
         return layout
     best, best_key = None, None
-    for rank, name in enumerate(layout_lib.LAYOUTS):
+    # With documents the per-document layout competes: each row laid out from its own documents.
+    names = layout_lib.LAYOUTS + (layout_lib.ROW_LAYOUTS if segment_ids is not None else ())
+    for rank, name in enumerate(names):
         try:
-            layout_lib.permutation(name, seq_len, num_shards)
+            if not layout_lib.per_row(name):
+                layout_lib.permutation(name, seq_len, num_shards)
         except ValueError:
             continue  # e.g. zigzag needs seq_len divisible by 2*sp
         scores = [[count * part for part in _score(name, seq_len, num_shards, block, mask, segment_ids)]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -91,8 +92,12 @@ def _received(cfg, ex: Exchange, k, v, ks):
         return jnp.pad(part, pad, constant_values=fill)
 
     backend = ring.step_backend(cfg)
+    # ids padded as padding; a per-row layout's positions (tables.RowTokens) with anything; no
+    # ids, nothing (the fills take the structure of `ks`)
+    fills = (tables_lib.RowTokens(ring.PAD_KV, 0) if isinstance(ks, tables_lib.RowTokens) else
+             None if ks is None else ring.PAD_KV)
     return (backend.to_kv_layout(send(k, 0)), backend.to_kv_layout(send(v, 0)),
-            None if ks is None else send(ks, ring.PAD_KV))
+            jax.tree.map(send, ks, fills))
 
 
 def _held_shards(cfg, k, v, ks):
@@ -106,7 +111,7 @@ def _held_shards(cfg, k, v, ks):
     held = [(backend.to_kv_layout(k), backend.to_kv_layout(v), ks)]
     held += [_received(cfg, ex, k, v, ks) for ex in exchanges(cfg)]
     k_all, v_all = (jnp.stack([h[i] for h in held]) for i in (0, 1))
-    ks_all = None if ks is None else jnp.stack([h[2] for h in held])
+    ks_all = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[h[2] for h in held])
     shards = jnp.stack([d] + [(d - ex.offset) % cfg.sp for ex in exchanges(cfg)])
     return (k_all, v_all, ks_all), shards
 
@@ -115,7 +120,7 @@ def forward(cfg, q, k, v, qs, ks, aux):
     """(out [b, L, n, h] in q's dtype, lse [b, L, n] float32) of this device's query shard."""
     d = lax.axis_index(cfg.axis_name)
     qx = ring.scaled_query(cfg, q)[None]
-    qs1 = None if qs is None else qs[None]
+    qs1 = jax.tree.map(lambda x: x[None], qs)
     kv_heads = k.shape[2]
     acc = shard_pairs.forward_start(cfg, qx, qs1, kv_heads)
     held, shards = _held_shards(cfg, k, v, ks)
@@ -141,7 +146,7 @@ def backward(cfg, res, do):
     d = lax.axis_index(cfg.axis_name)
     do, di, lse_k = ring.backward_inputs(q, out, lse, do)
     qx = ring.scaled_query(cfg, q)[None]
-    q_side = (qx, None if qs is None else qs[None], lse_k[None], do[None], di[None])
+    q_side = (qx, jax.tree.map(lambda x: x[None], qs), lse_k[None], do[None], di[None])
     held, shards = _held_shards(cfg, k, v, ks)
     acc = shard_pairs.backward_start(cfg, *q_side, k.shape[2], held[0].shape)
     dq, dk_held, dv_held = shard_pairs.backward(cfg, acc, *q_side, d[None], held, shards, k.shape[2])

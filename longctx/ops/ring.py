@@ -7,6 +7,10 @@ Shapes (this device's shard, layout order; L = S / sp):
 Letters: b batch, L/t local query positions, n query heads, kvh kv heads, h head_dim.
 
 At ring step s device d holds the K/V (and kv segment ids) that started on device (d - s) mod sp.
+In a per-row layout (the per-document one) the segment ids are tables.RowTokens: ids and each
+token's global position, which travel together, and the blocks come from them (row_blocks.py)
+instead of the closed form; every step may have work, so the ring visits steps up to the last
+with a live block on some device.
 Only `run_steps` (steps with work on some device) execute; consecutive run steps are a
 `lax.fori_loop` passing K/V one hop per iteration, and a gap between runs is a single ppermute
 of the gap's length, so K/V never travel further than the last run step and the traced program
@@ -43,10 +47,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from longctx.ops import auto_layout, masks
+from longctx.ops import auto_layout, masks, row_blocks
 from longctx.ops import tables as tables_lib
 from longctx.ops import xla
 from longctx.ops.shmap import max_over_devices, pick, sum_over_devices, vary_like
+from longctx.parallel import document_layout
 from longctx.parallel import layout as layout_lib
 
 # The per-step backends: the Pallas TPU splash kernel, and the same math in plain XLA.
@@ -147,21 +152,30 @@ def _repeat(it, count, most: int, carry):
     return lax.fori_loop(0, count, it, carry)
 
 
-def _steps_to_visit(cfg, d, q_ranges, ks):
+def _steps_to_visit(cfg, d, q_side, ks):
     """How many run steps the ring visits with documents (traced, the same on every device of
     the mesh, not only of this ring): up to the last one at which some device has a live block,
     and at least one. Rows whose documents end inside their shard need no K/V from afar, and
     the K/V stop travelling there.
-    Each device reads every shard's K/V document ranges (a few ints per block, all-gathered)
-    and works out its live blocks at every run step, as the steps themselves will."""
-    kv_first, kv_last = (lax.all_gather(x, cfg.axis_name)
-                         for x in tables_lib.document_ranges(ks, cfg.bkv))
+    Each device reads every shard's K/V document ranges (a few ints per block, all-gathered;
+    in a per-row layout the blocks' summaries, row_blocks.Parts) and works out its live blocks
+    at every run step, as the steps themselves will."""
+    if layout_lib.per_row(cfg.layout):
+        every = jax.tree.map(lambda x: lax.all_gather(x, cfg.axis_name),
+                             row_blocks.parts(ks.ids, ks.positions, cfg.bkv))
 
-    def any_live(t):
-        source = pick(cfg.tables.kv_source, d, t)
-        blocks = _step_blocks(cfg, d, t)
-        return jnp.any(tables_lib.live_blocks(blocks.classes, q_ranges,
-                                              (kv_first[source], kv_last[source])))
+        def any_live(t):
+            visiting = jax.tree.map(lambda x: x[pick(cfg.tables.kv_source, d, t)], every)
+            return jnp.any(row_blocks.classes(cfg.spec, q_side, visiting, cfg.skip_documents) > 0)
+    else:
+        kv_first, kv_last = (lax.all_gather(x, cfg.axis_name)
+                             for x in tables_lib.document_ranges(ks, cfg.bkv))
+
+        def any_live(t):
+            source = pick(cfg.tables.kv_source, d, t)
+            blocks = _step_blocks(cfg, d, t)
+            return jnp.any(tables_lib.live_blocks(blocks.classes, q_side,
+                                                  (kv_first[source], kv_last[source])))
 
     steps = jnp.arange(len(cfg.tables.run_steps), dtype=jnp.int32)
     last = jnp.max(jnp.where(jax.vmap(any_live)(steps), steps + 1, 0))
@@ -176,12 +190,36 @@ def _step_blocks(cfg, d, t):
 
 def live_blocks(cfg, blocks, q_ranges, ks_t):
     """bool [b or 1, q_blocks, kv_blocks]: the blocks of the step this device computes (the
-    static mask's, less those whose queries and keys share no document). Every strategy's
-    steps use it (ops/shard_pairs.py)."""
+    static mask's, less those whose queries and keys share no document; in a per-row layout the
+    blocks' own classes, documents included)."""
+    if layout_lib.per_row(cfg.layout):
+        return blocks.classes > 0
     if not cfg.skip_documents:
         q_ranges = None
     kv_ranges = None if q_ranges is None else tables_lib.document_ranges(ks_t, cfg.bkv)
     return tables_lib.live_blocks(blocks.classes, q_ranges, kv_ranges)
+
+
+def query_side(cfg, qs):
+    """What every step needs of this device's queries to find its blocks: their blocks'
+    document ranges (None without documents), or in a per-row layout their blocks' summaries
+    (row_blocks.Parts of the ids and global positions in `qs`, a tables.RowTokens)."""
+    if layout_lib.per_row(cfg.layout):
+        return row_blocks.parts(qs.ids, qs.positions, cfg.bq)
+    return None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
+
+
+def pair_blocks(cfg, q_shard, kv_shard, q_side, qs, ks):
+    """(blocks, live) of this device's queries (shard `q_shard`, with `query_side`'s summary)
+    against the K/V shard `kv_shard` (traced ints) with ids `ks`: every strategy's steps use it
+    (ops/shard_pairs.py). A static layout's blocks come from the two shard indices; a per-row
+    layout's from the data."""
+    if layout_lib.per_row(cfg.layout):
+        blocks = tables_lib.row_step_blocks(cfg.spec, q_side, qs, ks, cfg.bkv, cfg.skip_documents)
+    else:
+        blocks = tables_lib.step_blocks(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq,
+                                        cfg.bkv, q_shard, kv_shard)
+    return blocks, live_blocks(cfg, blocks, q_side, ks)
 
 
 def _any_live(cfg, d, t, live, qs):
@@ -197,13 +235,13 @@ def _any_live(cfg, d, t, live, qs):
     return jnp.any(live)
 
 
-def _stop(cfg, d, q_ranges, ks):
+def _stop(cfg, d, q_side, ks):
     """_ring_loop's `stop`: `_steps_to_visit` with documents when the run steps are one run of
     several (the ring can end early), else None (every run step)."""
-    documents = q_ranges is not None and cfg.skip_documents
+    documents = q_side is not None and (cfg.skip_documents or layout_lib.per_row(cfg.layout))
     if not documents or not tables_lib.can_stop_early(cfg.tables.run_steps):
         return None
-    return _steps_to_visit(cfg, d, q_ranges, ks)
+    return _steps_to_visit(cfg, d, q_side, ks)
 
 
 def scaled_query(cfg, q):
@@ -245,18 +283,17 @@ def forward(cfg, q, k, v, qs, ks, aux):
     backend = step_backend(cfg)
     d = lax.axis_index(cfg.axis_name)
     qx = scaled_query(cfg, q)
-    q_ranges = None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
+    q_side = query_side(cfg, qs)
     ctx, state = backend.fwd_start(cfg, qx, qs, k.shape[2])
 
     def body(t, travel, _, state):
         k_t, v_t, ks_t = travel
-        blocks = _step_blocks(cfg, d, t)
-        live = live_blocks(cfg, blocks, q_ranges, ks_t)
+        blocks, live = pair_blocks(cfg, d, pick(cfg.tables.kv_source, d, t), q_side, qs, ks_t)
         run = _any_live(cfg, d, t, live, qs)
         return (), backend.fwd_step(cfg, ctx, state, k_t, v_t, ks_t, blocks, live, run)
 
     travel = (backend.to_kv_layout(k), backend.to_kv_layout(v), ks)
-    _, state, _ = _ring_loop(cfg, travel, (), state, body, _stop(cfg, d, q_ranges, ks))
+    _, state, _ = _ring_loop(cfg, travel, (), state, body, _stop(cfg, d, q_side, ks))
     o, lse = add_sinks(*backend.fwd_end(cfg, ctx, state), aux)
     return o.astype(q.dtype), lse
 
@@ -267,13 +304,12 @@ def backward(cfg, res, do):
     d = lax.axis_index(cfg.axis_name)
     qx = scaled_query(cfg, q)
     do, di, lse_k = backward_inputs(q, out, lse, do)
-    q_ranges = None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
+    q_side = query_side(cfg, qs)
     ctx, dq = backend.bwd_start(cfg, qx, qs, lse_k, do, di, k.shape[2])
 
     def body(t, travel, acc, dq):
         k_t, v_t, ks_t = travel
-        blocks = _step_blocks(cfg, d, t)
-        live = live_blocks(cfg, blocks, q_ranges, ks_t)
+        blocks, live = pair_blocks(cfg, d, pick(cfg.tables.kv_source, d, t), q_side, qs, ks_t)
         run = _any_live(cfg, d, t, live, qs)
         # dQ stays with its queries; dK and dV (float32) travel with K and V, and go home below.
         dq, dk, dv = backend.bwd_step(cfg, ctx, (dq, *acc), k_t, v_t, ks_t, blocks, live, run)
@@ -281,7 +317,7 @@ def backward(cfg, res, do):
 
     travel = (backend.to_kv_layout(k), backend.to_kv_layout(v), ks)
     zk = vary_like(jnp.zeros(travel[0].shape, jnp.float32), q)
-    (dk, dv), dq, hops = _ring_loop(cfg, travel, (zk, zk), dq, body, _stop(cfg, d, q_ranges, ks))
+    (dk, dv), dq, hops = _ring_loop(cfg, travel, (zk, zk), dq, body, _stop(cfg, d, q_side, ks))
     dk, dv = _shift((dk, dv), -hops, cfg)  # home: the owner of this K/V shard
     dk, dv = backend.from_kv_layout(dk), backend.from_kv_layout(dv)
     dq = backend.bwd_end(cfg, ctx, dq)
@@ -305,9 +341,13 @@ def _kernel_segment_ids(q_ids, kv_ids, positions, chunk_size, layout, seq_len, a
     K/V side is computed here, before the ring, and travels with K/V."""
     q_ids, kv_ids = jnp.asarray(q_ids).astype(jnp.int32), jnp.asarray(kv_ids).astype(jnp.int32)
     if chunk_size is not None:
-        g = layout_lib.positions_on_device(layout, seq_len, lax.axis_size(axis_name),
-                                           lax.axis_index(axis_name), jnp.arange(q_ids.shape[1]))
-        chunk_start = g[None, :] - jnp.asarray(positions, jnp.int32) % chunk_size + 1
+        if layout_lib.per_row(layout):
+            g = document_layout.global_positions(q_ids, jnp.asarray(positions, jnp.int32))
+        else:
+            g = layout_lib.positions_on_device(layout, seq_len, lax.axis_size(axis_name),
+                                               lax.axis_index(axis_name),
+                                               jnp.arange(q_ids.shape[1]))[None, :]
+        chunk_start = g - jnp.asarray(positions, jnp.int32) % chunk_size + 1
         q_ids = jnp.where(q_ids > 0, chunk_start, q_ids)
         kv_ids = jnp.where(kv_ids > 0, chunk_start, kv_ids)
     return jnp.where(q_ids > 0, q_ids, PAD_Q), jnp.where(kv_ids > 0, kv_ids, PAD_KV)
@@ -414,7 +454,10 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None,
     by nothing. Blocks whose queries and keys share no document are skipped (ops/tables.py).
     positions [b, L]: each token's position in its document (the model's RoPE positions); with
     segment ids and chunk_size they make chunked attention per document, chunks counted from
-    each document's start, as at inference. softmax_aux [heads] are attention-sink logits
+    each document's start, as at inference. layout="per_document" (each row laid out from its
+    documents by the data pipeline, parallel/document_layout.py) needs segment ids and
+    positions: a token's global position is then segment id - 1 + its position, and the blocks
+    of each step are classed per row from the data (ops/row_blocks.py). softmax_aux [heads] are attention-sink logits
     (differentiable). impl="splash" runs the Pallas TPU kernel (interpret mode off TPU);
     impl="xla" the same schedule in plain XLA. block_sizes: None (masks.default_block_size:
     512/256/128 dividing L, or L/2 for zigzag), an int (keys computed up to 512 at a time
@@ -460,8 +503,9 @@ def prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, po
     sink logits marked device-varying."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    if layout not in layout_lib.LAYOUTS + ("auto",):
-        raise ValueError(f"layout={layout!r} is not one of {layout_lib.LAYOUTS + ('auto',)}")
+    known = layout_lib.LAYOUTS + layout_lib.ROW_LAYOUTS + ("auto",)
+    if layout not in known:
+        raise ValueError(f"layout={layout!r} is not one of {known}")
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise ValueError(f"query {query.shape}, key {key.shape}, value {value.shape} must all be "
                          "[batch, L, heads, head_dim]")
@@ -483,6 +527,11 @@ def prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, po
             raise ValueError(f"{name} has shape {tuple(seg.shape)}, expected (batch, L) = {(b, L)}")
     if positions is not None and tuple(positions.shape) != (b, L):
         raise ValueError(f"positions has shape {tuple(positions.shape)}, expected (batch, L) = {(b, L)}")
+    per_row = layout_lib.per_row(layout)
+    if per_row and (q_segment_ids is None or positions is None):
+        raise ValueError(f"layout={layout!r} needs segment ids and positions: each token's global "
+                         "position is segment id - 1 + its position in its document "
+                         "(parallel/document_layout.py)")
     per_document_chunks = chunk_size is not None and q_segment_ids is not None
     if per_document_chunks and positions is None:
         raise ValueError("chunk_size with segment ids needs positions (each token's position in "
@@ -501,10 +550,17 @@ def prepare(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, po
     seq_len = L * sp
     layout = auto_layout.resolve_layout(layout, seq_len, sp, causal=causal,
                                   sliding_window=sliding_window, chunk_size=chunk_size)
+    if per_row:
+        q_where, kv_where = (document_layout.global_positions(jnp.asarray(ids, jnp.int32),
+                                                              jnp.asarray(positions, jnp.int32))
+                             for ids in (q_segment_ids, kv_segment_ids))
     if q_segment_ids is not None:
         q_segment_ids, kv_segment_ids = _kernel_segment_ids(
             q_segment_ids, kv_segment_ids, positions, spec.chunk if per_document_chunks else None,
             layout, seq_len, axis_name)
+    if per_row:
+        q_segment_ids = tables_lib.RowTokens(q_segment_ids, q_where)
+        kv_segment_ids = tables_lib.RowTokens(kv_segment_ids, kv_where)
     if per_document_chunks:
         # Chunks are now in the ids; what stays static is that a chunk spans at most chunk_size
         # tokens: a causal window of chunk_size - 1, which keeps the ring's pruning.

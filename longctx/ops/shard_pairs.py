@@ -22,6 +22,7 @@ in the backend, as a ring step is).
 Shapes (L = S / sp, U query shards and M K/V shards held, stacked on a leading axis):
   q [U, b, L, n, h] (scaled, as the kernels take it)   query segment ids [U, b, L] | None
   k, v: [M, ...] in the backend's travelling layout     K/V segment ids [M, b, L] | None
+  (in a per-row layout the ids are tables.RowTokens, ids and positions each [U or M, b, L])
   the shards' global indices: int32 [U] and [M] (traced)
 The forward's accumulators and the backward's dQ are the backend's own, one per query shard,
 stacked [U, ...]; dK, dV float32 in the travelling layout, stacked [M, ...].
@@ -38,6 +39,7 @@ from jax import lax
 from longctx.ops import ring
 from longctx.ops import tables as tables_lib
 from longctx.ops.shmap import vary_like
+from longctx.parallel import layout as layout_lib
 
 
 def by_pair(per_step: np.ndarray) -> np.ndarray:
@@ -79,11 +81,9 @@ def _stacked(tree, count: int):
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), tree)
 
 
-def _pair(cfg, a, c, q_ranges, ks, documents: bool, skip=None):
+def _pair(cfg, a, c, q_side, qs, ks, documents: bool, skip=None):
     """(blocks, live, run) of query shard a against K/V shard c (traced ints)."""
-    blocks = tables_lib.step_blocks(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq, cfg.bkv,
-                                    a, c)
-    live = ring.live_blocks(cfg, blocks, q_ranges, ks)
+    blocks, live = ring.pair_blocks(cfg, a, c, q_side, qs, ks)
     # Without documents the host table says whether the pair has work (a predicate that
     # depends on the data costs XLA memory, ring._any_live); with them, the live blocks do.
     run = jnp.any(live) if documents else jnp.asarray(pair_active(cfg))[a, c]
@@ -92,13 +92,9 @@ def _pair(cfg, a, c, q_ranges, ks, documents: bool, skip=None):
     return blocks, live, run
 
 
-def _q_ranges(cfg, qs):
-    return None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
-
-
 def forward_start(cfg, q, qs, kv_heads):
     """The forward's accumulators, one per query shard, stacked [U, ...]."""
-    _, acc = ring.step_backend(cfg).fwd_start(cfg, q[0], None if qs is None else qs[0], kv_heads)
+    _, acc = ring.step_backend(cfg).fwd_start(cfg, q[0], _index(qs, 0), kv_heads)
     return _stacked(acc, q.shape[0])
 
 
@@ -108,17 +104,17 @@ def forward(cfg, acc, q, qs, q_shards, kv, kv_shards, kv_heads, *, skip_kv_shard
     already computed (all_gather's local shard, computed before its gather)."""
     backend = ring.step_backend(cfg)
     k, v, ks = kv
-    documents = qs is not None and cfg.skip_documents
+    documents = qs is not None and (cfg.skip_documents or layout_lib.per_row(cfg.layout))
 
     def one_query_shard(u, acc):
-        qs_u = None if qs is None else qs[u]
+        qs_u = _index(qs, u)
         ctx, _ = backend.fwd_start(cfg, q[u], qs_u, kv_heads)
-        q_ranges = _q_ranges(cfg, qs_u)
+        q_side = ring.query_side(cfg, qs_u)
 
         def one_kv_shard(m, acc_u):
-            ks_m = None if ks is None else ks[m]
-            blocks, live, run = _pair(cfg, q_shards[u], kv_shards[m], q_ranges, ks_m, documents,
-                                      skip_kv_shard)
+            ks_m = _index(ks, m)
+            blocks, live, run = _pair(cfg, q_shards[u], kv_shards[m], q_side, qs_u, ks_m,
+                                      documents, skip_kv_shard)
             return backend.fwd_step(cfg, ctx, acc_u, k[m], v[m], ks_m, blocks, live, run)
 
         return _set(acc, u, lax.fori_loop(0, k.shape[0], one_kv_shard, _index(acc, u)))
@@ -135,7 +131,7 @@ def forward_end(cfg, acc):
 
 def backward_start(cfg, q, qs, lse, do, di, kv_heads, kv_shape):
     """(dQ accumulators [U, ...], dK and dV zeros float32 [M, ...] in the travelling layout)."""
-    _, dq = ring.step_backend(cfg).bwd_start(cfg, q[0], None if qs is None else qs[0], lse[0],
+    _, dq = ring.step_backend(cfg).bwd_start(cfg, q[0], _index(qs, 0), lse[0],
                                              do[0], di[0], kv_heads)
     zeros = vary_like(jnp.zeros(kv_shape, jnp.float32), dq)
     return _stacked(dq, q.shape[0]), zeros, zeros
@@ -146,18 +142,19 @@ def backward(cfg, acc, q, qs, lse, do, di, q_shards, kv, kv_shards, kv_heads):
     previous call), q-side inputs stacked [U, ...] in the ring's layout ([b, L, n(, h)])."""
     backend = ring.step_backend(cfg)
     k, v, ks = kv
-    documents = qs is not None and cfg.skip_documents
+    documents = qs is not None and (cfg.skip_documents or layout_lib.per_row(cfg.layout))
 
     def one_query_shard(u, acc):
         dq, dk, dv = acc
-        qs_u = None if qs is None else qs[u]
+        qs_u = _index(qs, u)
         ctx, _ = backend.bwd_start(cfg, q[u], qs_u, lse[u], do[u], di[u], kv_heads)
-        q_ranges = _q_ranges(cfg, qs_u)
+        q_side = ring.query_side(cfg, qs_u)
 
         def one_kv_shard(m, carry):
             dq_u, dk, dv = carry
-            ks_m = None if ks is None else ks[m]
-            blocks, live, run = _pair(cfg, q_shards[u], kv_shards[m], q_ranges, ks_m, documents)
+            ks_m = _index(ks, m)
+            blocks, live, run = _pair(cfg, q_shards[u], kv_shards[m], q_side, qs_u, ks_m,
+                                      documents)
             dq_u, dk_m, dv_m = backend.bwd_step(cfg, ctx, (dq_u, dk[m], dv[m]), k[m], v[m], ks_m,
                                                 blocks, live, run)
             return dq_u, dk.at[m].set(dk_m), dv.at[m].set(dv_m)

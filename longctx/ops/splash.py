@@ -60,12 +60,13 @@ class _StepMasks(NamedTuple):
 
 
 def _step_masks(cfg, blocks, qs, ks) -> _StepMasks:
+    """In a per-row layout the positions, and so q_lo, q_hi and kv_pos, are [b, L]."""
     if _masking(cfg, qs).positions:
         q_lo, q_hi = cfg.spec.bounds(blocks.q_positions)
         kv_pos = blocks.kv_positions.astype(jnp.int32)
     else:
         q_lo = q_hi = kv_pos = None
-    return _StepMasks(q_lo, q_hi, kv_pos, qs, ks)
+    return _StepMasks(q_lo, q_hi, kv_pos, tables_lib.ids_of(qs), tables_lib.ids_of(ks))
 
 
 def _classes(cfg, blocks, live, qs, ks):
@@ -73,8 +74,9 @@ def _classes(cfg, blocks, live, qs, ks):
     which static full blocks stay unmasked, whether or not they also prune (skip_documents)."""
     if qs is None:
         return tables_lib.kernel_classes(blocks.classes, live, None, None)
-    return tables_lib.kernel_classes(blocks.classes, live, tables_lib.block_documents(qs, cfg.bq),
-                                     tables_lib.block_documents(ks, cfg.bkv))
+    return tables_lib.kernel_classes(
+        blocks.classes, live, tables_lib.block_documents(tables_lib.ids_of(qs), cfg.bq),
+        tables_lib.block_documents(tables_lib.ids_of(ks), cfg.bkv))
 
 
 def _common(cfg):

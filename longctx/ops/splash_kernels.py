@@ -232,7 +232,8 @@ def forward(tables, q_blocks, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, *, bq,
     row with a live block: a q block with nothing to compute is never written (undefined: the
     caller masks it), nor is a row all of whose keys are masked out (lse ~ mask_value).
     q_lo, q_hi int32 [L] (or None): each query's allowed global key positions; kv_pos int32
-    [L_kv]: the keys' global positions; q_seg [b, L], kv_seg [b, L_kv] int32 or None."""
+    [L_kv]: the keys' global positions (in a per-row layout [b, L] and [b, L_kv], each row its
+    own, as the segment ids); q_seg [b, L], kv_seg [b, L_kv] int32 or None."""
     data_next, block_mask = tables
     batch, heads, L, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -259,6 +260,8 @@ def forward(tables, q_blocks, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, *, bq,
         b, 0, kv_block(b, h, i, j, dn, bm)))
     positions = q_lo is not None
     segments = q_seg is not None
+    if positions and q_lo.ndim == 2:  # a per-row layout: every row its own positions
+        row_spec, col_spec = seg_row, seg_col
     in_specs = [pl.BlockSpec((None, None, bq, head_dim), q_map),
                 pl.BlockSpec((None, None, bkv, head_dim), kv_map),
                 pl.BlockSpec((None, None, bkv, head_dim), kv_map),
@@ -467,6 +470,8 @@ def backward(tables, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, lse, do, di, *,
     seg_kv = lambda: pl.BlockSpec((None, bkv, LANES), lambda b, j, *_: (b, j, 0))  # noqa: E731
     positions = q_lo is not None
     segments = q_seg is not None
+    if positions and q_lo.ndim == 2:  # a per-row layout: every row its own positions
+        q_row, kv_col = seg_q, seg_kv
     stats = lambda x: jnp.broadcast_to(x[:, :, None, :], (batch, heads, SUBLANES, L))  # noqa: E731
     in_specs = [pl.BlockSpec((None, None, bq, head_dim), q_map),
                 pl.BlockSpec((None, None, bkv, head_dim), kv_map),

@@ -41,8 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from longctx.ops import row_blocks
 from longctx.ops.masks import (MaskSpec, default_block_size, document_chunk_ids, make_mask_spec,
-                               within_chunk_window)
+                               segment_positions, within_chunk_window)
+from longctx.parallel import document_layout
 from longctx.parallel import layout as layout_lib
 
 
@@ -103,7 +105,19 @@ def block_classes(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
     block from the ends of its runs of positions instead (`_classes_of_runs`, O(S^2 / (bq bkv)),
     seconds), with the same result (tested against both). Token stripes' keys are spaced sp
     apart, so a window can fall between them, which a run's ends don't tell: those are counted
-    per row, as on device."""
+    per row, as on device.
+
+    A per-row layout (layout.per_row) has no classes that hold for every row: every block is
+    partial here (any may hold an allowed pair), and each row's are decided on device
+    (row_blocks.py)."""
+    if layout_lib.per_row(layout):
+        if seq_len % num_shards or (seq_len // num_shards) % bq or (seq_len // num_shards) % bkv:
+            raise ValueError(f"seq_len={seq_len} is not a multiple of num_shards={num_shards} "
+                             f"x the blocks ({bq}, {bkv})")
+        L = seq_len // num_shards
+        out = np.ones((num_shards, num_shards, L // bq, L // bkv), np.int8)
+        out.setflags(write=False)
+        return out
     pos = layout_lib.shard_positions(layout, seq_len, num_shards).astype(np.int64)
     kv_first, kv_length, stride = block_runs(layout, seq_len, num_shards, bkv)
     if stride != 1:
@@ -176,14 +190,22 @@ def schedule_from_classes(classes: np.ndarray) -> Schedule:
 def ring_schedule(seq_len: int, num_shards: int, block_size: int | None = None,
                   layout: str = "contiguous", causal: bool = False, sliding_window=None,
                   chunk_size=None) -> Schedule:
-    """Schedule stats of the ring for a mask and a (concrete) layout; block_size=None: default."""
+    """Schedule stats of the ring for a mask and a (concrete) layout; block_size=None: default.
+    A per-row layout's: of a row of one document, laid out as its rows are."""
     spec = make_mask_spec(causal, sliding_window, chunk_size)
-    layout_lib.permutation(layout, seq_len, num_shards)  # validates layout and divisibility
+    if not layout_lib.per_row(layout):
+        layout_lib.permutation(layout, seq_len, num_shards)  # validates layout and divisibility
     shard_len = seq_len // num_shards
     block = default_block_size(shard_len, layout) if block_size is None else int(block_size)
     if block < 1 or shard_len % block:
         raise ValueError(f"block_size={block_size} does not divide the shard length "
                          f"{shard_len} (seq_len={seq_len} / num_shards={num_shards})")
+    if layout_lib.per_row(layout):
+        one = document_schedule(spec, layout, seq_len, num_shards, block,
+                                np.ones((1, seq_len), np.int32), count_kept=False)
+        busiest = one.critical_path
+        return Schedule(one.computed_blocks, one.run_steps,
+                        float(one.computed_blocks.sum()) / (num_shards * busiest) if busiest else 1.0)
     return schedule_from_classes(block_classes(spec, layout, seq_len, num_shards, block, block))
 
 
@@ -194,7 +216,7 @@ def one_document_steps_visited(seq_len: int, num_shards: int, block_size: int, l
     each document's start, so the ring runs the causal window a chunk spans and prunes by the
     chunks' ids; it stops after the last step with a chunk's blocks only where its steps are one
     run (zigzag, 131,072 tokens, sp=8, chunks of 8,192: 1 step has work, 3 are visited)."""
-    if chunk_size is None:
+    if chunk_size is None and not layout_lib.per_row(layout):
         return len(ring_schedule(seq_len, num_shards, block_size, layout, causal, sliding_window).run_steps)
     spec = make_mask_spec(causal, sliding_window, chunk_size)
     return len(document_schedule(spec, layout, seq_len, num_shards, block_size,
@@ -271,7 +293,8 @@ def ring_tables(spec: MaskSpec, layout: str, seq_len: int, num_shards: int,
 class StepBlocks(NamedTuple):
     """One device's blocks at one ring step, built on device: classes int32 [q_blocks,
     kv_blocks] (0/1/2), and the global positions of its queries and of the visiting keys, int32
-    [L] each."""
+    [L] each. In a per-row layout (`row_step_blocks`) each batch row has its own: classes [b,
+    q_blocks, kv_blocks], positions [b, L], and the documents are in the classes already."""
     classes: jax.Array
     q_positions: jax.Array
     kv_positions: jax.Array
@@ -289,6 +312,28 @@ def step_blocks(spec: MaskSpec, layout: str, seq_len: int, num_shards: int, bq: 
     classes = _classes(jnp, spec, q_positions, kv_positions[first], jnp.asarray(length, jnp.int32),
                        stride, bq, bkv)
     return StepBlocks(classes, q_positions, kv_positions)
+
+
+class RowTokens(NamedTuple):
+    """What stays with the queries and travels with K/V in a per-row layout: the kernels'
+    segment ids and each token's global position, int32 [b, L] each (a pytree: every strategy
+    moves it as it moves the ids)."""
+    ids: jax.Array
+    positions: jax.Array
+
+
+def ids_of(tokens):
+    """The segment ids of a shard's tokens: `tokens` itself, or a RowTokens' ids (None: none)."""
+    return tokens.ids if isinstance(tokens, RowTokens) else tokens
+
+
+def row_step_blocks(spec: MaskSpec, q_parts: row_blocks.Parts, q: RowTokens, kv: RowTokens,
+                    bkv: int, documents: bool = True) -> StepBlocks:
+    """The blocks of a step in a per-row layout, from the queries' block summaries (computed
+    once per call: row_blocks.parts) and the visiting K/V's ids and positions."""
+    kv_parts = row_blocks.parts(kv.ids, kv.positions, bkv)
+    return StepBlocks(row_blocks.classes(spec, q_parts, kv_parts, documents),
+                      jnp.asarray(q.positions, jnp.int32), jnp.asarray(kv.positions, jnp.int32))
 
 
 def grid_tables(classes, size: int, axis: int):
@@ -333,7 +378,7 @@ def step_pairs(blocks, max_pairs: int):
 
 # ----------------------------------------------------------------------------- dynamic (documents)
 
-PADDING = 0  # segment ids <= PADDING are padding (the ring splits them into -1 and -2)
+PADDING = row_blocks.PADDING  # segment ids <= PADDING are padding (the ring splits them into -1 and -2)
 
 
 def document_ranges(segment_ids, block: int):
@@ -437,6 +482,9 @@ def document_schedule(spec: MaskSpec, layout: str, seq_len: int, num_shards: int
     A chunked mask counts chunks from each document's start, as the ring does with documents:
     the ids become the documents' chunks (from `positions`, default in-document) and the static
     mask the causal window a chunk spans (masks.document_chunk_ids, masks.within_chunk_window)."""
+    if layout_lib.per_row(layout):
+        return _row_layout_schedule(spec, seq_len, num_shards, block, segment_ids, count_kept,
+                                    positions)
     ids = np.asarray(segment_ids, np.int32)
     if spec.chunk is not None:
         ids = document_chunk_ids(ids, spec.chunk, positions)
@@ -467,5 +515,55 @@ def document_schedule(spec: MaskSpec, layout: str, seq_len: int, num_shards: int
     visited = static
     if can_stop_early(static):
         visited = static[:static.index(max(run)) + 1] if run else static[:1]
+    return DocumentSchedule(kept_blocks=kept if count_kept else None, computed_blocks=computed,
+                            run_steps=run, visited_steps=visited)
+
+
+def row_layout_inputs(spec: MaskSpec, segment_ids, num_shards: int, block: int, positions=None):
+    """(mask, kernel ids, global positions) of one natural-order row [S] in the per-document
+    layout, in layout order, as the ring sees them: the row's renumbered ids (or with a chunked
+    mask each document's chunks, ring._kernel_segment_ids) and segment id - 1 + in-document
+    position (`positions`, default the in-document ones)."""
+    row = document_layout.row_layout(segment_ids, num_shards, block)
+    natural = segment_positions(segment_ids) if positions is None else np.asarray(positions)
+    in_document = natural[row.permutation].astype(np.int64)
+    ids = row.segment_ids.astype(np.int64)
+    where = document_layout.global_positions(ids, in_document)
+    if spec.chunk is not None:
+        ids = np.where(ids > 0, where - in_document % spec.chunk + 1, ids)
+        spec = within_chunk_window(spec)
+    return spec, ids.astype(np.int32), where.astype(np.int32)
+
+
+def _row_layout_schedule(spec: MaskSpec, seq_len: int, num_shards: int, block: int, segment_ids,
+                         count_kept: bool, positions) -> DocumentSchedule:
+    """document_schedule in the per-document layout: each row laid out on its own, its blocks
+    classed from its data (row_blocks.py) as the ring does on device; the ring visits the steps
+    up to the last with a live block (ring._steps_to_visit)."""
+    sp, shard = num_shards, seq_len // num_shards
+    computed = np.zeros((sp, sp), np.int64)
+    kept = 0
+    for r, row in enumerate(np.asarray(segment_ids)):
+        row_spec, ids, where = row_layout_inputs(spec, row, sp, block,
+                                                 None if positions is None else positions[r])
+        ids, where = ids.reshape(sp, shard), where.reshape(sp, shard)
+        # every device at once: the shards are the batch rows of one call per ring step
+        parts = row_blocks.parts(ids, where, block)
+        for s in range(sp):
+            source = (np.arange(sp) - s) % sp
+            visiting = jax.tree.map(lambda x: x[source], parts)
+            live = row_blocks.classes(row_spec, parts, visiting) > 0  # [device, qb, kb]
+            computed[:, s] += live.sum(axis=(1, 2))
+            if not count_kept:
+                continue
+            for d, i, j in zip(*np.nonzero(live)):  # which live blocks are needed
+                src = source[d]
+                qi, kj = ids[d, i * block:(i + 1) * block], ids[src, j * block:(j + 1) * block]
+                qp = where[d, i * block:(i + 1) * block].astype(np.int64)
+                kp = where[src, j * block:(j + 1) * block].astype(np.int64)
+                same = (qi[:, None] == kj[None, :]) & (qi > 0)[:, None]
+                kept += bool((same & row_spec.allowed(qp[:, None], kp[None, :])).any())
+    run = tuple(int(s) for s in np.nonzero(computed.any(axis=0))[0])
+    visited = tuple(range(max(run) + 1)) if run else (0,)
     return DocumentSchedule(kept_blocks=kept if count_kept else None, computed_blocks=computed,
                             run_steps=run, visited_steps=visited)

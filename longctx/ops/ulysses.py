@@ -115,9 +115,10 @@ class _Groups:
                               axis_index_groups=self.members)[0]
 
     def gather(self, x):
-        """[b, L] of every device of the group, stacked [U, b, L]; None stays None."""
-        return None if x is None else lax.all_gather(x, self.cfg.axis_name,
-                                                     axis_index_groups=self.members)
+        """[b, L] of every device of the group, stacked [U, b, L] (each leaf of a
+        tables.RowTokens); None stays None."""
+        return jax.tree.map(lambda leaf: lax.all_gather(leaf, self.cfg.axis_name,
+                                                        axis_index_groups=self.members), x)
 
     def shift(self, tree, hops: int):
         """Every leaf `hops` groups on around the ring of groups (device j to j + hops * U)."""

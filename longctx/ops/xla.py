@@ -85,7 +85,8 @@ class _Step:
     cut a visit's block out."""
 
     def __init__(self, cfg, q, k, v, qs, ks, blocks, live):
-        self.cfg, self.q, self.k, self.v, self.qs, self.ks, self.blocks = cfg, q, k, v, qs, ks, blocks
+        self.cfg, self.q, self.k, self.v, self.blocks = cfg, q, k, v, blocks
+        self.qs, self.ks = tables.ids_of(qs), tables.ids_of(ks)
         self.kvh = k.shape[1]
         self.visits = step_visits(live, q.shape[0], cfg.tables.max_pairs)
 
@@ -137,9 +138,14 @@ class _Step:
         cfg, bq, bkv = self.cfg, self.cfg.bq, self.cfg.bkv
 
         def apply():
-            qp = lax.dynamic_slice_in_dim(self.blocks.q_positions, at.i * bq, bq, 0)
-            kp = lax.dynamic_slice_in_dim(self.blocks.kv_positions, at.j * bkv, bkv, 0)
-            mask = cfg.spec.allowed(qp[:, None], kp[None, :])[None]  # [1, t, s]
+            if self.blocks.q_positions.ndim == 2:  # a per-row layout: positions [b, L]
+                qp = self._cut(self.blocks.q_positions, at, 1, at.i * bq, bq)
+                kp = self._cut(self.blocks.kv_positions, at, 1, at.j * bkv, bkv)
+                mask = cfg.spec.allowed(qp[:, :, None], kp[:, None, :])  # [rows, t, s]
+            else:
+                qp = lax.dynamic_slice_in_dim(self.blocks.q_positions, at.i * bq, bq, 0)
+                kp = lax.dynamic_slice_in_dim(self.blocks.kv_positions, at.j * bkv, bkv, 0)
+                mask = cfg.spec.allowed(qp[:, None], kp[None, :])[None]  # [1, t, s]
             if self.qs is not None:
                 qsi = self._cut(self.qs, at, 1, at.i * bq, bq)
                 ksj = self._cut(self.ks, at, 1, at.j * bkv, bkv)

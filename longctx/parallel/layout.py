@@ -16,6 +16,9 @@ move together); the attention masks are always evaluated on the *global* positio
   stripe c lives on shard c mod sp. Every shard holds an even spread of early and late stripes,
   so each ring step gives every shard a similar share of the causal work, not only the ring as a
   whole.
+- "per_document" (ROW_LAYOUTS): not a permutation of positions but each row's own, worked out in
+  the data pipeline from its documents (document_layout.py); the ring reads every token's
+  global position from the data.
 
 Why stripes of many tokens, not the token stripes of Striped Attention (Brandon et al., 2023):
 the ring's kernels skip work per block, never per element. With token stripes every block on
@@ -31,6 +34,15 @@ import jax.numpy as jnp
 import numpy as np
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
+# Layouts that differ from row to row, worked out from each row's documents in the data
+# pipeline (document_layout.py); the ring learns each token's position from the data.
+PER_DOCUMENT = "per_document"
+ROW_LAYOUTS = (PER_DOCUMENT,)
+
+
+def per_row(layout: str) -> bool:
+    """Whether `layout` is a permutation of each row's own, not one for every row."""
+    return layout in ROW_LAYOUTS
 MAX_STRIPE = 512  # the ring's largest default block (masks.default_block_size)
 
 

@@ -70,10 +70,12 @@ def static_schedule(strategy, spec: masks.MaskSpec, layout: str, seq_len: int, s
     """`strategy`'s schedule (an ops.strategy.Strategy) on rows of one document each (or no
     segment ids): the static mask's blocks, the ring running every step that holds one (it cannot
     stop early without documents)."""
-    if spec.chunk is not None:
+    if spec.chunk is not None or layout_lib.per_row(layout):
         # With segment ids a chunked mask runs as the causal window a chunk spans and prunes by
-        # chunk ids (ring.prepare): the per-document path prices that exactly. Its element-wise
-        # count of kept blocks (minutes at 128K tokens) is left out: a plan reads the work only.
+        # chunk ids (ring.prepare): the per-document path prices that exactly. A per-row layout
+        # has no static blocks: a row of one document is laid out and priced as any row. The
+        # element-wise count of kept blocks (minutes at 128K tokens) is left out: a plan reads
+        # the work only.
         ids = np.ones((1, seq_len), np.int32)
         return strategy_schedule.strategy_schedule(strategy, spec, layout, seq_len, sp, block, ids,
                                                    count_kept=False)

@@ -197,11 +197,14 @@ def strategies(config, sp: int, local: bool = False) -> list[Strategy]:
             if local or not s.local_masks_only]
 
 
-def _layouts(strategy) -> tuple[str, ...]:
+def _layouts(strategy, documents: bool) -> tuple[str, ...]:
     # A strategy whose work the layout does not change (Ulysses: every device computes the whole
     # sequence) needs one. The layout is one for all layers: a hybrid's is chosen for the step.
+    # With documents to price it on, the per-document layout is a candidate too.
     chosen = ([s for _, s in strategy.groups] if isinstance(strategy, PerType) else [strategy])
-    return layout_lib.LAYOUTS if any(s.cp.layout_matters for s in chosen) else ("contiguous",)
+    if not any(s.cp.layout_matters for s in chosen):
+        return ("contiguous",)
+    return layout_lib.LAYOUTS + (layout_lib.ROW_LAYOUTS if documents else ())
 
 
 def _local(attention) -> bool:
@@ -295,8 +298,9 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
     remat_choices = opened("model.remat_policy", decoder.REMAT_POLICIES, m.remat_policy)
     sample = _sample(segment_ids)
     pairs = {}  # MFU's document pairs per sample (by its identity: `sample` holds every one)
+    documents = segment_ids is not None and bool(a.use_segment_ids)
     valid = [(mesh, strategy, layout, block) for mesh, strategy, layout, block
-             in _combinations(config, chips, open_keys)
+             in _combinations(config, chips, open_keys, documents)
              if _valid(candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy,
                                         block), chips)]
     kinds = len({str(masks.make_mask_spec(**attention_lib.mask_kwargs(t.attention)))
@@ -372,9 +376,9 @@ def _valid(candidate, chips: int) -> bool:
     return True
 
 
-def _combinations(config, chips: int, open_keys) -> list[tuple]:
+def _combinations(config, chips: int, open_keys, documents: bool = False) -> list[tuple]:
     """(mesh, strategy, layout, block) of every candidate before validation, in the order the
-    ranking breaks ties by."""
+    ranking breaks ties by; `documents`: the plan prices packed documents (per-row layouts)."""
     a = config.attention
     hybrid = layer_types_lib.is_hybrid(config)
     out = []
@@ -386,7 +390,7 @@ def _combinations(config, chips: int, open_keys) -> list[tuple]:
         else:
             candidates = strategies(config, mesh["sp"])
         for strategy in candidates:
-            layouts = (_layouts(strategy) if "attention.layout" in open_keys or a.layout == AUTO
+            layouts = (_layouts(strategy, documents) if "attention.layout" in open_keys or a.layout == AUTO
                        else (a.layout,))
             for layout in layouts:
                 blocks = (block_choices(config, mesh["sp"], layout)

@@ -254,10 +254,11 @@ def test_shard_balanced_rows_are_the_same_on_both_hosts_of_a_ring_and_resume_exa
 def _one_process_rows(config, shard, steps: int) -> dict[str, np.ndarray]:
     """`[steps, rows, SEQ]` per key: the stream one process reads as `shard` (the contiguous
     layout: no permutation), through the same mixture and batching as make_batch_iterator."""
-    from longctx.data import mixture, pipeline
+    from longctx.data import mixture, packing, pipeline
 
     rows, _ = mixture.mixture_rows(config, mixture.source_dirs(config), shard=shard, sp=config.mesh.sp)
-    it = iter(pipeline.batched(rows, shard.local_batch_size, None, prefetch_buffer_size=0))
+    it = iter(pipeline.batched(rows, shard.local_batch_size, packing.PermuteLayout(None),
+                               prefetch_buffer_size=0))
     batches = [next(it) for _ in range(steps)]
     return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
 

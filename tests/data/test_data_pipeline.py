@@ -11,7 +11,7 @@ import pytest
 from configs import base
 from longctx.data import (layout_sample, load_metadata, make_batch_iterator, packed_rows, prepare,
                           resolve_dataset)
-from longctx.data.packing import PACKERS
+from longctx.data.packing import PACKERS, PermuteLayout
 from longctx.data.pipeline import batched
 from longctx.data.tokenizer import BYTE_BOS
 from longctx.parallel import layout as layout_lib
@@ -174,7 +174,7 @@ def test_resume_after_every_batch_is_exact(long_docs_dir, packer, shard_index, s
     def make():
         rows = packed_rows(long_docs_dir, "train", seq_len=SEQ, packer=packer, seed=3,
                            shard_index=shard_index, shard_count=shard_count, batch_size=2)
-        return iter(batched(rows, 2, None, prefetch_buffer_size=0))
+        return iter(batched(rows, 2, PermuteLayout(None), prefetch_buffer_size=0))
 
     it, run, states = make(), [], []
     for _ in range(RESUME_BATCHES):

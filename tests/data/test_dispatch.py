@@ -140,6 +140,20 @@ def test_the_bounds_are_the_rings_own_figures_where_they_are_tight():
     assert got["visited_mean"] == packer_report.visited_bound(lengths, 1, 1024, 2) == 2
 
 
+def test_no_layout_of_the_rows_visits_fewer_steps_than_their_longest_pieces_span():
+    """rows_visited_bound: a row of a 1,200-token document (3 shards of 512) and a row of short
+    ones, 2 steps per row on average; every layout's ring visits at least that, the
+    per-document one included."""
+    ids = np.zeros((2, 2048), np.int32)
+    ids[0] = np.repeat([1, 2, 3], [1200, 500, 348])
+    ids[1] = np.repeat(np.arange(1, 9), 256)
+    assert packer_report.rows_visited_bound(ids, 2048, 4) == 2.0
+    spec = masks.make_mask_spec(causal=True)
+    for layout in ("contiguous", "striped", "per_document"):
+        visited = [len(s.visited_steps) for s in packer_report.row_schedules(spec, layout, 2048, 4, 64, ids)]
+        assert visited[0] >= 3 and np.mean(visited) >= 2.0, (layout, visited)
+
+
 def test_kept_blocks_are_the_contiguous_rings_blocks_for_causal_packed_rows():
     """packer_report.kept_blocks' shortcut against the element-wise count, padding inside rows."""
     rng = np.random.default_rng(3)

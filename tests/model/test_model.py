@@ -15,6 +15,7 @@ from flax import nnx
 from configs import base
 from longctx.model.decoder import Decoder, model_nll, token_nll
 from longctx.ops import reference_attention
+from longctx.parallel import document_layout
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from tests import synthetic
@@ -77,13 +78,20 @@ def plain_nll(params, rows, config):
     ("splash", "zigzag", dict(causal=True, attention_sinks=True)),
     # the "no document mask" ablation: one sequence per row, row positions in a non-trivial layout
     ("xla", "striped", dict(causal=True, use_segment_ids=False, chunk_size=192)),
+    # each row its own permutation, the segment ids renumbered (parallel/document_layout.py)
+    ("xla", "per_document", dict(causal=True, chunk_size=192, attention_sinks=True)),
+    ("splash", "per_document", dict(causal=True, sliding_window=100, logits_soft_cap=20.0)),
 ])
 def test_forward_matches_plain_jnp(impl, layout, attention):
     config = small_config(impl=impl, layout=layout, **attention)
     config.mesh.update(dp=1, fsdp=2, sp=4)
     mesh = mesh_lib.make_mesh(config.mesh)
     rows = synthetic.packed_rows(2, config.data.seq_len, config.model.vocab_size, seed=3)
-    batch = synthetic.to_layout(rows, layout, 4)
+    if layout_lib.per_row(layout):
+        batch, perm = document_layout.permute_rows(rows, 4, config.attention.block_size)
+    else:
+        perm = np.broadcast_to(layout_lib.permutation(layout, 512, 4), rows["tokens"].shape)
+        batch = synthetic.to_layout(rows, layout, 4)
     with jax.set_mesh(mesh):
         model = Decoder(config, layout=layout, rngs=nnx.Rngs(params=0))
         if config.attention.attention_sinks:  # zero-initialised: make them matter
@@ -92,7 +100,7 @@ def test_forward_matches_plain_jnp(impl, layout, attention):
         nll = jax.jit(model_nll)(model, sharded)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     expected = plain_nll(params, {k: jnp.asarray(v) for k, v in rows.items()}, config)
-    got_natural = np.asarray(nll)[:, layout_lib.inverse_permutation(layout_lib.permutation(layout, 512, 4))]
+    got_natural = np.take_along_axis(np.asarray(nll), np.argsort(perm, axis=1), axis=1)
     mask = rows["loss_mask"] == 1
     np.testing.assert_allclose(got_natural[mask], np.asarray(expected)[mask], rtol=2e-4, atol=2e-4)
 

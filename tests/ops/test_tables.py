@@ -472,13 +472,13 @@ def _document_key(layout, seq_len, sp, block, docs):
 
 @pytest.mark.parametrize("mean", [128, 512, 8192])
 def test_auto_on_documents_picks_the_ring_that_finishes_first_on_them(mean):
-    """With segment ids, "auto" scores each layout on what its ring computes for those rows. The
-    static choice (zigzag, for the causal triangle) is not the best one for short documents, which
+    """With segment ids, "auto" scores each layout (the per-document one too) on what its ring
+    computes for those rows. The static choice (zigzag, for the causal triangle) is not the best one for short documents, which
     keep bands along the diagonal; for documents as long as the row it is the same choice."""
     S, sp, block = 8192, 4, 256
     docs = _random_documents(4, S, mean, seed=mean)
     scores = {layout: _document_key(layout, S, sp, block, docs)
-              for layout in ("contiguous", "zigzag", "striped")}
+              for layout in ("contiguous", "zigzag", "striped", "per_document")}
     chosen = auto_layout.resolve_layout("auto", S, sp, causal=True, block_size=block, segment_ids=docs)
     assert scores[chosen] == min(scores.values()), (chosen, scores)
     static = auto_layout.resolve_layout("auto", S, sp, causal=True, block_size=block)

@@ -1,0 +1,379 @@
+"""The per-document layout: each packed row gets its own permutation, worked out from its documents.
+
+The static layouts (layout.py) place positions, whatever documents hold them. Here each
+document is placed on its own, so that every device does the same work at every ring step:
+
+- a document whose causal work one device could not balance is spread over every shard as
+  whole blocks, zigzag: cut into 2 sp chunks of whole blocks, shard d holding chunks d and
+  2 sp - 1 - d, so that at every ring step every device computes the same blocks of it (equal
+  chunks give every (device, step) 2 c^2 blocks); which documents are spread is chosen per row
+  by the work model below, not by a length threshold;
+- the others stay whole on one shard, placed largest first on the shard with the least work
+  (their work is all at ring step 0), where they fit;
+- one that fits no shard is scattered: its whole blocks dealt one by one to the shards with
+  room, each where it adds least to the busiest device of the steps it touches.
+
+Why whole blocks: the ring computes a block whole or not at all, so a chunk that ends inside a
+block makes that block hold two chunks, needed at both chunks' steps; with every spread piece
+a run of whole blocks at the front of its shard, the blocks the ring computes are the blocks
+the documents need (on the embedded corpus at 131,072 tokens, sp 8, block 512: within 2% of the
+natural order's). The rest of a shard follows: the spread documents' last partial blocks, then
+the whole documents, then padding.
+
+The work model: blocks per (device, ring step), closed form for spread documents, the causal
+triangle of each whole document, block pairs for scattered ones; a layout's cost is the sum
+over ring steps of the busiest device's blocks (the ring's critical path) plus one block per
+ring step visited. Every row is planned with the k longest documents spread, for the k from
+the fewest possible (those longer than a shard) up to CANDIDATES more, and the cheapest plan is
+kept. A row whose documents all stay whole runs on ring step 0 alone.
+
+Masks stay exact: each token keeps its position in its document (RoPE's), and its segment id
+becomes 1 + its document's offset in a numbering of the row's own (the spread documents first,
+then each shard's whole documents), so that `global_positions` = segment id - 1 + position is
+a position in a virtual row where every document is one run of positions: causal, window and
+chunked masks, functions of positions within a document, are what they were. The numbering
+groups each shard's whole documents, so that a block's documents are few and its id ranges say
+which shard they live on (ops/tables.py's per-row block tests rely on it for speed, never for
+correctness).
+
+Pure numpy and deterministic: every host of an sp group computes the same permutation of the
+same row, and a resumed run the same as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+NAME = "per_document"
+CANDIDATES = 24          # spread sets tried per row beyond the fewest possible
+MIN_SPREAD_BLOCKS = 8    # documents of fewer blocks are never spread (their chunks would be empty)
+RESIDUES = 8             # starting shards tried per group spacing of a spread document
+STEP_COST = 1.0          # blocks a ring step costs beyond its blocks (ops/auto_layout.py's rule)
+
+# Regions of a shard, in order: whole blocks of spread and scattered documents, their partial
+# blocks, whole documents (then padding).
+_BLOCKS, _PARTIAL, _WHOLE = 0, 1, 2
+
+
+def documents(segment_ids) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lengths) int64 of the documents of one natural-order row: runs of one id > 0."""
+    ids = np.asarray(segment_ids)
+    starts = np.r_[0, np.flatnonzero(np.diff(ids)) + 1]
+    ends = np.r_[starts[1:], len(ids)]
+    real = ids[starts] > 0
+    return starts[real].astype(np.int64), (ends - starts)[real].astype(np.int64)
+
+
+def _triangle(blocks):
+    """Causal blocks of a run of `blocks` blocks (a float: a run across block edges)."""
+    return 0.5 * blocks * (blocks + 1)
+
+
+def zigzag_work(chunks: np.ndarray, num_shards: int, rotation: int) -> np.ndarray:
+    """Blocks [device, ring step] of one spread document whose 2 sp chunks have `chunks` whole
+    blocks each, chunk k (< sp) and 2 sp - 1 - k on device (rotation + k) mod sp: causal block
+    pairs between the chunks a device holds and those of the device whose K/V it holds."""
+    sp, c = num_shards, np.asarray(chunks, np.float64)
+    later = np.arange(2 * sp)[:, None] > np.arange(2 * sp)[None, :]
+    pairs = np.where(later, c[:, None] * c[None, :], 0.0)
+    pairs[np.arange(2 * sp), np.arange(2 * sp)] = _triangle(c)
+    k = np.empty(sp, np.int64)
+    k[(rotation + np.arange(sp)) % sp] = np.arange(sp)
+    front, back = k, 2 * sp - 1 - k
+    by_source = sum(pairs[a[:, None], b[None, :]] for a in (front, back) for b in (front, back))
+    d, s = np.arange(sp)[:, None], np.arange(sp)[None, :]
+    return by_source[d, (d - s) % sp]
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Where the pieces of a row's documents go. pieces[d]: (document, first, stop, region) of
+    shard d, in-document token ranges; work: the model's blocks [device, step]."""
+    pieces: list
+    room: np.ndarray
+    work: np.ndarray
+    spread: list
+
+    @property
+    def cost(self) -> float:
+        return _cost(self.work)
+
+    def copy(self) -> _Plan:
+        return _Plan([list(p) for p in self.pieces], self.room.copy(), self.work.copy(),
+                     list(self.spread))
+
+
+def _group_options(num_shards: int, blocks: int):
+    """(members, stride) of every group a document of `blocks` blocks may be spread over: n
+    shards spaced sp / n apart along the ring (n dividing sp, at least one block per chunk),
+    a few starting shards and zigzag starts each. A group of sp / n spacing has work at ring steps
+    0, sp / n, 2 sp / n, ... only; at large sp a mid-sized document spread over all shards would
+    hold less than a block per chunk."""
+    sp = num_shards
+    for n in range(2, sp + 1):
+        if sp % n or blocks < n:
+            continue
+        stride = sp // n
+        for first in range(0, stride, max(1, stride // RESIDUES)):
+            for start in range(0, n, max(1, n // RESIDUES)):
+                yield (first + stride * ((np.arange(n) + start) % n)) % sp, stride
+
+
+def _spread(plan: _Plan, doc: int, length: int, block: int) -> None:
+    """Spreads document `doc` zigzag as whole blocks over the group of shards (`_group_options`)
+    where it adds least to the critical path: each member's share of its blocks equal but for
+    the remainder, which goes to the members with the most room, the odd block of a share to
+    its first or second chunk, whichever adds less. Blocks no member has room for are
+    scattered (_scatter)."""
+    sp = len(plan.room)
+    blocks = -(-length // block)
+    best = None
+    tried, zigzags = set(), {}
+    for (members, stride), extra_from in itertools.product(_group_options(sp, blocks), range(RESIDUES)):
+        n = len(members)
+        if extra_from >= min(n, RESIDUES):
+            continue
+        room = plan.room[members]
+        capacity = room // block
+        per_member = np.minimum(blocks // n, capacity)
+        # the rest one each to the members with most room left, ties from member extra_from on:
+        # where the odd blocks sit along the zigzag decides the steps they weigh on
+        ties = (np.arange(n) - extra_from * n // min(n, RESIDUES)) % n
+        while per_member.sum() < blocks:
+            spare = np.flatnonzero(per_member < capacity)
+            if len(spare) == 0:
+                break
+            left = room[spare] - per_member[spare] * block
+            order = np.lexsort((ties[spare], -left))
+            per_member[spare[order][:blocks - per_member.sum()]] += 1
+        short = blocks - int(per_member.sum())
+        for front_heavy in (True, False):
+            big, small = (per_member + 1) // 2, per_member // 2
+            first, second = (big, small) if front_heavy else (small, big)
+            chunks = np.concatenate([first, second[::-1]])
+            # Many options come to the same shards and chunks (shards of equal room): each is
+            # scored once, and the first of equals wins as before.
+            signature = (members.tobytes(), chunks.tobytes())
+            if signature in tried:
+                continue
+            tried.add(signature)
+            if chunks.tobytes() not in zigzags:
+                zigzags[chunks.tobytes()] = zigzag_work(chunks, n, 0)
+            work = np.zeros((sp, sp))
+            work[members[:, None], stride * np.arange(n)[None, :]] = zigzags[chunks.tobytes()]
+            total = plan.work + work
+            key = (short, _cost(total), float(np.square(total).sum()))
+            if best is None or key < best[0]:
+                best = (key, work, chunks, members, per_member)
+    if best is None:  # too few blocks for any group: dealt block by block
+        _scatter(plan, doc, length, block)
+        return
+    _, work, chunks, members, per_member = best
+    n = len(members)
+    plan.work += work
+    spread_tokens = min(length, int(per_member.sum()) * block)
+    edges = np.minimum(np.r_[0, np.cumsum(chunks)] * block, spread_tokens)
+    for k in range(2 * n):
+        _add(plan, int(members[k if k < n else 2 * n - 1 - k]), doc, int(edges[k]),
+             int(edges[k + 1]), block)
+    plan.spread.append(doc)
+    if spread_tokens < length:  # a tight row (little padding): the rest in pieces
+        _scatter(plan, doc, length, block, offset=spread_tokens)
+
+
+def _cost(work: np.ndarray) -> float:
+    """The work model's cost of blocks [device, ring step]: the critical path plus a block per
+    ring step visited."""
+    busiest = work.max(axis=0)
+    steps = int(np.flatnonzero(busiest > 0).max()) + 1 if busiest.any() else 1
+    return float(busiest.sum()) + STEP_COST * steps
+
+
+def _add(plan: _Plan, d: int, doc: int, first: int, stop: int, block: int) -> None:
+    """A spread or scattered piece: its whole blocks to the front region, the rest partial."""
+    if stop <= first:
+        return
+    cut = first + (stop - first) // block * block
+    if cut > first:
+        plan.pieces[d].append((doc, first, cut, _BLOCKS))
+    if stop > cut:
+        plan.pieces[d].append((doc, cut, stop, _PARTIAL))
+    plan.room[d] -= stop - first
+
+
+def _scatter(plan: _Plan, doc: int, length: int, block: int, offset: int = 0) -> None:
+    """Deals a document that fits no shard whole over the shards with room: block by block in
+    its order, each to the shard where it raises the busiest device of the steps it touches
+    least; what no shard holds as a whole block goes in pieces to the shards with most room."""
+    sp = len(plan.room)
+    held = []  # the shard of each block placed so far
+    while length - offset >= block:
+        fits = np.flatnonzero(plan.room >= block)
+        if len(fits) == 0:
+            break
+        busiest = plan.work.max(axis=0)
+        best = None
+        for d in fits:
+            add = np.zeros(sp)
+            add[0] += 1
+            for h in held:
+                add[(d - h) % sp] += 1
+            rise = np.maximum(plan.work[d] + add - busiest, 0.0).sum()
+            key = (rise, plan.work[d].sum())
+            if best is None or key < best[0]:
+                best = (key, d, add)
+        _, d, add = best
+        plan.work[d] += add
+        held.append(int(d))
+        plan.pieces[d].append((doc, offset, offset + block, _BLOCKS))
+        plan.room[d] -= block
+        offset += block
+    for d in np.argsort(-plan.room, kind="stable"):
+        take = int(min(plan.room[d], length - offset))
+        if take <= 0:
+            break
+        plan.work[d, 0] += _triangle(take / block + 1)
+        for h in held:
+            plan.work[d, (d - h) % sp] += 1
+        held.append(int(d))
+        plan.pieces[d].append((doc, offset, offset + take, _PARTIAL))
+        plan.room[d] -= take
+        offset += take
+    if offset < length:
+        raise AssertionError(f"document of {length} tokens does not fit the row's room")
+
+
+def _finish(plan: _Plan, docs, lengths, block: int) -> _Plan:
+    """`plan` with documents `docs` (longest first) placed whole, each on the shard with room
+    whose step-0 work is least, and those that fit no shard scattered."""
+    misfits = []
+    for doc in docs:
+        length = int(lengths[doc])
+        fits = np.flatnonzero(plan.room >= length)
+        if len(fits) == 0:
+            misfits.append(int(doc))
+            continue
+        _place_whole(plan, int(doc), length, int(fits[np.argmin(plan.work[fits, 0])]), block)
+    for doc in misfits:
+        _scatter(plan, doc, int(lengths[doc]), block)
+    return plan
+
+
+def _place_whole(plan: _Plan, doc: int, length: int, d: int, block: int) -> None:
+    plan.pieces[d].append((doc, 0, length, _WHOLE))
+    plan.room[d] -= length
+    plan.work[d, 0] += _triangle(length / block + 1)
+
+
+def best_plan(segment_ids, num_shards: int, block: int) -> _Plan:
+    """The cheapest placement of one natural-order row by the work model: its k longest
+    documents spread (each over the group `_spread` picks), the others whole where they fit,
+    for k from the fewest possible (those longer than a shard) up to CANDIDATES more, tried at
+    a few k in between (0, 1, 2, 4, 8, ... more)."""
+    sp = num_shards
+    shard_len = len(segment_ids) // sp
+    _, lengths = documents(segment_ids)
+    order = np.argsort(-lengths, kind="stable")
+    fewest = int((lengths > shard_len).sum())
+    most = fewest + int(np.sum(lengths[order[fewest:fewest + CANDIDATES]] >= MIN_SPREAD_BLOCKS * block))
+    tried = {fewest, most} | {fewest + 2 ** i for i in range(CANDIDATES.bit_length()) if fewest + 2 ** i < most}
+    plan = _Plan([[] for _ in range(sp)], np.full(sp, shard_len, np.int64), np.zeros((sp, sp)), [])
+    best = None
+    for k in range(most + 1):
+        if k in tried:
+            done = _finish(plan.copy(), order[k:], lengths, block)
+            if best is None or done.cost < best.cost:
+                best = done
+        if k < most:
+            _spread(plan, int(order[k]), int(lengths[order[k]]), block)
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """One row in the per-document layout: `permutation` int64 [S] (x_layout =
+    x_natural[permutation], as layout.permutation) and the row's `segment_ids` int32 [S] in
+    layout order, renumbered: 1 + the document's offset in the virtual row (0 on padding)."""
+    permutation: np.ndarray
+    segment_ids: np.ndarray
+
+
+def row_layout(segment_ids, num_shards: int, block: int, positions=None) -> RowLayout:
+    """The per-document layout of one natural-order row of segment ids [S] (0 = padding).
+    `positions` (in-document, default 0, 1, ... from each document's start): a document whose
+    positions go beyond its length (a caller's rows at inference) gets room for all of them in
+    the numbering, so that no two documents' global positions meet."""
+    ids = np.asarray(segment_ids)
+    seq_len = len(ids)
+    if seq_len % num_shards or (seq_len // num_shards) % block:
+        raise ValueError(f"seq_len={seq_len} is not a multiple of num_shards={num_shards} x "
+                         f"block={block}")
+    starts, lengths = documents(ids)
+    plan = best_plan(ids, num_shards, block)
+    spans = lengths
+    if positions is not None and len(lengths):
+        ends = np.maximum.reduceat(np.asarray(positions, np.int64), starts) + 1
+        spans = np.maximum(lengths, ends)
+    offset = np.zeros(len(lengths), np.int64)
+    numbered = np.zeros(len(lengths), bool)
+    cursor = 0
+
+    def number(doc):
+        nonlocal cursor
+        if not numbered[doc]:
+            offset[doc], numbered[doc] = cursor, True
+            cursor += int(spans[doc])
+
+    for doc in plan.spread:
+        number(doc)
+    for d in range(num_shards):  # scattered documents, then each shard's whole ones
+        for doc, _, _, region in plan.pieces[d]:
+            if region != _WHOLE:
+                number(doc)
+    for d in range(num_shards):
+        for doc, _, _, region in plan.pieces[d]:
+            number(doc)
+    if cursor >= 2 ** 30:
+        raise ValueError(f"positions up to {cursor:,} in a row: global positions must stay below "
+                         "2**30 (int32 on device)")
+    shard_len = seq_len // num_shards
+    padding = np.flatnonzero(ids <= 0)
+    perm = np.empty(seq_len, np.int64)
+    new_ids = np.zeros(seq_len, np.int32)
+    used = 0
+    for d in range(num_shards):
+        slot = d * shard_len
+        for doc, first, stop, _ in sorted(plan.pieces[d], key=lambda p: (p[3], offset[p[0]] + p[1])):
+            n = stop - first
+            perm[slot:slot + n] = starts[doc] + np.arange(first, stop)
+            new_ids[slot:slot + n] = offset[doc] + 1
+            slot += n
+        fill = (d + 1) * shard_len - slot
+        perm[slot:slot + fill] = padding[used:used + fill]
+        used += fill
+    return RowLayout(perm, new_ids)
+
+
+def global_positions(segment_ids, positions):
+    """Each token's position in the virtual row of its per-document layout (numpy or jax.numpy
+    arrays, any shape): segment id - 1 + its position in its document; 0 on padding."""
+    return (segment_ids > 0) * (segment_ids - 1 + positions)
+
+
+def permute_rows(batch: dict, num_shards: int, block: int) -> tuple[dict, np.ndarray]:
+    """(the batch laid out, the permutations int64 [b, S]) of a batch of natural-order rows (a
+    dict of [b, S] arrays: tokens, segment_ids, positions, ...): every array of each row
+    permuted by that row's layout, its segment ids renumbered (`RowLayout`)."""
+    ids = np.asarray(batch["segment_ids"])
+    positions = batch.get("positions")
+    out = {k: np.empty_like(v) for k, v in batch.items()}
+    perms = np.empty(ids.shape, np.int64)
+    for r in range(len(ids)):
+        row = row_layout(ids[r], num_shards, block, None if positions is None else positions[r])
+        for k, v in batch.items():
+            out[k][r] = np.asarray(v[r])[row.permutation]
+        out["segment_ids"][r] = row.segment_ids
+        perms[r] = row.permutation
+    return out, perms
