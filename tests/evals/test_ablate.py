@@ -71,7 +71,7 @@ def test_every_variant_is_checked_before_the_first_trains(tmp_path):
     assert result.stdout == "" and not (tmp_path / "runs").exists()
     assert result.stderr.splitlines() == [
         "longctx: grid variant 'typo': attention.layout='zigzagg' is not one of 'contiguous', 'zigzag', "
-        "'striped', 'auto'."], result.stderr
+        "'striped', 'per_document', 'auto'."], result.stderr
 
 
 def test_each_variant_says_which_of_how_many_it_is(tmp_path, monkeypatch):

@@ -64,7 +64,9 @@ def test_sigkill_and_restart_of_a_mixture_is_the_same_run(runs):
     out = runs["kill2_out"]
     assert runs["kill2_rc"] == 0, out[-3000:]
     resumed = [line for line in out.splitlines() if "resumed from" in line]
-    assert resumed == [f"longctx: resumed from {runs['kill']}/checkpoints/2 (step 2), data iterator included"], resumed
+    assert resumed == [f"longctx: resumed from {runs['kill']}/checkpoints/2 (step 2), data iterator included; the "
+                       "save of step 4 was never finished (the run stopped while writing it), so it is not a "
+                       "checkpoint"], resumed
 
     # The same batches: the data state at every checkpoint is the uninterrupted run's, and it is a
     # mixture's (every source's own iterator, moved on from where it started).
