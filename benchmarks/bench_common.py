@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import re
+import statistics
 import time
 
 from longctx import cli
@@ -89,6 +90,19 @@ def max_dim_product(hlo_text: str) -> int:
                 n *= int(d)
         best = max(best, n)
     return best
+
+
+def median_seconds(f, args, reps: int) -> float:
+    """Median wall seconds of `reps` calls of `f(*args)`, each waited for, after one untimed call
+    (the first compiles)."""
+    import jax
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def cpu_model() -> str:

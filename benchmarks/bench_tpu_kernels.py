@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -191,17 +190,6 @@ def _reference(mask, S, seg, q, k, v, do):
     return (out, *vjp(f32(do)))
 
 
-def _median_time(f, args, reps):
-    import jax
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure(args, vmem: str) -> list[dict]:
     """The rows this process measures (stock and tokamax at `vmem`; longctx only at "default",
     its limit being its own)."""
@@ -266,8 +254,8 @@ def _one(impl, mask, S, block, seg, operands, flops, peak, reference, args) -> d
         t0 = time.perf_counter()
         outs = jax.block_until_ready(forward_backward(q, k, v, do))
         result = dict(compile_s=round(time.perf_counter() - t0, 1))
-        fwd = _median_time(forward, (q, k, v), args.reps)
-        both = _median_time(forward_backward, (q, k, v, do), args.reps)
+        fwd = bc.median_seconds(forward, (q, k, v), args.reps)
+        both = bc.median_seconds(forward_backward, (q, k, v, do), args.reps)
         result.update(fwd_ms=round(fwd * 1e3, 3), fwdbwd_ms=round(both * 1e3, 3),
                       fwd_tflops=round(flops / fwd / 1e12, 1),
                       fwdbwd_tflops=round(3.5 * flops / both / 1e12, 1),

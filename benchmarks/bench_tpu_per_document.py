@@ -78,18 +78,6 @@ def _program(layout, block, scale):
     return jax.jit(attn), jax.jit(forward_backward)
 
 
-def _median_time(f, args, reps):
-    """Median seconds of `reps` calls after one untimed (the first compiles)."""
-    import jax
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure(args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -124,8 +112,8 @@ def measure(args) -> dict:
     for _ in range(args.rounds):  # interleaved, so that drift falls on both
         for layout in LAYOUTS:
             forward, both = programs[layout]
-            results[layout]["fwd_s"].append(_median_time(forward, inputs[layout][:5], args.reps))
-            results[layout]["fwdbwd_s"].append(_median_time(both, inputs[layout], args.reps))
+            results[layout]["fwd_s"].append(bc.median_seconds(forward, inputs[layout][:5], args.reps))
+            results[layout]["fwdbwd_s"].append(bc.median_seconds(both, inputs[layout], args.reps))
     for r in results.values():
         r["fwd_ms"] = round(1e3 * statistics.median(r.pop("fwd_s")), 3)
         r["fwdbwd_ms"] = round(1e3 * statistics.median(r.pop("fwdbwd_s")), 3)
