@@ -145,6 +145,18 @@ def unfinished_saves(directory) -> list[int]:
     return sorted({int(step) for step in steps if step.isdigit()})
 
 
+def unfinished_note(steps: list[int]) -> str:
+    """What the start's sentence adds for the `steps` a stopped run began to save and never
+    finished: why none of them is the one resumed from ("" for none)."""
+    if not steps:
+        return ""
+    if len(steps) == 1:
+        return (f"; the save of step {steps[0]} was never finished (the run stopped while writing it), so "
+                "it is not a checkpoint")
+    return (f"; the saves of steps {', '.join(str(s) for s in steps)} were never finished (a run stopped "
+            "while writing them), so they are not checkpoints")
+
+
 class Checkpointer:
     """One run's checkpoints. Constructed before anything compiles so that a bad checkpoint
     directory or a model-shape mismatch fails fast."""
@@ -264,8 +276,8 @@ class Checkpointer:
                 self._set_aside(step, error)
                 continue
             state, data_iterator, data_note = result
-            return (state, data_iterator,
-                    f"resumed from {self.directory}/{step} (step {step}){data_note}{self._unfinished_note()}")
+            where = f"resumed from {self.directory}/{step} (step {step})"
+            return state, data_iterator, f"{where}{data_note}{unfinished_note(self._unfinished)}"
 
         state = setup.init(jax.random.PRNGKey(self.config.seed))
         init_from = self.config.checkpoint.init_from
@@ -276,18 +288,7 @@ class Checkpointer:
                        if self._init_from_changes else "")
             return state.replace(params=params), make_data_iterator(), (
                 f"fresh start with parameters from {where} and a fresh optimizer state{changed}{carried}")
-        return state, make_data_iterator(), f"fresh start{self._unfinished_note()}"
-
-    def _unfinished_note(self) -> str:
-        """Why a later step a stopped run began to save is not the one resumed from."""
-        if not self._unfinished:
-            return ""
-        if len(self._unfinished) == 1:
-            return (f"; the save of step {self._unfinished[0]} was never finished (the run stopped while "
-                    "writing it), so it is not a checkpoint")
-        steps = ", ".join(str(s) for s in self._unfinished)
-        return (f"; the saves of steps {steps} were never finished (a run stopped while writing them), so "
-                "they are not checkpoints")
+        return state, make_data_iterator(), f"fresh start{unfinished_note(self._unfinished)}"
 
     def _read_step_info(self, step: int) -> dict:
         """The small parts of a step (config, metadata, the state's array shapes): read first, so

@@ -365,6 +365,9 @@ def test_unfinished_saves_are_the_steps_of_orbax_tmp_directories(tmp_path):
     for name in ("5", "7.orbax-checkpoint-tmp-1733480000", "12.orbax-checkpoint-tmp", "notes.orbax-checkpoint-tmp"):
         (directory / name).mkdir(parents=True)
     assert checkpoint_lib.unfinished_saves(directory) == [7, 12]
+    assert checkpoint_lib.unfinished_note([]) == ""
+    assert checkpoint_lib.unfinished_note([7, 12]) == ("; the saves of steps 7, 12 were never finished (a run "
+                                                       "stopped while writing them), so they are not checkpoints")
 
 
 # ----------------------------------------------------------------------------- other meshes
