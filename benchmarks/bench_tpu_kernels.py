@@ -287,6 +287,16 @@ def _ratio(a, b):
     return "—" if a is None or b is None else f"{a['fwdbwd_ms'] / b['fwdbwd_ms']:.2f}"
 
 
+def _shape(r):
+    """A row's attention shape: query heads, K/V heads, head width."""
+    return r["heads"], r["kv_heads"], r["head_dim"]
+
+
+def _heads(r):
+    heads, kv_heads, head_dim = r if isinstance(r, tuple) else _shape(r)
+    return f"{heads}/{kv_heads} x {head_dim}"
+
+
 def markdown(data) -> str:
     rows = data["rows"]
     lines = ["# Attention kernels on a TPU chip", "",
@@ -298,10 +308,9 @@ def markdown(data) -> str:
     lines += [f"    {c}" for c in data.get("commands", [])]
     masks = ("causal", "window", "documents", "full")
     label = lambda m: f"window {WINDOW:,}" if m == "window" else m  # noqa: E731
-    for heads, kv_heads in sorted({(r["heads"], r["kv_heads"]) for r in rows}):
-        shape = dict(heads=heads, kv_heads=kv_heads)
-        lines += ["", f"## {heads} query heads over {kv_heads} K/V heads, head_dim "
-                      f"{rows[0]['head_dim']}", "",
+    for heads, kv_heads, head_dim in sorted({_shape(r) for r in rows}):
+        shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+        lines += ["", f"## {heads} query heads over {kv_heads} K/V heads, head_dim {head_dim}", "",
                   "Side by side: longctx and stock splash in the same run, at the same block and "
                   "stock's default scoped VMEM.", ""]
         table = []
@@ -333,29 +342,31 @@ def markdown(data) -> str:
                                "longctx TFLOP/s (% of peak)"], table))
     blocks = sorted({r["block"] for r in rows if r["impl"] == "longctx"})
     per_block = []
-    for S, mask, heads, kv_heads in sorted({(r["S"], r["mask"], r["heads"], r["kv_heads"])
-                                            for r in rows if r["impl"] == "longctx"},
-                                           key=lambda x: (x[2], x[0], masks.index(x[1]))):
+    for S, mask, shape in sorted({(r["S"], r["mask"], _shape(r)) for r in rows
+                                  if r["impl"] == "longctx"},
+                                 key=lambda x: (x[2], x[0], masks.index(x[1]))):
         cells = []
         for block in blocks:
-            r = _best(rows, impl="longctx", S=S, mask=mask, heads=heads, kv_heads=kv_heads,
-                      block=block)
+            r = _best(rows, impl="longctx", S=S, mask=mask, block=block,
+                      **dict(zip(("heads", "kv_heads", "head_dim"), shape)))
             cells.append("—" if r is None else f"{r['fwd_ms']:.1f} / {r['fwdbwd_ms']:.1f}")
-        per_block.append([f"{S:,}", label(mask), f"{heads}/{kv_heads}", *cells])
+        per_block.append([f"{S:,}", label(mask), _heads(shape), *cells])
     lines += ["", "## longctx by block: forward / forward + backward ms", "",
-              bc.table(["S", "mask", "heads", *(f"block {b}" for b in blocks)], per_block)]
+              bc.table(["S", "mask", "heads x head_dim", *(f"block {b}" for b in blocks)],
+                       per_block)]
     failed = [r for r in rows if "error" in r]
     if failed:
         lines += ["", "## Did not run", "",
-                  bc.table(["impl", "VMEM", "mask", "S", "heads", "block", "error"],
-                           [[r["impl"], r["vmem"], r["mask"], f"{r['S']:,}",
-                             f"{r['heads']}/{r['kv_heads']}", r["block"], r["error"][:120]]
+                  bc.table(["impl", "VMEM", "mask", "S", "heads x head_dim", "block", "error"],
+                           [[r["impl"], r["vmem"], r["mask"], f"{r['S']:,}", _heads(r),
+                             r["block"], r["error"][:120]]
                             for r in failed])]
     checked = [r for r in rows if "rel_err" in r]
     if checked:
         lines += ["", "## Error against float32 (relative max)", "",
-                  bc.table(["impl", "mask", "S", "heads", "block", "out", "dq", "dk", "dv"],
-                           [[r["impl"], r["mask"], f"{r['S']:,}", f"{r['heads']}/{r['kv_heads']}",
+                  bc.table(["impl", "mask", "S", "heads x head_dim", "block", "out", "dq", "dk",
+                            "dv"],
+                           [[r["impl"], r["mask"], f"{r['S']:,}", _heads(r),
                              r["block"], *(f"{r['rel_err'][n]:.2e}" for n in ("out", "dq", "dk", "dv"))]
                             for r in checked])]
     return "\n".join(lines)

@@ -129,7 +129,8 @@ def _measured_block(config, devices):
     kind = devices[0].device_kind
     found = measured_blocks.best_block(
         kind, measured_blocks.mask_kind(a), shard_len,
-        lambda b: blocks_lib.block_problem(b, shard_len, "splash") is None)
+        lambda b: blocks_lib.block_problem(b, shard_len, "splash") is None,
+        head_dim=config.model.head_dim, group=config.model.num_heads // config.model.num_kv_heads)
     if found is None:
         return config, None
     config = copy.deepcopy(config)  # as the planner's candidates are made: the field keeps its type

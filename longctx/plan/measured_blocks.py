@@ -4,8 +4,9 @@ benchmarks/bench_tpu_kernels.py times longctx's kernels on a chip at every block
 keeps the forward + backward times in tpu_block_timings.json, beside this module, per chip kind
 (jax's device_kind), mask kind and tokens per device. A run that leaves its block to auto on such
 a chip takes the block that was fastest for its mask kind at the measured shard length nearest
-its own (in ratio), among the blocks that divide its shard. Elsewhere the planner's step-time
-model chooses (plan/auto.py), as on chips nobody has timed.
+its own (in ratio), among the blocks that divide its shard, for the measured head shape nearest
+its own. Elsewhere the planner's step-time model chooses (plan/auto.py), as on chips nobody has
+timed.
 """
 from __future__ import annotations
 
@@ -51,18 +52,26 @@ def load(path: str = TABLE) -> dict:
         return json.load(f)
 
 
-def best_block(device_kind: str, mask: str, shard_len: int, fits, table: dict | None = None):
-    """The MeasuredBlock for a run of `shard_len` tokens per device, or None where `device_kind`
-    has no timings of `mask` (or of a block `fits(block)` accepts). Only lengths at which two
-    blocks or more were timed count: one block is no comparison."""
-    rows = [r for r in (load() if table is None else table).get(device_kind, [])
-            if r["mask"] == mask and fits(r["block"])]
-    by_length: dict[int, dict[int, float]] = {}
-    for r in rows:
-        by_length.setdefault(r["shard_len"], {})[r["block"]] = r["fwdbwd_ms"]
-    compared = {n: t for n, t in by_length.items() if len(t) >= 2}
-    if not compared:
+def best_block(device_kind: str, mask: str, shard_len: int, fits, *, head_dim: int,
+               group: int = 1, table: dict | None = None):
+    """The MeasuredBlock for a run of `shard_len` tokens per device, `head_dim` wide heads and
+    `group` query heads per K/V head, or None where `device_kind` has no timings of `mask` (or of
+    a block `fits(block)` accepts). The timings of the nearest measured head shape count (head
+    width first, then group, each in ratio): a kernel's best block moves with the width of the
+    tiles it multiplies. Only lengths at which two blocks or more were timed count: one block is
+    no comparison."""
+    timed: dict[tuple, dict[int, dict[int, float]]] = {}  # shape -> length -> block -> ms
+    for r in (load() if table is None else table).get(device_kind, []):
+        if r["mask"] == mask and fits(r["block"]):
+            shape = (r["head_dim"], r["heads"] // r["kv_heads"])
+            timed.setdefault(shape, {}).setdefault(r["shard_len"], {})[r["block"]] = r["fwdbwd_ms"]
+    timed = {shape: {n: t for n, t in lengths.items() if len(t) >= 2}
+             for shape, lengths in timed.items()}
+    timed = {shape: lengths for shape, lengths in timed.items() if lengths}
+    if not timed:
         return None
+    compared = timed[min(timed, key=lambda s: (  # a tie: the smaller shape
+        abs(math.log(s[0] / head_dim)), abs(math.log(s[1] / group)), s))]
     nearest = min(compared, key=lambda n: abs(math.log(n / shard_len)))
     times = compared[nearest]
     return MeasuredBlock(min(times, key=times.get), nearest, mask, times)

@@ -7,13 +7,14 @@ import pytest
 from longctx.plan import auto, measured_blocks
 from tests.plan.test_planner import _config
 
+MHA128 = dict(heads=8, kv_heads=8, head_dim=128)
 TABLE = {"TPU v5 lite": [
-    dict(mask="causal", shard_len=32768, block=512, fwdbwd_ms=81.5),
-    dict(mask="causal", shard_len=32768, block=1024, fwdbwd_ms=59.3),
-    dict(mask="causal", shard_len=32768, block=2048, fwdbwd_ms=93.7),
-    dict(mask="causal", shard_len=4096, block=512, fwdbwd_ms=1.0),  # one block: no comparison
-    dict(mask="causal", shard_len=262144, block=512, fwdbwd_ms=900.0),
-    dict(mask="causal", shard_len=262144, block=2048, fwdbwd_ms=800.0),
+    dict(mask="causal", shard_len=32768, block=512, fwdbwd_ms=81.5, **MHA128),
+    dict(mask="causal", shard_len=32768, block=1024, fwdbwd_ms=59.3, **MHA128),
+    dict(mask="causal", shard_len=32768, block=2048, fwdbwd_ms=93.7, **MHA128),
+    dict(mask="causal", shard_len=4096, block=512, fwdbwd_ms=1.0, **MHA128),  # one block only
+    dict(mask="causal", shard_len=262144, block=512, fwdbwd_ms=900.0, **MHA128),
+    dict(mask="causal", shard_len=262144, block=2048, fwdbwd_ms=800.0, **MHA128),
 ]}
 
 
@@ -21,22 +22,42 @@ def _fits(shard_len):
     return lambda block: shard_len % block == 0
 
 
+def _best(mask, shard_len, fits, head_dim=128, group=1, table=TABLE, chip="TPU v5 lite"):
+    return measured_blocks.best_block(chip, mask, shard_len, fits, head_dim=head_dim, group=group,
+                                      table=table)
+
+
 def test_the_fastest_block_at_the_nearest_measured_length():
-    got = measured_blocks.best_block("TPU v5 lite", "causal", 65536, _fits(65536), TABLE)
+    got = _best("causal", 65536, _fits(65536))
     assert (got.block, got.shard_len) == (1024, 32768)
-    got = measured_blocks.best_block("TPU v5 lite", "causal", 200000, lambda b: True, TABLE)
+    got = _best("causal", 200000, lambda b: True)
     assert (got.block, got.shard_len) == (2048, 262144)
     # a length timed at one block only is no comparison: 4,096 takes 32,768's answer
-    assert measured_blocks.best_block("TPU v5 lite", "causal", 4096, _fits(4096), TABLE).block == 1024
+    assert _best("causal", 4096, _fits(4096)).block == 1024
     # a block the shard does not take is not chosen
-    got = measured_blocks.best_block("TPU v5 lite", "causal", 32768, lambda b: b != 1024, TABLE)
-    assert got.block == 512
-    assert measured_blocks.best_block("TPU v5 lite", "window", 32768, _fits(32768), TABLE) is None
-    assert measured_blocks.best_block("TPU v6 lite", "causal", 32768, _fits(32768), TABLE) is None
+    assert _best("causal", 32768, lambda b: b != 1024).block == 512
+    assert _best("window", 32768, _fits(32768)) is None
+    assert _best("causal", 32768, _fits(32768), chip="TPU v6 lite") is None
     assert "1024, the fastest measured on TPU v5 lite for causal attention at 32,768 tokens per " \
            "device (59.3 ms forward + backward; 81.5 at 512, 93.7 at 2048" in \
-           measured_blocks.best_block("TPU v5 lite", "causal", 32768, _fits(32768), TABLE
-                                      ).describe("TPU v5 lite")
+           _best("causal", 32768, _fits(32768)).describe("TPU v5 lite")
+
+
+def test_the_timings_of_the_nearest_head_shape_decide():
+    """Rows of other head widths or groups at the same length are another kernel's timings: they
+    neither overwrite nor join the nearest shape's."""
+    wide = dict(heads=8, kv_heads=8, head_dim=256)
+    gqa = dict(heads=32, kv_heads=8, head_dim=128)
+    table = {"TPU v5 lite": TABLE["TPU v5 lite"] + [
+        dict(mask="causal", shard_len=32768, block=512, fwdbwd_ms=50.0, **wide),
+        dict(mask="causal", shard_len=32768, block=1024, fwdbwd_ms=70.0, **wide),
+        dict(mask="causal", shard_len=32768, block=2048, fwdbwd_ms=40.0, **gqa),
+        dict(mask="causal", shard_len=32768, block=1024, fwdbwd_ms=60.0, **gqa)]}
+    assert _best("causal", 32768, _fits(32768), table=table).block == 1024
+    assert _best("causal", 32768, _fits(32768), head_dim=256, table=table).block == 512
+    assert _best("causal", 32768, _fits(32768), head_dim=192, table=table).block == 512  # nearer 256
+    assert _best("causal", 32768, _fits(32768), group=4, table=table).block == 2048
+    assert _best("causal", 32768, _fits(32768), group=2, table=table).block == 1024  # a tie: 1
 
 
 def test_the_mask_kind_of_a_config():

@@ -1,0 +1,31 @@
+"""docs/tpu_kernels.md as benchmarks/bench_tpu_kernels.py writes it: rows of different head
+shapes are different kernels, each compared only with its own shape."""
+import importlib.util
+import os
+
+from tests import ROOT
+
+
+def _bench():
+    path = os.path.join(ROOT, "benchmarks", "bench_tpu_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_tpu_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(impl, head_dim, block, ms, vmem="default"):
+    return dict(run="r", impl=impl, vmem="own" if impl == "longctx" else vmem, mask="causal",
+                S=32768, heads=8, kv_heads=8, head_dim=head_dim, block=block, fwd_ms=ms / 3,
+                fwdbwd_ms=ms, fwdbwd_tflops=1.0, pct_peak=1.0)
+
+
+def test_each_head_shape_is_its_own_section_and_comparison():
+    rows = [_row("longctx", 64, 1024, 60.0), _row("stock", 64, 1024, 50.0),
+            _row("longctx", 256, 1024, 100.0), _row("stock", 256, 1024, 200.0)]
+    page = _bench().markdown(dict(rows=rows, commands=[], device="TPU v5 lite"))
+    narrow, wide = page.split("head_dim 64")[1].split("head_dim 256")
+    assert "| 32,768 | causal | 1024 | 50.0 | 60.0 | 1.20 | r |" in narrow
+    assert "| 32,768 | causal | 1024 | 200.0 | 100.0 | 0.50 | r |" in wide.split("## longctx by block")[0]
+    assert "| 32,768 | causal | 8/8 x 64 | 20.0 / 60.0 |" in page
+    assert "| 32,768 | causal | 8/8 x 256 | 33.3 / 100.0 |" in page
