@@ -29,7 +29,7 @@ from longctx import config as config_lib
 from longctx import errors
 from longctx.parallel import devices as devices_lib
 from longctx.parallel import mesh as mesh_lib
-from longctx.plan import auto, hardware, memory
+from longctx.plan import auto, hardware, measured_memory, memory
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
 
@@ -151,10 +151,21 @@ class CompiledStep:
         return None if chip is None else chip // self.cores_per_chip
 
     @property
+    def peak_bytes(self) -> int:
+        """What the chip should hold while the step runs: on a chip whose runtime was measured
+        (plan/measured_memory.py), state and batch plus the share of the temporaries it holds;
+        elsewhere the compiler's whole figure."""
+        measured = measured_memory.runtime_bytes(
+            self.device_kind, self.total_bytes - self.temp_bytes, self.temp_bytes)
+        return self.total_bytes if measured is None else measured
+
+    @property
     def fits(self) -> bool | None:
+        """The compiler's own test (its temporaries fit the chip) and the runtime's (the peak)."""
         if self.oom_at_compile:
             return False
-        return None if self.hbm_bytes is None else self.total_bytes <= self.hbm_bytes
+        hbm = self.hbm_bytes
+        return None if hbm is None else self.temp_bytes <= hbm and self.peak_bytes <= hbm
 
 
 def _oom_bytes(message: str, argument_bytes: int = 0):
@@ -393,8 +404,15 @@ def format_report(config, result: CompiledStep, *, residual_lines: int = 8) -> s
         lines.append(f"chip HBM     unknown for {result.device_kind!r}: cannot say whether it fits")
         return "\n".join(lines)
     lines.append(f"chip HBM     {g(result.hbm_bytes)}")
-    pct = 100 * result.total_bytes / result.hbm_bytes
-    lines.append(f"fits         {'yes' if result.fits else 'NO'} ({pct:.0f}% of HBM)")
+    if result.peak_bytes != result.total_bytes:
+        share = measured_memory.program_share(result.device_kind)
+        lines.append(f"at run time  {g(result.peak_bytes)}   (state and batch, and {share:.0%} of the "
+                     f"temporaries: the most a {result.device_kind} runtime was measured to hold; "
+                     "plan/measured_memory.py)")
+    pct = 100 * result.peak_bytes / result.hbm_bytes
+    lines.append(f"fits         {'yes' if result.fits else 'NO'} ({pct:.0f}% of HBM"
+                 + (", and the temporaries alone are over it: the compiler refuses the step)"
+                    if result.temp_bytes > result.hbm_bytes else ")"))
     remedies = suggest_remedies(config, result)
     if remedies:
         lines.append("suggested remedies, most bytes saved first (estimates from the breakdown; verify "
