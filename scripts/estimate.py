@@ -135,7 +135,8 @@ def memory_model_bytes(config, mesh_shape: dict) -> int:
 def result_dict(config, result: aot.CompiledStep) -> dict:
     out = dataclasses.asdict(result)
     out.pop("hlo", None)
-    out.update(total_bytes=result.total_bytes, hbm_bytes=result.hbm_bytes, fits=result.fits,
+    out.update(total_bytes=result.total_bytes, peak_bytes=result.peak_bytes, hbm_bytes=result.hbm_bytes,
+               fits=result.fits,
                seq_len=config.data.seq_len, global_batch_size=config.data.global_batch_size,
                remat_policy=config.model.remat_policy, impl=config.attention.impl,
                memory_model_bytes=memory_model_bytes(config, result.mesh_shape),

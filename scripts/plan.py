@@ -144,13 +144,13 @@ def reasons(rows) -> list[str]:
             text += (f"; {s.seconds / best.seconds - 1:+.1%} vs #1, most from {PARTS[worst]} "
                      f"({delta[worst]:+.3g} s)")
         if not row.fits:
-            text += (f"; does not fit: ~{row.memory.total_bytes / GIB:.0f} GiB by the memory model, "
+            text += (f"; does not fit: ~{row.held_bytes / GIB:.0f} GiB by the memory model, "
                      f"{planner.HBM_HEADROOM:.0%} of {row.hbm_bytes / GIB:.0f} allowed")
         if row.tie:
             fastest = min(r.step.seconds for r in rows if r.tie)
             text += (f"; a tie: {s.seconds / fastest - 1:+.1%} of the fastest tied row, within the "
                      f"model's held-out error ({step_time.HELD_OUT_ERROR:.0%}), so ranked by HBM "
-                     f"headroom ({row.memory.total_bytes / row.hbm_bytes:.0%} of HBM by the memory "
+                     f"headroom ({row.held_bytes / row.hbm_bytes:.0%} of HBM by the memory "
                      f"model), exposed communication ({s.exposed_communication:.3g} s) and the "
                      f"simpler strategy ({row.strategy})")
         out.append(text)
@@ -195,7 +195,8 @@ def compile_row(row, topology: str) -> dict:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode in (0, 1):  # fits, does not fit
         r = json.loads(done.stdout)
-        out = {"total_bytes": r["total_bytes"], "fits": r["fits"], "hbm_bytes": r["hbm_bytes"],
+        out = {"total_bytes": r["total_bytes"], "peak_bytes": r["peak_bytes"], "fits": r["fits"],
+               "hbm_bytes": r["hbm_bytes"],
                "compile_seconds": r["compile_seconds"], "oom_at_compile": r["oom_at_compile"],
                "xla_flops_per_device": r.get("cost_flops"),
                "xla_bytes_accessed_per_device": r.get("cost_bytes_accessed")}
@@ -219,11 +220,11 @@ def _table(rows, compiled: dict, why: list[str]) -> str:
         s = r.step
         c = compiled.get(i)
         aot_text = ("" if c is None else f"compiler failed ({c['error'][:40]})" if "error" in c
-                    else f"{c['total_bytes'] / GIB:.1f} {'fits' if c['fits'] else 'NO'}")
+                    else f"{c.get('peak_bytes', c['total_bytes']) / GIB:.1f} {'fits' if c['fits'] else 'NO'}")
         body.append([i + 1, f"{r.mesh['dp']},{r.mesh['fsdp']},{r.mesh['sp']}", str(r.strategy),
                      r.layout, r.block, r.residuals, r.remat, f"{s.seconds:.3g}",
                      f"{s.tokens_per_second_per_chip:,.0f}", f"{s.mfu:.1%}",
-                     f"{r.memory.total_bytes / GIB:.1f}{'' if r.fits else ' no'}", aot_text,
+                     f"{r.held_bytes / GIB:.1f}{'' if r.fits else ' no'}", aot_text,
                      f"{s.exposed_communication:.3g}", s.bound])
     lines = [reports.table(header, body), ""]
     lines += [f"{i + 1}. {text}" for i, text in enumerate(why)]

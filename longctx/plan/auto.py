@@ -104,8 +104,8 @@ def resolve(config, devices) -> Resolution:
     rows = planner.plan(config, topology, open_keys=keys)
     fitting = [r for r in rows if r.fits]
     if not fitting:
-        best = min(rows, key=lambda r: r.memory.total_bytes, default=None)
-        need = "" if best is None else (f" (the smallest needs ~{best.memory.total_bytes / 2**30:.0f} "
+        best = min(rows, key=lambda r: r.held_bytes, default=None)
+        need = "" if best is None else (f" (the smallest needs ~{best.held_bytes / 2**30:.0f} "
                                         f"GiB of {best.hbm_bytes / 2**30:.0f})")
         asked = ", ".join(f"{k}=auto" for k in keys)
         raise ConfigError(f"{asked}: no candidate fits {topology.name} by the memory model{need}: "

@@ -210,12 +210,14 @@ def _nearest_fit(config, oom: errors.OutOfMemory, devices) -> str:
     n = len(devices)
     scale = fitted_scale(config, n, oom.needed)
     budget = planner.HBM_HEADROOM * oom.available
+    chip = hardware.chip_for_device_kind(devices[0].device_kind)
+    share = None if chip is None else chip.program_share
     basis = "by the memory model fitted to this compile"
     for override, candidate in _single_changes(config, n):
         if not _valid(candidate, n):
             continue
         need = dataclasses.replace(memory_model.per_device_bytes(candidate, _mesh_sizes(candidate, n)),
-                                   scale=scale).total_bytes
+                                   scale=scale).held_bytes(share)
         if need <= budget:
             return f"the nearest change that fits: {override} (~{errors.byte_size(need)} per device {basis})"
     ways = []

@@ -26,6 +26,7 @@ import dataclasses
 import math
 
 from longctx.model import flops
+from longctx.plan import measured_memory
 
 GB = 1e9
 GIB = 2 ** 30
@@ -44,6 +45,13 @@ class Chip:
     dcn_bandwidth: float       # bytes/s per chip, one direction, across slices (GPU: InfiniBand)
     source: str
     devices_per_chip: int = 1  # jax devices on one chip: TPU7x shows its two TensorCores apart
+
+    @property
+    def program_share(self) -> float | None:
+        """The share of a step's temporaries this chip's runtime was measured to hold, or None
+        (plan/measured_memory.py)."""
+        shares = [s for s in map(measured_memory.program_share, self.device_kinds) if s is not None]
+        return max(shares) if shares else None
 
     def per_device(self) -> "Chip":
         """The chip as one of its jax devices sees it: compute, HBM and its bandwidth, and the

@@ -137,11 +137,16 @@ class Row:
     step: step_time.StepEstimate
     memory: memory_model.MemoryEstimate
     hbm_bytes: int
+    program_share: float | None = None  # of temporaries the chip's runtime holds (Chip.program_share)
     tie: bool = False         # within the model's error of the fastest: ranked by break_ties
 
     @property
+    def held_bytes(self) -> int:
+        return self.memory.held_bytes(self.program_share)
+
+    @property
     def fits(self) -> bool:
-        return self.memory.total_bytes <= HBM_HEADROOM * self.hbm_bytes
+        return self.held_bytes <= HBM_HEADROOM * self.hbm_bytes
 
     def overrides(self) -> list[str]:
         """The command-line overrides that make the config this row."""
@@ -165,7 +170,8 @@ class Row:
         return {"mesh": self.mesh, "cp": self.strategy.name, "cp_ulysses": self.strategy.degree,
                 "cp_per_layer_type": per_type, "layout": self.layout, "residuals": self.residuals, "remat_policy": self.remat,
                 "block_size": self.block, "predicted": self.step.as_dict(),
-                "memory_model_bytes": self.memory.total_bytes, "hbm_bytes": self.hbm_bytes,
+                "memory_model_bytes": self.memory.total_bytes, "held_bytes": self.held_bytes,
+                "hbm_bytes": self.hbm_bytes,
                 "fits_by_model": self.fits, "tie": self.tie, "overrides": self.overrides()}
 
 
@@ -325,12 +331,12 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
                                                rows_in_schedule=batch_rows(config, mesh, ids),
                                                pairs_per_row=None if ids is None else pairs[id(ids)]),
                             memory_model.per_device_bytes(cc, mesh),
-                            topology.device.hbm_bytes))
+                            topology.device.hbm_bytes, topology.device.program_share))
         if progress is not None:
             progress(done, len(valid), len(ring_schedules), tables)
     order = {id(r): i for i, r in enumerate(rows)}
     return break_ties(sorted(rows, key=lambda r: (not r.fits, round(r.step.seconds, 9),
-                                                  r.memory.total_bytes, order[id(r)])))
+                                                  r.held_bytes, order[id(r)])))
 
 
 # Memory-model bytes under this share of HBM leave room for what the model misses (it errs by up
@@ -360,7 +366,7 @@ def break_ties(rows: list[Row], margin: float = step_time.HELD_OUT_ERROR) -> lis
         return rows
     for r in tied:
         r.tie = True
-    ranked = sorted(tied, key=lambda r: (r.memory.total_bytes > COMFORTABLE_HBM * r.hbm_bytes,
+    ranked = sorted(tied, key=lambda r: (r.held_bytes > COMFORTABLE_HBM * r.hbm_bytes,
                                          round(r.step.exposed_communication / best, 2),
                                          simplicity(r.strategy), r.step.seconds))
     chosen = {id(r) for r in tied}
@@ -410,8 +416,9 @@ def _open_groups(config):
 
 def smallest_memory(config, topology: hardware.Topology, open_keys=SEARCHABLE,
                     scale: float = memory_model.ACTIVATION_SCALE) -> int | None:
-    """The fewest bytes per chip any valid candidate needs by the memory model (None: no
-    candidate is valid); stops at the first that fits. The memory model alone (which the layout
+    """The fewest bytes per chip any valid candidate needs by the memory model (what the chip
+    must hold: MemoryEstimate.held_bytes; None: no candidate is valid); stops at the first that
+    fits. The memory model alone (which the layout
     and the block do not change: one valid of each mesh and strategy is priced), no step time:
     fast enough to ask of many slices and lengths (plan/fit_remedy.py). `scale`: the model's
     activation scale (MemoryEstimate.scale; fit_remedy fits it to a compile's own figure)."""
@@ -431,7 +438,8 @@ def smallest_memory(config, topology: hardware.Topology, open_keys=SEARCHABLE,
         c.unlock()
         for residuals, remat in itertools.product(residual_choices, remat_choices):
             c.attention.residuals, c.model.remat_policy = residuals, remat
-            need = dataclasses.replace(memory_model.per_device_bytes(c, mesh), scale=scale).total_bytes
+            need = dataclasses.replace(memory_model.per_device_bytes(c, mesh), scale=scale
+                                       ).held_bytes(topology.device.program_share)
             best = need if best is None else min(best, need)
             if best <= HBM_HEADROOM * topology.device.hbm_bytes:
                 return best

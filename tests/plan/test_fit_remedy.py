@@ -32,7 +32,7 @@ def test_slices_double_their_shortest_axis_up_to_the_largest_of_the_chip():
 
 
 def test_the_smallest_slice_is_the_first_that_fits():
-    """The 8B preset (4 x 131,072 tokens) needs ~124 GiB per v5e chip on 4 chips: 64 fit, 32 do not."""
+    """The 8B preset (4 x 131,072 tokens) needs ~101 GiB per v5e chip on 4 chips: 64 fit, 32 do not."""
     c = _config("llama3_8b_128k")
     slice_ = fit_remedy.smallest_slice(c, hardware.parse_topology("v5e:2x2"))
     assert slice_.name == "v5e:8x8"
@@ -57,16 +57,16 @@ def test_plan_that_nothing_fits_exits_2_with_the_nearest_slice():
                             timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("longctx: ")]
-    assert lines == ["longctx: no candidate fits v5e:2x2 by the memory model: the smallest needs ~124 GiB "
+    assert lines == ["longctx: no candidate fits v5e:2x2 by the memory model: the smallest needs ~101 GiB "
                      "per device of 16; --topology=v5e:8x8 (64 chips) is the smallest v5e slice that fits "
                      "4 x 131,072 tokens."], result.stderr[-2000:]
     assert "run #" not in result.stdout
 
 
 def test_fewer_sequences_where_no_slice_of_the_chip_fits():
-    """The 70B preset (32 x 131,072 tokens) fits no v5e slice, up to the largest (16x16); two
-    sequences per step fit there, four do not."""
+    """The 70B preset (32 x 131,072 tokens) fits no v5e slice, up to the largest (16x16); four
+    sequences per step fit there, eight do not."""
     c, largest = _config("llama3_70b_128k"), hardware.parse_topology("v5e:16x16")
     assert not _fits(c, largest)
-    assert fit_remedy.largest_batch(c, largest) == 2
-    assert not _fits(_config("llama3_70b_128k", global_batch_size=4), largest)
+    assert fit_remedy.largest_batch(c, largest) == 4
+    assert not _fits(_config("llama3_70b_128k", global_batch_size=8), largest)

@@ -1,9 +1,11 @@
 """A step fits a measured TPU chip when the compiler's test passes (temporaries within HBM) and
 the runtime's peak does (state and batch plus the measured share of the temporaries); a chip not
 measured keeps the compiler's whole figure (plan/measured_memory.py)."""
+import dataclasses
+
 import pytest
 
-from longctx.plan import aot, measured_memory
+from longctx.plan import aot, hardware, measured_memory, memory_model, planner
 from tests.plan.test_planner import _config
 
 GIB = 1024 ** 3
@@ -55,3 +57,24 @@ def test_the_report_says_the_run_time_figure_and_why():
     text = aot.format_report(config, _step(V5E, 5.72, 16.55))
     assert "fits         NO" in text and "the temporaries alone are over it" in text
     assert "at run time" not in aot.format_report(config, _step("TPU v5", 5.72, 11.99))
+
+
+def test_the_memory_model_holds_the_same_rule():
+    """The planner's model: the larger of the runtime's hold and the temporaries alone."""
+    m = memory_model.MemoryEstimate(state_bytes=6 * GIB, gradient_bytes=2 * GIB, saved_bytes=5 * GIB,
+                                    working_bytes=3 * GIB, scale=1.0)
+    assert m.held_bytes(None) == m.total_bytes == 16 * GIB
+    assert m.held_bytes(0.5) == 11 * GIB  # 6 + 0.5 x 10
+    small_state = dataclasses.replace(m, state_bytes=GIB)
+    assert small_state.held_bytes(0.5) == 10 * GIB  # the temporaries alone: over 1 + 0.5 x 10
+
+
+def test_the_planner_finds_the_v5e_preset_a_run_that_fits_one_chip():
+    """On one v5e chip the preset at 32,768 tokens ran (docs/tpu.md); by the compiler's whole
+    figure no candidate fit."""
+    config = _config("v5e_0p5b")
+    topology = hardware.parse_topology("v5e:1x1")
+    need = planner.smallest_memory(config, topology)
+    assert need <= planner.HBM_HEADROOM * topology.device.hbm_bytes
+    assert topology.device.program_share == measured_memory.program_share(V5E)
+    assert hardware.parse_topology("v5p:2x2x1").device.program_share is None
