@@ -37,12 +37,13 @@ from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from longctx.plan import attention_work, collectives, hardware, memory_model, step_time
 
-# The blocks a plan tries (the ring's tables and the splash kernel's blocks, on TPU): those the
-# kernel compiles in the compiler's 16 MiB of scoped VMEM. Not 2,048: its forward asks for 39 MiB
-# (the partial blocks' mask alone is 2,048 x 2,048 int32); not 1,024: its dK/dV kernel asks for
-# 18 MiB (tests/plan/test_planner.py's TPU compile of the tiny model failed with each, once the
-# fitted cost per grid step made the larger block the plan's choice). A shorter shard takes a
-# smaller block (block_choices).
+# The blocks a plan tries (the ring's tables and the splash kernel's blocks, on TPU). Blocks of
+# 1,024 and 2,048 compile too (ops/splash_kernels.py sets its scoped VMEM limit from the chip),
+# and on a v5e chip 1,024 is the fastest at 32,768 tokens (docs/tpu_kernels.md), which
+# attention.block_size=auto takes on a chip whose kernels were timed (plan/measured_blocks.py).
+# The plan keeps 512 until its published pages are priced again at the larger blocks: the step
+# model misprices 2,048's backward (1.6x 1,024's on the chip; docs/planner_calibration.md).
+# A shorter shard takes a smaller block (block_choices).
 BLOCK_SIZES = (512,)
 # The value of a config key that leaves it to the planner (auto_keys; plan/auto.py at start-up).
 AUTO = "auto"
