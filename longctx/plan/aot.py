@@ -343,10 +343,14 @@ def remedy_estimates(config: ml_collections.ConfigDict, result: CompiledStep) ->
     elif dp % 2 == 0 and fits_ring:
         add(f"--config.mesh.sp={2 * sp} --config.mesh.dp={dp // 2}",
             state_on({**shape, mesh_lib.SP: 2 * sp, mesh_lib.DP: dp // 2}), tokens / 2, halved_tokens)
-    rows = per_device_batch(config, shape)
+    # The activations are one micro-batch's: halving the batch halves them only where a
+    # micro-batch holds more than one row per device (train.grad_accum_steps splits the rest).
+    accum = train_steps.grad_accum_steps(config)
+    rows = per_device_batch(config, shape) // accum
     if rows > 1:
         add(f"--config.data.global_batch_size={config.data.global_batch_size // 2} "
-            f"(per-device batch {rows} -> {rows // 2})", state_now, tokens / 2, "tokens per chip halved")
+            f"(rows per device {'per micro-batch ' if accum > 1 else ''}{rows} -> {rows // 2})",
+            state_now, tokens / 2, "tokens per chip halved")
     add(f"a topology with 2x the chips and --config.mesh.sp={2 * sp} (half the tokens per chip)",
         state_on({**shape, mesh_lib.SP: 2 * sp}) if b else state_now, tokens / 2, halved_tokens)
     if config.data.seq_len >= 2 * sp * config.attention.block_size:

@@ -104,3 +104,21 @@ def test_the_memory_model_holds_one_micro_batch():
     assert four.saved_bytes * 4 == one.saved_bytes
     assert four.working_bytes < one.working_bytes
     assert four.gradient_bytes - one.gradient_bytes == 2 * config_lib.num_params_estimate(_config(1)) * 4 / 8
+
+
+@pytest.mark.parametrize("accum, advice", [(1, "(rows per device 4 -> 2)"),
+                                           (2, "(rows per device per micro-batch 2 -> 1)"),
+                                           (4, None)])
+def test_estimates_remedy_halves_the_batch_only_where_a_micro_batch_holds_rows(accum, advice):
+    """8 rows over dp x fsdp = 2: 4 per device. The activations are one micro-batch's, so halving
+    the batch saves memory only while a micro-batch holds more than one row per device."""
+    from longctx.plan import aot
+    over = aot.CompiledStep(topology="v5p:1x1x2", device_kind="TPU v5", num_devices=8,
+                            mesh_shape={"dp": 1, "fsdp": 2, "sp": 4}, argument_bytes=2 ** 30,
+                            output_bytes=2 ** 30, alias_bytes=2 ** 30, temp_bytes=200 * 2 ** 30,
+                            compile_seconds=1.0)
+    batch = [r for r in aot.suggest_remedies(_config(accum), over) if "global_batch_size" in r]
+    if advice is None:
+        assert batch == []
+    else:
+        assert len(batch) == 1 and batch[0].startswith(f"--config.data.global_batch_size=4 {advice}")
