@@ -8,12 +8,14 @@ from longctx's in their kernels (tokamax's ring, MaxText's all-gather), their re
 (block sizes where not stated: 512, MaxText's default). So the error below is the model's error
 on other programs of the same shapes: what a user planning a run from published figures gets.
 
-Fitted (`fit`): step_time.CONSTANTS' seven numbers, on the points with fit=True only (FIT): one
-dense run at 8,192 tokens (the matmuls), and CP runs that span short and long shards and every
-kind of strategy on v5p and TPU7x (the attention kernel's efficiency as a function of the work
-per call, its cost per grid step with nothing live, TPU7x's cost per score element, and the
-per-collective latency). Every other point is held out and its error reported apart, by range
-of sequence length (LENGTH_RANGES).
+Fitted (`fit`): the seven shared numbers of step_time.CONSTANTS, on the points with fit=True
+only (FIT): one dense run at 8,192 tokens (the matmuls), and CP runs that span short and long
+shards and every kind of strategy on v5p and TPU7x (the attention kernel's efficiency as a
+function of the work per call, its cost per live grid step, per grid step with nothing live and
+per call, TPU7x's cost per score element, and the per-collective latency). Every other point is
+held out and its error reported apart, by range of sequence length (LENGTH_RANGES). A chip
+measured here (plan/chip_points.py: v5e) has its own kernel and matmul constants, fitted on
+its own timings given these; no published point runs on it, so they move none of them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import math
 import numpy as np
 from scipy import optimize
 
-from longctx.plan import attention_work, hardware, memory_model, step_time
+from longctx.plan import attention_work, chip_points, hardware, memory_model, step_time
 from longctx.model import attention as attention_lib
 from longctx.ops import context_parallel, masks
 
@@ -203,11 +205,24 @@ def log_error(predicted: float, published: float) -> float:
 
 # The grid `fit` searches for the matmuls' efficiency, in steps of 0.01.
 GRID = {"matmul": [x / 100 for x in range(20, 96)]}
-# Where the attention constants' search starts: e, FLOPs at peak per grid step, seconds per call,
-# per collective and per TPU7x score element.
-START = {"attention": 0.9, "block_overhead": 3e8, "call_overhead": 1e-4, "collective_latency": 1e-6,
-         "score_element_tpu7x": 3e-13, "dead_step": 1e8}
-ATTENTION_KEYS = tuple(START)
+# Fitted on the published context-parallel runs, shared by every chip not measured itself, and
+# where their search starts: the kernel's efficiency e, FLOPs at peak per live grid step,
+# seconds per call, per collective and per TPU7x score element, FLOPs at peak per dead grid step.
+PUBLISHED_START = {"attention": 0.9, "block_overhead": 3e8, "call_overhead": 1e-4,
+                   "collective_latency": 1e-6, "score_element_tpu7x": 3e-13, "dead_step": 1e8}
+# Each pass of the published search begins every cost at this or more: begun at TPU7x's own
+# scale (3e-13 s an element) it trades the collective latency for the launch cost (5e-17 s and
+# 0.1 ms), a fit no better on the held-out runs (11.4% against 11.5%) with a latency no
+# collective has.
+PUBLISHED_START_FLOOR = 1e-9
+# Fitted per measured chip on its kernel timings (chip_points.KernelRow), as "<key>_<chip>"
+# (step_time.chip_constant), and where their search starts (v5e's: e, FLOPs at peak per live
+# grid step, seconds per score element). A launch and a dead grid step stay the published
+# runs': the chip's calls are one per layer, which cannot tell a launch from the work around
+# it, and a causal call on one device walks as many dead steps as live ones less a row, which
+# the chip's rows cannot tell apart from the live ones (the published all-gather and
+# load-balanced runs can).
+CHIP_KERNEL_START = {"attention": 0.8, "block_overhead": 6e7, "score_element": 4e-12}
 
 
 def _rounded(constants: dict) -> dict:
@@ -215,42 +230,106 @@ def _rounded(constants: dict) -> dict:
     result as longctx holds it (step_time.CONSTANTS)."""
     out = {}
     for k, v in constants.items():
-        out[k] = round(v, 2) if k in ("matmul", "attention") else float(f"{v:.2g}")
+        out[k] = round(v, 2) if k.startswith(("matmul", "attention")) else float(f"{v:.2g}")
     return out
 
 
-def fit(base, points=None) -> dict:
-    """The constants minimising the mean squared log error on the points with fit=True: the
-    matmuls' efficiency on the dense ones (sp = 1) over GRID, then the attention kernel's three
-    constants and the latency on the context-parallel ones (Nelder-Mead from START, in
-    coordinates that keep the efficiency in (0, 1) and the seconds positive), once more the
-    matmuls, rounded."""
+def _minimize(loss, start: dict) -> dict:
+    """The constants of `start` minimising `loss(constants)` (Nelder-Mead from `start`, in
+    coordinates that keep an efficiency ("attention...") in (0, 1) and the rest positive)."""
+    keys = tuple(start)
+
+    def to_constants(x):
+        return {k: (1.0 / (1.0 + math.exp(-v)) if k.startswith("attention") else math.exp(v))
+                for k, v in zip(keys, x)}
+
+    def logit(e):  # an efficiency the search left at 1.0 (in floats) starts just below it
+        e = min(e, 1.0 - 1e-12)
+        return math.log(e / (1.0 - e))
+
+    x0 = np.array([logit(start[k]) if k.startswith("attention") else math.log(start[k]) for k in keys])
+    found = optimize.minimize(lambda x: loss(to_constants(x)), x0, method="Nelder-Mead",
+                              options={"xatol": 1e-3, "fatol": 1e-6, "maxiter": 1500})
+    return to_constants(found.x)
+
+
+def kernel_error(row, constants: dict | None, segment_ids=None, cache: dict | None = None) -> dict:
+    """{"forward", "forward_backward"}: the model's relative error on a kernel row."""
+    t = chip_points.kernel_seconds(row, segment_ids, constants, cache)
+    return {"forward": t["forward"] * 1e3 / row.forward_ms - 1.0,
+            "forward_backward": t["forward_backward"] * 1e3 / row.forward_backward_ms - 1.0}
+
+
+def _chip_of(row) -> str:
+    return hardware.chip_for_device_kind(row.device_kind).name
+
+
+def fit_kernel(kernel_rows, constants: dict, segments=None, without_head_dim: int | None = None) -> dict:
+    """Each measured chip's kernel constants (CHIP_KERNEL_START's keys, as "<key>_<chip>")
+    minimising the mean squared log error of both times (forward; forward + backward) on its
+    kernel rows with fit=True (those of `without_head_dim` left out: the error by head width of
+    a fit that never saw that width); `constants`: the rest (the shared launch and dead-step
+    costs)."""
+    out = {}
+    for chip in sorted({_chip_of(r) for r in kernel_rows if r.fit}):
+        chosen = [r for r in kernel_rows if r.fit and _chip_of(r) == chip and r.head_dim != without_head_dim]
+        cache: dict = {}
+
+        def loss(own, chosen=chosen, cache=cache):
+            c = {**constants, **own}
+            return sum(math.log1p(e) ** 2 for r in chosen
+                       for e in kernel_error(r, c, _ids(segments, r), cache).values()) / max(1, len(chosen))
+
+        start = {f"{k}_{chip}": constants.get(f"{k}_{chip}", v) for k, v in CHIP_KERNEL_START.items()}
+        out.update(_minimize(loss, start))
+    return out
+
+
+def _ids(segments, row):
+    return None if segments is None else segments(row.seq_len)
+
+
+def fit(base, points=None, *, kernel_rows=(), segments=None, preset=None, steps=()) -> dict:
+    """The constants minimising the mean squared log error on the points with fit=True, in two
+    parts that share nothing a chip measures for itself:
+
+      - the published runs: the matmuls' efficiency on the dense ones (sp = 1) over GRID, then
+        PUBLISHED_START's constants on the context-parallel ones (Nelder-Mead), twice over;
+      - each measured chip, given those: its kernel's constants on its kernel rows (fit_kernel,
+        `segments(seq_len)`: the benchmark's documents), then its matmuls' efficiency
+        ("matmul_<chip>") on its fitted train steps (`steps`, chip_points.ChipStep of the
+        `preset` config) over GRID;
+
+    rounded (the chip's on the rounded published ones, as step_time holds them)."""
     points = POINTS if points is None else points
     dense = [p for p in points if p.fit and p.mesh[2] == 1]
     cp = [p for p in points if p.fit and p.mesh[2] > 1]
+    chip_steps = [s for s in steps if s.fit]
     cache: dict = {}
 
     def loss(chosen, constants):
         return sum(log_error(predict(base, p, constants, cache).seconds, p.published_seconds) ** 2
                    for p in chosen) / max(1, len(chosen))
 
-    def to_constants(x):
-        return {"attention": 1.0 / (1.0 + math.exp(-x[0])),
-                **{k: math.exp(v) for k, v in zip(ATTENTION_KEYS[1:], x[1:])}}
+    def step_loss(chosen, constants):
+        return sum(log_error(chip_points.predict_step(preset, s, constants).seconds,
+                             s.measured_seconds) ** 2 for s in chosen) / max(1, len(chosen))
 
-    def matmul(constants):
-        return min(GRID["matmul"], key=lambda v: loss(dense, {**constants, "matmul": v}))
-
-    constants = {"matmul": step_time.CONSTANTS["matmul"], **START}
+    constants = {"matmul": step_time.CONSTANTS["matmul"], **PUBLISHED_START}
     for _ in range(2):
-        constants["matmul"] = matmul(constants)
-        x0 = np.array([math.log(constants["attention"] / (1 - constants["attention"])),
-                       *(math.log(max(constants[k], 1e-9)) for k in ATTENTION_KEYS[1:])])
-        found = optimize.minimize(lambda x: loss(cp, {**constants, **to_constants(x)}), x0,
-                                  method="Nelder-Mead", options={"xatol": 1e-3, "fatol": 1e-6,
-                                                                 "maxiter": 1500})
-        constants.update(to_constants(found.x))
-    return _rounded(constants)
+        constants["matmul"] = min(GRID["matmul"], key=lambda v: loss(dense, {**constants, "matmul": v}))
+        start = {k: constants[k] if k.startswith("attention") else max(constants[k], PUBLISHED_START_FLOOR)
+                 for k in PUBLISHED_START}
+        constants.update(_minimize(lambda c: loss(cp, {**constants, **c}), start))
+    constants = _rounded(constants)
+
+    if any(r.fit for r in kernel_rows):
+        constants.update(_rounded(fit_kernel(kernel_rows, constants, segments)))
+    for chip in sorted({hardware.parse_topology(s.topology).chip.name for s in chip_steps}):
+        own = [s for s in chip_steps if hardware.parse_topology(s.topology).chip.name == chip]
+        constants[f"matmul_{chip}"] = min(
+            GRID["matmul"], key=lambda v: step_loss(own, {**constants, f"matmul_{chip}": v}))
+    return constants
 
 
 def compare(base, points=POINTS, constants: dict | None = None) -> list[dict]:

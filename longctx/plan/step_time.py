@@ -34,12 +34,15 @@ What overlaps what (the model's assumptions: the mesh's here, each strategy's in
     hides (its launch and synchronisation), once per call its strategy counts (`Transfer.calls`):
     once per ring step and pass, once per gather, all-to-all or reduce-scatter.
 
-Seven constants, fitted on published step times (plan/calibration.py, docs/planner.md): the
-fraction of peak the matmuls reach (CONSTANTS["matmul"]); the attention kernel's efficiency as a
-function of the work of each call (kernel_efficiency: the fraction of peak its block matmuls
-reach, a fixed cost per live grid step, one per grid step with nothing live (splash's one grid
-for every device: attention_work.GridSchedule) and one per call, and on TPU7x one per score
-element); and the latency above. Everything else is
+The constants (CONSTANTS) are fitted (plan/calibration.py, docs/planner.md) in two parts. On
+published runs (MaxText, tpu-recipes: v5p, v6e, TPU7x), shared by every chip not measured
+itself: the fraction of peak the matmuls reach (dense runs); on context-parallel runs the
+attention kernel's (kernel_efficiency: the fraction of peak its block matmuls reach, its fixed
+cost per live grid step, per grid step with nothing live (splash's one grid for every device:
+attention_work.GridSchedule) and per call, TPU7x's cost per score element) and the latency
+above. On a TPU v5e chip measured here, that chip's own (chip_constant): its kernel's
+efficiency, step cost and vector cost per score element on its kernel timings
+(docs/tpu_kernels.json), its matmuls' efficiency on its train steps. Everything else is
 counted.
 
 MFU's numerator is the model FLOPs the step's documents need: the matmuls, and attention over the
@@ -62,15 +65,19 @@ from longctx.model import attention as attention_lib
 from longctx.model import flops as flops_lib
 from longctx.plan import collectives, hardware, links
 
-# Fitted by plan/calibration.py on the points docs/planner.md marks "fit" (the others are held
-# out): `benchmarks/calibrate_planner.py` refits them and tests/plan/test_planner.py checks
-# these are its result. "attention" is the fraction of peak the kernel's block matmuls reach
-# once its fixed costs are paid; "block_overhead" (FLOPs at peak per grid step: one q block x kv
-# block x head), "call_overhead" (seconds per kernel call) and "score_element_tpu7x" (seconds of
-# a TPU7x device per score element) are those costs (kernel_efficiency); "dead_step" (FLOPs at
-# peak) what a grid step with no live block costs (attention_work.GridSchedule).
+# Fitted by plan/calibration.py (docs/planner_calibration.md marks what each is fitted on; the
+# rest is held out): `benchmarks/calibrate_planner.py` refits them and tests/plan/test_planner.py
+# checks these are its result. "attention" is the fraction of peak the kernel's block matmuls
+# reach once its fixed costs are paid; "block_overhead" (FLOPs at peak per live grid step: one
+# q block x kv block x head), "dead_step" (FLOPs at peak per grid step with no live block:
+# attention_work.GridSchedule) and "call_overhead" (seconds per kernel launch) those costs;
+# "score_element_<chip>" (seconds of one device per score element) its vector work
+# (kernel_efficiency); "matmul" the fraction of peak the model's matmuls reach. A "<name>_<chip>"
+# is a measured chip's own figure, used on that chip in place of the shared one (chip_constant).
 CONSTANTS = {"matmul": 0.45, "attention": 1.0, "block_overhead": 340000000.0, "call_overhead": 7.5e-08,
-             "collective_latency": 0.00016, "score_element_tpu7x": 3.7e-13, "dead_step": 61000000.0}
+             "collective_latency": 0.00016, "score_element_tpu7x": 3.7e-13, "dead_step": 61000000.0,
+             "attention_v5e": 0.78, "block_overhead_v5e": 65000000.0, "score_element_v5e": 4.2e-12,
+             "matmul_v5e": 0.75}
 
 # The model's mean absolute error on the published runs held out of the fit (docs/
 # planner_calibration.md, rounded): predicted steps closer than this are a tie (planner.break_ties).
@@ -81,6 +88,15 @@ HELD_OUT_ERROR = 0.11
 ATTENTION_PASSES = {"forward": 1.0, "backward": 2.5}
 # Kernels each pass launches per call: the forward one, the backward two (dK/dV, and dQ).
 KERNELS_PER_PASS = {"forward": 1, "backward": 2}
+# Vector work per score element of each pass, in forwards: the backward recomputes each
+# probability (exp(s - logsumexp)) and forms dS = P (dP - D), about twice the forward's exp, row
+# max and sum (on the v5e chip, at heads of 64 and 128 where the vector work bounds both passes,
+# the backward takes 2.05-2.13x the forward: docs/tpu_kernels.json).
+VECTOR_PASSES = {"forward": 1.0, "backward": 2.0}
+# The chips whose kernel timings show their vector work running beside their MXUs
+# (kernel_efficiency's busy: the larger of the two, each pass's vector work VECTOR_PASSES of
+# score elements): those measured here (docs/tpu_kernels.json).
+VECTOR_BESIDE_MXU = frozenset({"v5e"})
 
 
 # AdamW's HBM traffic per parameter (float32): the parameter read and written and its gradient
@@ -99,43 +115,104 @@ def recompute_passes(config) -> float:
     return flops_lib.recomputed_flops_per_step(config) / forward
 
 
+def chip_constant(name: str, chip: str | None, constants: dict | None = None) -> float:
+    """CONSTANTS[name] for a device of `chip`: the chip's own fitted figure where that chip was
+    measured (CONSTANTS["<name>_<chip>"]), the one fitted on the published runs elsewhere (0 for
+    a cost with no shared figure: score_element). One v5e chip runs a 0.5B model's matmuls at
+    far more of its peak than MaxText's published runs reach with FSDP over hundreds of chips,
+    and its kernel's fixed costs are its own; fitting one figure to both would price each chip
+    by the other's runs."""
+    c = dict(CONSTANTS, **(constants or {}))
+    if chip is not None and f"{name}_{chip}" in c:
+        return c[f"{name}_{chip}"]
+    return c.get(name, 0.0)
+
+
+def matmul_efficiency(chip: str, constants: dict | None = None) -> float:
+    """The fraction of peak the model's matmuls reach on a device of `chip` (chip_constant)."""
+    return chip_constant("matmul", chip, constants)
+
+
 def kernel_efficiency(peak_flops: float, call_flops: float, grid_steps: float, kernels: int = 1,
                       constants: dict | None = None, *, head_dim: int = 128,
-                      chip: str | None = None, dead_steps: float = 0.0) -> float:
+                      chip: str | None = None, dead_steps: float = 0.0,
+                      score_elements: float | None = None) -> float:
     """The fraction of peak one attention call reaches: `call_flops` of block matmuls over
     `grid_steps` (q block, kv block, head) steps in `kernels` kernel launches, on a device of
-    `chip` (hardware.Chip.name) with heads of `head_dim`.
+    `chip` (hardware.Chip.name) with heads of `head_dim`; `score_elements`: the score elements
+    the call's vector work covers (None: call_flops / (4 x head_dim), QK^T and PV being
+    2 x head_dim multiply-adds each).
 
     What the kernel does (the splash kernel, ops/): every grid step pays a fixed cost besides its
     matmuls (the step's DMA issue and wait, the online softmax's bookkeeping on a block row, the
-    mask and segment compare), and every launch a pipeline fill and drain; the matmuls themselves
-    run at a fraction of peak (the MXU's tiles). Every score element also costs vector work the
-    MXU's peak does not measure (its exp, the row max and sum, the scale): a call computes
-    F / (4 x head_dim) score elements (QK^T and PV are 2 x head_dim multiply-adds each), so a
-    wide head spends less of its time there. So a call takes
+    mask and segment compare), and every launch a pipeline fill and drain; the matmuls run on
+    the MXUs at a fraction e of peak, and every score element costs vector work (its exp, the
+    row max and sum, the scale). So a call takes
 
-        F / (peak x e) + steps x c_block / peak + launches x c_call + F / (4 x head_dim) x v_chip
+        busy(F / (peak x e), elements x v_chip) + (steps x c_block + dead x c_dead) / peak
+            + launches x c_call
 
-    and its efficiency F / (peak x time) grows with the work per call (longer shards: the launch
-    cost spread over more steps; larger blocks: the step cost over more FLOPs; wider heads: the
-    vector work over more matmul), bounded by e <= 1. A grid step's cost c_block is in FLOPs at
-    peak (its DMA and bookkeeping keep pace with the chip); a launch's c_call in seconds; a score
-    element's v_chip in seconds of one device, per chip (CONSTANTS["score_element_<chip>"]),
-    because a generation's vector units need not grow with its MXUs: fitted for TPU7x, whose
-    MXUs are 2.5x v5p's per device; 0 elsewhere, where the published runs show none beyond the
-    matmuls (plan/calibration.py).
+    Each constant is the chip's own where that chip was measured (chip_constant: v5e's from its
+    kernel timings and train steps), the published runs' elsewhere. A grid step's c_block and a
+    dead one's c_dead are in FLOPs at peak (for one chip, seconds times its peak: the v5e
+    chip's figure prices only v5e), c_call in seconds; v_chip in seconds of one device, per chip
+    (CONSTANTS["score_element_<chip>"]), because a generation's vector units need not grow with
+    its MXUs, 0 on the chips with no fitted cost (their calls are priced by their matmuls).
+
+    busy: where the chip's vector work runs beside its MXUs (VECTOR_BESIDE_MXU), the larger of
+    the two - on the v5e chip heads of 64 take as long as heads of 128 (half the matmul FLOPs,
+    the same score elements: 59.8 against 59.3 ms forward + backward at 32,768 tokens, blocks
+    of 1,024) where heads of 256 take 1.8x (docs/tpu_kernels.json), so the vector work bounds
+    narrow heads and the MXUs wide ones. Elsewhere their sum, with F / (4 x head_dim) elements a
+    pass (a vector cost per matmul FLOP at a head width). TPU7x, the one other chip with a cost,
+    was never measured here: its published runs are all of heads of 256 and fit either form as
+    well (held-out mean error 11.5% as a sum, 11.3% as a max; its six points within 2 points of
+    each other), but the two part on heads of 128 (the max prices them as vector-bound, at half
+    the efficiency of 256; the sum at 0.77x), which no TPU7x run measures and TPU7x plans of
+    Llama 3 use. The sum keeps those plans, and every published prediction, where the published
+    fit put them until a TPU7x chip's kernels say otherwise.
+
+    The efficiency F / (peak x time) grows with the work per call (longer shards: the launch
+    cost spread over more steps; larger blocks: the step cost over more FLOPs; wider heads: less
+    vector work per FLOP), bounded by e <= 1.
 
     `dead_steps`: grid steps the call walks with no live block (attention_work.GridSchedule:
     splash sizes one grid for every device, the busiest row's width): no fetch, no matmul, but
-    the step's issue and bookkeeping, c_dead FLOPs at peak each (CONSTANTS["dead_step"])."""
+    the step's issue and bookkeeping."""
     c = dict(CONSTANTS, **(constants or {}))
+    e = chip_constant("attention", chip, c)
     if call_flops <= 0:
-        return c["attention"]
-    seconds = (call_flops / (peak_flops * c["attention"]) + grid_steps * c["block_overhead"] / peak_flops
-               + dead_steps * c.get("dead_step", 0.0) / peak_flops
-               + kernels * c["call_overhead"]
-               + call_flops / (4.0 * head_dim) * c.get(f"score_element_{chip}", 0.0))
+        return e
+    elements = call_flops / (4.0 * head_dim) if score_elements is None else score_elements
+    matmuls = call_flops / (peak_flops * e)
+    vector = elements * chip_constant("score_element", chip, c)
+    busy = max(matmuls, vector) if chip in VECTOR_BESIDE_MXU else matmuls + vector
+    seconds = (busy + (grid_steps * chip_constant("block_overhead", chip, c)
+                       + dead_steps * chip_constant("dead_step", chip, c)) / peak_flops
+               + kernels * chip_constant("call_overhead", chip, c))
     return call_flops / (peak_flops * seconds)
+
+
+def attention_pass_seconds(chip: hardware.Chip, blocks: float, block: int, heads: int,
+                           head_dim: int, calls: float, dead: dict, constants: dict | None = None
+                           ) -> dict[str, float]:
+    """{pass: seconds} of one layer's attention on one device: `blocks` (q block x kv block, all
+    heads) of `block` tokens on the critical path over `calls` kernel calls per pass, `heads`
+    query heads of `head_dim`, `dead` {pass: grid steps walked with nothing live, in blocks of
+    all heads}. Each call does its share (a Ulysses block counts 1/U, for n/U heads) in each
+    kernel of the pass."""
+    block_flops = 4.0 * block * block * head_dim * heads  # forward, all heads
+    out = {}
+    for p, w in ATTENTION_PASSES.items():
+        kernels = KERNELS_PER_PASS[p]
+        flops = blocks * block_flops * w / calls
+        e = kernel_efficiency(chip.peak_flops, flops, kernels * blocks * heads / calls, kernels,
+                              constants, head_dim=head_dim, chip=chip.name,
+                              dead_steps=dead[p] * heads / calls,
+                              score_elements=(VECTOR_PASSES[p] * blocks * heads * block * block / calls
+                                              if chip.name in VECTOR_BESIDE_MXU else None))
+        out[p] = calls * flops / (chip.peak_flops * e)
+    return out
 
 
 def _kernel_calls(attention, schedule, cfg) -> float:
@@ -310,7 +387,7 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
     gathered_layer = layer_params * compute_bytes  # the layer's weights in the compute dtype
     hbm_matmul = m.num_layers * passes * (
         gathered_layer + tokens_per_device * _activation_bytes_per_token(config)) / chip.hbm_bandwidth
-    compute_matmul = dense_hw / (chip.peak_flops * eff["matmul"])
+    compute_matmul = dense_hw / (chip.peak_flops * matmul_efficiency(chip.name, eff))
     matmul = max(compute_matmul, hbm_matmul)
 
     # AdamW on this device's shard: read parameter, gradient, two moments; write parameter and
@@ -350,16 +427,10 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
         # forward and dQ walk rows, dK/dV columns: attention_work.GridSchedule)
         dead = {"forward": getattr(sched, "dead_rows", 0.0),
                 "backward": getattr(sched, "dead_rows", 0.0) + getattr(sched, "dead_columns", 0.0)}
-        attention_pass = {}
-        for p, w in ATTENTION_PASSES.items():
-            # One call's work: its share of the critical path's blocks, each a grid step per head
-            # (a Ulysses block counts 1/U, for n/U heads) in each kernel of the pass.
-            kernels = KERNELS_PER_PASS[p]
-            flops = blocks * block_flops * w / calls
-            e = kernel_efficiency(chip.peak_flops, flops, kernels * blocks * m.num_heads / calls,
-                                  kernels, eff, head_dim=m.head_dim, chip=chip.name,
-                                  dead_steps=dead[p] * rows / rows_in_schedule * m.num_heads / calls)
-            attention_pass[p] = count * calls * flops / (chip.peak_flops * e)
+        scale = rows / rows_in_schedule
+        one_layer = attention_pass_seconds(chip, blocks, block, m.num_heads, m.head_dim, calls,
+                                           {p: n * scale for p, n in dead.items()}, eff)
+        attention_pass = {p: count * t for p, t in one_layer.items()}
         type_attention = sum(attention_pass.values())
         seconds, exposed = _cp_seconds(a, shape, cfg, count, topology, sched, spans, attention_pass,
                                        eff["collective_latency"])
