@@ -35,7 +35,7 @@ from longctx.ops import blocks as blocks_lib
 from longctx.ops import context_parallel, masks, strategy_schedule, tables
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
-from longctx.plan import attention_work, collectives, hardware, memory_model, step_time
+from longctx.plan import attention_work, chip_points, collectives, hardware, memory_model, step_time
 
 # The blocks a plan tries (the ring's tables and the splash kernel's blocks, on TPU). Blocks of
 # 1,024 and 2,048 compile too (ops/splash_kernels.py sets its scoped VMEM limit from the chip),
@@ -43,7 +43,8 @@ from longctx.plan import attention_work, collectives, hardware, memory_model, st
 # attention.block_size=auto takes on a chip whose kernels were timed (plan/measured_blocks.py).
 # The plan keeps 512 until its published pages are priced again at the larger blocks: the step
 # model misprices 2,048's backward (1.6x 1,024's on the chip; docs/planner_calibration.md).
-# A shorter shard takes a smaller block (block_choices).
+# A shorter shard takes a smaller block (block_choices), and a chip whose kernels were timed
+# here tries the blocks its own constants were fitted at (block_sizes).
 BLOCK_SIZES = (512,)
 # The value of a config key that leaves it to the planner (auto_keys; plan/auto.py at start-up).
 AUTO = "auto"
@@ -307,7 +308,7 @@ def plan(config, topology: hardware.Topology, *, open_keys=SEARCHABLE,
     pairs = {}  # MFU's document pairs per sample (by its identity: `sample` holds every one)
     documents = segment_ids is not None and bool(a.use_segment_ids)
     valid = [(mesh, strategy, layout, block) for mesh, strategy, layout, block
-             in _combinations(config, chips, open_keys, documents)
+             in _combinations(config, topology, open_keys, documents)
              if _valid(candidate_config(config, mesh, strategy, layout, a.residuals, m.remat_policy,
                                         block), chips)]
     kinds = len({str(masks.make_mask_spec(**attention_lib.mask_kwargs(t.attention)))
@@ -383,13 +384,13 @@ def _valid(candidate, chips: int) -> bool:
     return True
 
 
-def _combinations(config, chips: int, open_keys, documents: bool = False) -> list[tuple]:
+def _combinations(config, topology: hardware.Topology, open_keys, documents: bool = False) -> list[tuple]:
     """(mesh, strategy, layout, block) of every candidate before validation, in the order the
     ranking breaks ties by; `documents`: the plan prices packed documents (per-row layouts)."""
     a = config.attention
     hybrid = layer_types_lib.is_hybrid(config)
     out = []
-    for mesh in meshes(config, chips, open_mesh="mesh" in open_keys):
+    for mesh in meshes(config, topology.num_devices, open_mesh="mesh" in open_keys):
         if "attention.cp" not in open_keys:
             candidates = [_configured(config)]
         elif hybrid:
@@ -400,7 +401,7 @@ def _combinations(config, chips: int, open_keys, documents: bool = False) -> lis
             layouts = (_layouts(strategy, documents) if "attention.layout" in open_keys or a.layout == AUTO
                        else (a.layout,))
             for layout in layouts:
-                blocks = (block_choices(config, mesh["sp"], layout)
+                blocks = (block_choices(config, mesh["sp"], layout, topology.chip.name)
                           if "attention.block_size" in open_keys else (a.block_size,))
                 out += [(mesh, strategy, layout, block) for block in blocks]
     return out
@@ -428,7 +429,7 @@ def smallest_memory(config, topology: hardware.Topology, open_keys=SEARCHABLE,
                         else (a.residuals,))
     remat_choices = decoder.REMAT_POLICIES if "model.remat_policy" in open_keys else (m.remat_policy,)
     best, priced = None, set()
-    for mesh, strategy, layout, block in _combinations(config, topology.num_devices, open_keys):
+    for mesh, strategy, layout, block in _combinations(config, topology, open_keys):
         key = (tuple(mesh.values()), strategy)
         if key in priced:
             continue
@@ -447,19 +448,29 @@ def smallest_memory(config, topology: hardware.Topology, open_keys=SEARCHABLE,
     return best
 
 
-def block_choices(config, sp: int, layout: str) -> tuple[int, ...]:
-    """The blocks a plan tries on shards of seq_len / sp tokens: BLOCK_SIZES, or where the shards
-    are too short for every one of them (the tiny preset's 256 tokens), the largest block below
-    that the ring accepts there (ops/blocks.py, as config.validate and the kernel rule), so that
-    a short sequence gets a block rather than no candidate."""
-    a, seq_len = config.attention, config.data.seq_len
+def block_sizes(chip: str | None = None) -> tuple[int, ...]:
+    """The blocks a plan tries on a device of `chip` (hardware.Chip.name): on a chip whose own
+    kernel constants were fitted on its timings (step_time.chip_constant), the blocks they were
+    fitted at (chip_points.FIT_KERNEL), where the plan's price of each block is measured (a v5e
+    chip runs 1,024 faster than 512); BLOCK_SIZES elsewhere."""
+    if chip is not None and f"attention_{chip}" in step_time.CONSTANTS:
+        return tuple(chip_points.FIT_KERNEL["block"])
+    return BLOCK_SIZES
+
+
+def block_choices(config, sp: int, layout: str, chip: str | None = None) -> tuple[int, ...]:
+    """The blocks a plan tries on shards of seq_len / sp tokens: block_sizes(chip), or where the
+    shards are too short for every one of them (the tiny preset's 256 tokens), the largest block
+    below that the ring accepts there (ops/blocks.py, as config.validate and the kernel rule), so
+    that a short sequence gets a block rather than no candidate."""
+    a, seq_len, sizes = config.attention, config.data.seq_len, block_sizes(chip)
     if seq_len % sp:
-        return BLOCK_SIZES  # no shard: config.validate refuses the mesh with its own sentence
+        return sizes  # no shard: config.validate refuses the mesh with its own sentence
     shard = seq_len // sp
-    if any(blocks_lib.block_problem(b, shard, a.impl) is None for b in BLOCK_SIZES):
-        return BLOCK_SIZES
-    fit = blocks_lib.fit_block(min(BLOCK_SIZES), shard, a.impl, layout)
-    return BLOCK_SIZES if fit is None else (fit,)
+    if any(blocks_lib.block_problem(b, shard, a.impl) is None for b in sizes):
+        return sizes
+    fit = blocks_lib.fit_block(min(sizes), shard, a.impl, layout)
+    return sizes if fit is None else (fit,)
 
 
 def fallback_block(config, num_devices: int) -> int:

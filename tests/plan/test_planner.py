@@ -297,6 +297,17 @@ def test_block_size_auto_fits_shards_shorter_than_every_planned_block():
     assert planner.fallback_block(c, 8) == 128 and planner.fallback_block(_config(), 64) == 512
 
 
+def test_a_chip_whose_kernels_were_timed_tries_the_blocks_its_model_was_fitted_at():
+    """On v5e the step model's kernel constants are the chip's own, fitted at blocks of 512 and
+    1,024, and the chip runs the preset's 1,024 faster (docs/tpu_kernels.md): the plan tries both
+    and picks 1,024; other chips keep BLOCK_SIZES."""
+    assert planner.block_sizes("v5e") == (512, 1024)
+    assert planner.block_sizes("v5p") == planner.block_sizes(None) == planner.BLOCK_SIZES
+    c = _config("v5e_0p5b", attention=dict(use_segment_ids=False))
+    best = planner.plan(c, hardware.parse_topology("v5e:1x1"))[0]
+    assert best.fits and best.block == 1024
+
+
 def test_auto_on_a_chip_the_planner_does_not_know_is_one_sentence():
     cpu = [type("Device", (), {"device_kind": "cpu", "platform": "cpu"})()] * 8
     with pytest.raises(ConfigError, match=r"attention.cp=auto .* cpu devices .* set --config.attention.cp=ring"):
