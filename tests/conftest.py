@@ -6,11 +6,32 @@ start (scripts, launch/local.py jobs) choose their own device count (LONGCTX_CPU
 """
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
-from longctx.parallel import devices
+# One persistent compilation cache for the whole session: the xdist workers and every script a
+# test starts inherit it through the environment, so a program compiled once (the tiny model's
+# train step, run by dozens of scripts/train.py children; the same jitted function rebuilt by
+# another test) is read back instead of compiled again. The process that makes the directory (the
+# xdist controller, or pytest alone) does so before any worker starts and removes it at the end,
+# so each session starts empty and nothing compiled by an older checkout is ever read. Every
+# program is kept, however fast its compile: most of the suite's are small (test_checkpoint.py,
+# test_optimizer.py and test_hybrid.py together: 197 s without the cache, 148 s keeping every
+# program, 185 s keeping those over jax's default of a second). No size limit: with one, jax
+# takes a file lock and walks the whole directory on every write, which cost more than it saved.
+# A reader that meets an entry another process is still writing fails to decompress it, and jax
+# then warns and compiles. A cache the caller set up is used as it is.
+_OWN_COMPILATION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="longctx-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILATION_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+from longctx.parallel import devices  # noqa: E402
 
 
 def _chip_tier() -> bool:
@@ -59,3 +80,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("tpu") is not None and not on_chip:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_configure(config):
+    # A program compiled for a TPU topology (tests marked tpu_aot) is written to the cache, but
+    # libtpu's compile-only client cannot read one back: jax warns and compiles it again.
+    config.addinivalue_line("filterwarnings", "ignore:Error reading persistent compilation cache entry "
+                            "for .*PjRtCompiler must be constructed with a Client:UserWarning")
+
+
+def pytest_unconfigure(config):
+    if _OWN_COMPILATION_CACHE is not None:
+        shutil.rmtree(_OWN_COMPILATION_CACHE, ignore_errors=True)
