@@ -292,8 +292,9 @@ def _shape(r):
     return r["heads"], r["kv_heads"], r["head_dim"]
 
 
-def _heads(r):
-    heads, kv_heads, head_dim = r if isinstance(r, tuple) else _shape(r)
+def _heads(shape):
+    """(heads, kv_heads, head_dim) as the page writes it."""
+    heads, kv_heads, head_dim = shape
     return f"{heads}/{kv_heads} x {head_dim}"
 
 
@@ -358,7 +359,7 @@ def markdown(data) -> str:
     if failed:
         lines += ["", "## Did not run", "",
                   bc.table(["impl", "VMEM", "mask", "S", "heads x head_dim", "block", "error"],
-                           [[r["impl"], r["vmem"], r["mask"], f"{r['S']:,}", _heads(r),
+                           [[r["impl"], r["vmem"], r["mask"], f"{r['S']:,}", _heads(_shape(r)),
                              r["block"], r["error"][:120]]
                             for r in failed])]
     checked = [r for r in rows if "rel_err" in r]
@@ -366,7 +367,7 @@ def markdown(data) -> str:
         lines += ["", "## Error against float32 (relative max)", "",
                   bc.table(["impl", "mask", "S", "heads x head_dim", "block", "out", "dq", "dk",
                             "dv"],
-                           [[r["impl"], r["mask"], f"{r['S']:,}", _heads(r),
+                           [[r["impl"], r["mask"], f"{r['S']:,}", _heads(_shape(r)),
                              r["block"], *(f"{r['rel_err'][n]:.2e}" for n in ("out", "dq", "dk", "dv"))]
                             for r in checked])]
     return "\n".join(lines)

@@ -18,6 +18,7 @@ import dataclasses
 
 import numpy as np
 
+from longctx import config as config_lib
 from longctx.model import attention as attention_lib
 from longctx.ops import context_parallel, masks, strategy_schedule, tables
 from longctx.plan import attention_work, hardware, step_time
@@ -86,11 +87,9 @@ def kernel_seconds(row: KernelRow, segment_ids: np.ndarray | None = None,
     if key not in cache:
         cache[key] = _schedule(row, segment_ids)
     sched = cache[key]
-    dead = {"forward": getattr(sched, "dead_rows", 0.0),
-            "backward": getattr(sched, "dead_rows", 0.0) + getattr(sched, "dead_columns", 0.0)}
     chip = hardware.chip_for_device_kind(row.device_kind)
     t = step_time.attention_pass_seconds(chip, sched.critical_path, row.block, row.heads,
-                                         row.head_dim, 1.0, dead, constants)
+                                         row.head_dim, 1.0, step_time.dead_steps(sched), constants)
     return {"forward": t["forward"], "forward_backward": t["forward"] + t["backward"]}
 
 
@@ -134,11 +133,7 @@ STEPS = [
 def step_config(preset, point: ChipStep):
     """The preset's config (configs/base.py:v5e_0p5b) with the point's overrides."""
     c = copy.deepcopy(preset)
-    c.unlock()
-    for key, value in point.overrides.items():
-        section, name = key.split(".")
-        c[section][name] = value
-    c.lock()
+    config_lib.apply_overrides(c, point.overrides)
     return c
 
 

@@ -453,7 +453,7 @@ def block_sizes(chip: str | None = None) -> tuple[int, ...]:
     kernel constants were fitted on its timings (step_time.chip_constant), the blocks they were
     fitted at (chip_points.FIT_KERNEL), where the plan's price of each block is measured (a v5e
     chip runs 1,024 faster than 512); BLOCK_SIZES elsewhere."""
-    if chip is not None and f"attention_{chip}" in step_time.CONSTANTS:
+    if step_time.has_own_kernel_constants(chip):
         return tuple(chip_points.FIT_KERNEL["block"])
     return BLOCK_SIZES
 

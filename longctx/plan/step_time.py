@@ -128,6 +128,12 @@ def chip_constant(name: str, chip: str | None, constants: dict | None = None) ->
     return c.get(name, 0.0)
 
 
+def has_own_kernel_constants(chip: str | None) -> bool:
+    """Whether `chip`'s attention kernel was fitted on its own timings (an "attention_<chip>"
+    constant, which chip_constant prefers on that chip)."""
+    return chip is not None and f"attention_{chip}" in CONSTANTS
+
+
 def matmul_efficiency(chip: str, constants: dict | None = None) -> float:
     """The fraction of peak the model's matmuls reach on a device of `chip` (chip_constant)."""
     return chip_constant("matmul", chip, constants)
@@ -191,6 +197,14 @@ def kernel_efficiency(peak_flops: float, call_flops: float, grid_steps: float, k
                        + dead_steps * chip_constant("dead_step", chip, c)) / peak_flops
                + kernels * chip_constant("call_overhead", chip, c))
     return call_flops / (peak_flops * seconds)
+
+
+def dead_steps(schedule) -> dict[str, float]:
+    """{pass: grid steps walked with nothing live} of a schedule's critical path: static schedules
+    count them (attention_work.GridSchedule), the forward and dQ walking rows and dK/dV columns;
+    0 where a schedule does not count them."""
+    rows = getattr(schedule, "dead_rows", 0.0)
+    return {"forward": rows, "backward": rows + getattr(schedule, "dead_columns", 0.0)}
 
 
 def attention_pass_seconds(chip: hardware.Chip, blocks: float, block: int, heads: int,
@@ -423,13 +437,9 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
         shape = collectives.type_shape(config, a, sp, rows)
         cfg = collectives.type_config(a, shape, config.attention.layout)
         calls = _kernel_calls(a, sched, cfg)
-        # grid steps walked with nothing live, per pass (static schedules count them; the
-        # forward and dQ walk rows, dK/dV columns: attention_work.GridSchedule)
-        dead = {"forward": getattr(sched, "dead_rows", 0.0),
-                "backward": getattr(sched, "dead_rows", 0.0) + getattr(sched, "dead_columns", 0.0)}
         scale = rows / rows_in_schedule
         one_layer = attention_pass_seconds(chip, blocks, block, m.num_heads, m.head_dim, calls,
-                                           {p: n * scale for p, n in dead.items()}, eff)
+                                           {p: n * scale for p, n in dead_steps(sched).items()}, eff)
         attention_pass = {p: count * t for p, t in one_layer.items()}
         type_attention = sum(attention_pass.values())
         seconds, exposed = _cp_seconds(a, shape, cfg, count, topology, sched, spans, attention_pass,
