@@ -33,6 +33,10 @@ live blocks and owns the accumulators the steps add into, in its own layout:
   bwd_step(cfg, context, (dq, dk, dv), k, v, ks, blocks, live, run) -> (dq, dk, dv), float32
   bwd_end(cfg, context, dq)                -> dq float32 [b, L, n, h]
 
+A ring of one run step (one device, or a mask whose keys never leave their shard) passes the
+steps no accumulator (acc None, dq None, dK/dV None): the step's own result is the answer, and a
+merge into an empty accumulator would only cost passes over the shard.
+
 splash merges each step's normalised output into the running one (its kernels return that);
 xla carries an unnormalised online softmax from step to step, head-major, and normalises once,
 so that a step costs no pass over the shard beyond its blocks. Sinks and the sink gradient live
@@ -244,6 +248,11 @@ def _stop(cfg, d, q_side, ks):
     return _steps_to_visit(cfg, d, q_side, ks)
 
 
+def _one_step(cfg) -> bool:
+    """Whether the ring visits a single run step, whose result is then the whole answer."""
+    return len(cfg.tables.run_steps) == 1
+
+
 def scaled_query(cfg, q):
     """q times the softmax scale, in q's dtype: the kernels take scaled queries."""
     return (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
@@ -285,6 +294,8 @@ def forward(cfg, q, k, v, qs, ks, aux):
     qx = scaled_query(cfg, q)
     q_side = query_side(cfg, qs)
     ctx, state = backend.fwd_start(cfg, qx, qs, k.shape[2])
+    if _one_step(cfg):
+        state = None
 
     def body(t, travel, _, state):
         k_t, v_t, ks_t = travel
@@ -317,6 +328,8 @@ def backward(cfg, res, do):
 
     travel = (backend.to_kv_layout(k), backend.to_kv_layout(v), ks)
     zk = vary_like(jnp.zeros(travel[0].shape, jnp.float32), q)
+    if _one_step(cfg):
+        dq = zk = None
     (dk, dv), dq, hops = _ring_loop(cfg, travel, (zk, zk), dq, body, _stop(cfg, d, q_side, ks))
     dk, dv = _shift((dk, dv), -hops, cfg)  # home: the owner of this K/V shard
     dk, dv = backend.from_kv_layout(dk), backend.from_kv_layout(dv)

@@ -154,13 +154,17 @@ def _merge(o, lse, o_s, lse_s):
     return o * w[..., None] + o_s * w_s[..., None], new
 
 
+def _empty_partial(q):
+    """A step's (out, lse) with nothing computed: zero output, -inf lse."""
+    return vary_like((jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)), q)
+
+
 def fwd_step(cfg, ctx, acc, k, v, ks, blocks, live, run):
     # The merge stays outside the cond, the kernel's output its only result (a merge inside
     # kept more of the step's buffers alive at once).
     step = _maybe(run, lambda: _fwd_kernel(cfg, ctx, k, v, ks, blocks, live),
-                  lambda: vary_like((jnp.zeros_like(acc[0]), jnp.full_like(acc[1], -jnp.inf)),
-                                    ctx.q))
-    return _merge(*acc, *step)
+                  lambda: _empty_partial(ctx.q))
+    return step if acc is None else _merge(*acc, *step)
 
 
 def fwd_end(cfg, ctx, acc):
@@ -185,18 +189,22 @@ def bwd_start(cfg, q, qs, lse, do, di, kv_heads):
 
 def bwd_step(cfg, ctx, acc, k, v, ks, blocks, live, run):
     """(dQ, dK, dV) with this step's added (float32; dK, dV in the travelling layout)."""
-    dq, dk, dv = acc
-
     def compute():
         classes = _classes(cfg, blocks, live, ctx.qs, ks)
         tables = tables_lib.grid_tables(classes, cfg.tables.grid_height, axis=-2)
         masks = _step_masks(cfg, blocks, ctx.qs, ks)
         call = lambda *args: kernels.backward(  # noqa: E731
             *args, bkv_compute=cfg.bkv_dkv_compute, **_common(cfg))
-        dq_s, dk_s, dv_s = _local(call, ctx.q, tables, ctx.q, k, v, *masks, ctx.lse, ctx.do, ctx.di)
-        return dq + dq_s, dk + dk_s, dv + dv_s
+        step = _local(call, ctx.q, tables, ctx.q, k, v, *masks, ctx.lse, ctx.do, ctx.di)
+        return step if acc[0] is None else tuple(a + s for a, s in zip(acc, step))
 
-    return _maybe(run, compute, lambda: (dq, dk, dv))
+    def skipped():
+        if acc[0] is not None:
+            return acc
+        zeros = lambda x: vary_like(jnp.zeros(x.shape, jnp.float32), ctx.q)  # noqa: E731
+        return zeros(ctx.q), zeros(k), zeros(v)
+
+    return _maybe(run, compute, skipped)
 
 
 def bwd_end(cfg, ctx, dq):

@@ -184,10 +184,13 @@ def fwd_start(cfg, q, qs, kv_heads):
     unnormalised output ([b, k, g, L(, h)] float32), carried from step to step and normalised
     once, in fwd_end."""
     q = _heads_major(q, kv_heads)
+    return FwdContext(q, qs), _empty_forward(q)
+
+
+def _empty_forward(q):
     stats = q.shape[:4]  # [b, k, g, L]
-    acc = vary_like((jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32),
-                     jnp.zeros(q.shape, f32)), q)
-    return FwdContext(q, qs), acc
+    return vary_like((jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32),
+                      jnp.zeros(q.shape, f32)), q)
 
 
 def fwd_step(cfg, ctx: FwdContext, acc, k, v, ks, blocks, live, run):
@@ -197,6 +200,8 @@ def fwd_step(cfg, ctx: FwdContext, acc, k, v, ks, blocks, live, run):
     S = 2,048, sp = 4, one block per shard, skipping whole took fwd+bwd on one CPU core from
     ~175 to ~115 ms)."""
     step = _Step(cfg, ctx.q, k, v, ctx.qs, ks, blocks, live)
+    if acc is None:  # the ring's one step: its accumulator starts here
+        acc = _empty_forward(ctx.q)
 
     def visit(at: Visit, carry):
         m_all, l_all, o_all = carry
@@ -250,6 +255,9 @@ def bwd_step(cfg, ctx: BwdContext, acc, k, v, ks, blocks, live, run):
     visit relies on it (a step that runs has one)."""
     step = _Step(cfg, ctx.q, k, v, ctx.qs, ks, blocks, live)
     do, lse, di = ctx.do, ctx.lse, ctx.di
+    if acc[0] is None:  # the ring's one step: its accumulators start here
+        acc = vary_like((jnp.zeros(ctx.q.shape, f32), jnp.zeros(k.shape, f32),
+                         jnp.zeros(v.shape, f32)), ctx.q)
 
     # dK and dV read a visit's dS as it is computed ([.., s, t]); dQ needs it transposed. Made in
     # the same iteration, XLA fuses that transpose with the arithmetic producing dS and computes
