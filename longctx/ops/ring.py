@@ -9,8 +9,9 @@ Letters: b batch, L/t local query positions, n query heads, kvh kv heads, h head
 At ring step s device d holds the K/V (and kv segment ids) that started on device (d - s) mod sp.
 In a per-row layout (the per-document one) the segment ids are tables.RowTokens: ids and each
 token's global position, which travel together, and the blocks come from them (row_blocks.py)
-instead of the closed form; every step may have work, so the ring visits steps up to the last
-with a live block on some device.
+instead of the closed form (ops/block_source.py: one object for each kind, which the ring and
+every strategy ask); every step may have work, so the ring visits steps up to the last with a
+live block on some device.
 Only `run_steps` (steps with work on some device) execute; consecutive run steps are a
 `lax.fori_loop` passing K/V one hop per iteration, and a gap between runs is a single ppermute
 of the gap's length, so K/V never travel further than the last run step and the traced program
@@ -51,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from longctx.ops import auto_layout, masks, row_blocks
+from longctx.ops import auto_layout, block_source, masks
 from longctx.ops import tables as tables_lib
 from longctx.ops import xla
 from longctx.ops.shmap import max_over_devices, pick, sum_over_devices, vary_like
@@ -160,70 +161,12 @@ def _steps_to_visit(cfg, d, q_side, ks):
     """How many run steps the ring visits with documents (traced, the same on every device of
     the mesh, not only of this ring): up to the last one at which some device has a live block,
     and at least one. Rows whose documents end inside their shard need no K/V from afar, and
-    the K/V stop travelling there.
-    Each device reads every shard's K/V document ranges (a few ints per block, all-gathered;
-    in a per-row layout the blocks' summaries, row_blocks.Parts) and works out its live blocks
-    at every run step, as the steps themselves will."""
-    if layout_lib.per_row(cfg.layout):
-        every = jax.tree.map(lambda x: lax.all_gather(x, cfg.axis_name),
-                             row_blocks.parts(ks.ids, ks.positions, cfg.bkv))
-
-        def any_live(t):
-            visiting = jax.tree.map(lambda x: x[pick(cfg.tables.kv_source, d, t)], every)
-            return jnp.any(row_blocks.classes(cfg.spec, q_side, visiting, cfg.skip_documents) > 0)
-    else:
-        kv_first, kv_last = (lax.all_gather(x, cfg.axis_name)
-                             for x in tables_lib.document_ranges(ks, cfg.bkv))
-
-        def any_live(t):
-            source = pick(cfg.tables.kv_source, d, t)
-            blocks = _step_blocks(cfg, d, t)
-            return jnp.any(tables_lib.live_blocks(blocks.classes, q_side,
-                                                  (kv_first[source], kv_last[source])))
-
+    the K/V stop travelling there. Each device works out its live blocks at every run step, as
+    the steps themselves will (block_source: `live_steps`)."""
+    live = block_source.of(cfg).live_steps(d, q_side, ks)
     steps = jnp.arange(len(cfg.tables.run_steps), dtype=jnp.int32)
-    last = jnp.max(jnp.where(jax.vmap(any_live)(steps), steps + 1, 0))
+    last = jnp.max(jnp.where(live, steps + 1, 0))
     return jnp.maximum(max_over_devices(last), 1)
-
-
-def _step_blocks(cfg, d, t):
-    """This device's blocks at run step t, built on device (ops/tables.py)."""
-    return tables_lib.step_blocks(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq, cfg.bkv,
-                                  d, pick(cfg.tables.kv_source, d, t))
-
-
-def live_blocks(cfg, blocks, q_ranges, ks_t):
-    """bool [b or 1, q_blocks, kv_blocks]: the blocks of the step this device computes (the
-    static mask's, less those whose queries and keys share no document; in a per-row layout the
-    blocks' own classes, documents included)."""
-    if layout_lib.per_row(cfg.layout):
-        return blocks.classes > 0
-    if not cfg.skip_documents:
-        q_ranges = None
-    kv_ranges = None if q_ranges is None else tables_lib.document_ranges(ks_t, cfg.bkv)
-    return tables_lib.live_blocks(blocks.classes, q_ranges, kv_ranges)
-
-
-def query_side(cfg, qs):
-    """What every step needs of this device's queries to find its blocks: their blocks'
-    document ranges (None without documents), or in a per-row layout their blocks' summaries
-    (row_blocks.Parts of the ids and global positions in `qs`, a tables.RowTokens)."""
-    if layout_lib.per_row(cfg.layout):
-        return row_blocks.parts(qs.ids, qs.positions, cfg.bq)
-    return None if qs is None else tables_lib.document_ranges(qs, cfg.bq)
-
-
-def pair_blocks(cfg, q_shard, kv_shard, q_side, qs, ks):
-    """(blocks, live) of this device's queries (shard `q_shard`, with `query_side`'s summary)
-    against the K/V shard `kv_shard` (traced ints) with ids `ks`: every strategy's steps use it
-    (ops/shard_pairs.py). A static layout's blocks come from the two shard indices; a per-row
-    layout's from the data."""
-    if layout_lib.per_row(cfg.layout):
-        blocks = tables_lib.row_step_blocks(cfg.spec, q_side, qs, ks, cfg.bkv, cfg.skip_documents)
-    else:
-        blocks = tables_lib.step_blocks(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq,
-                                        cfg.bkv, q_shard, kv_shard)
-    return blocks, live_blocks(cfg, blocks, q_side, ks)
 
 
 def _any_live(cfg, d, t, live, qs):
@@ -242,7 +185,7 @@ def _any_live(cfg, d, t, live, qs):
 def _stop(cfg, d, q_side, ks):
     """_ring_loop's `stop`: `_steps_to_visit` with documents when the run steps are one run of
     several (the ring can end early), else None (every run step)."""
-    documents = q_side is not None and (cfg.skip_documents or layout_lib.per_row(cfg.layout))
+    documents = q_side is not None and block_source.of(cfg).data_dependent(ks)
     if not documents or not tables_lib.can_stop_early(cfg.tables.run_steps):
         return None
     return _steps_to_visit(cfg, d, q_side, ks)
@@ -292,14 +235,15 @@ def forward(cfg, q, k, v, qs, ks, aux):
     backend = step_backend(cfg)
     d = lax.axis_index(cfg.axis_name)
     qx = scaled_query(cfg, q)
-    q_side = query_side(cfg, qs)
+    source = block_source.of(cfg)
+    q_side = source.query_side(qs)
     ctx, state = backend.fwd_start(cfg, qx, qs, k.shape[2])
     if _one_step(cfg):
         state = None
 
     def body(t, travel, _, state):
         k_t, v_t, ks_t = travel
-        blocks, live = pair_blocks(cfg, d, pick(cfg.tables.kv_source, d, t), q_side, qs, ks_t)
+        blocks, live = source.pair(d, pick(cfg.tables.kv_source, d, t), q_side, qs, ks_t)
         run = _any_live(cfg, d, t, live, qs)
         return (), backend.fwd_step(cfg, ctx, state, k_t, v_t, ks_t, blocks, live, run)
 
@@ -315,12 +259,13 @@ def backward(cfg, res, do):
     d = lax.axis_index(cfg.axis_name)
     qx = scaled_query(cfg, q)
     do, di, lse_k = backward_inputs(q, out, lse, do)
-    q_side = query_side(cfg, qs)
+    source = block_source.of(cfg)
+    q_side = source.query_side(qs)
     ctx, dq = backend.bwd_start(cfg, qx, qs, lse_k, do, di, k.shape[2])
 
     def body(t, travel, acc, dq):
         k_t, v_t, ks_t = travel
-        blocks, live = pair_blocks(cfg, d, pick(cfg.tables.kv_source, d, t), q_side, qs, ks_t)
+        blocks, live = source.pair(d, pick(cfg.tables.kv_source, d, t), q_side, qs, ks_t)
         run = _any_live(cfg, d, t, live, qs)
         # dQ stays with its queries; dK and dV (float32) travel with K and V, and go home below.
         dq, dk, dv = backend.bwd_step(cfg, ctx, (dq, *acc), k_t, v_t, ks_t, blocks, live, run)

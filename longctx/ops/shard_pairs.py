@@ -36,10 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from longctx.ops import ring
+from longctx.ops import block_source, ring
 from longctx.ops import tables as tables_lib
 from longctx.ops.shmap import vary_like
-from longctx.parallel import layout as layout_lib
 
 
 def by_pair(per_step: np.ndarray) -> np.ndarray:
@@ -83,7 +82,7 @@ def _stacked(tree, count: int):
 
 def _pair(cfg, a, c, q_side, qs, ks, documents: bool, skip=None):
     """(blocks, live, run) of query shard a against K/V shard c (traced ints)."""
-    blocks, live = ring.pair_blocks(cfg, a, c, q_side, qs, ks)
+    blocks, live = block_source.of(cfg).pair(a, c, q_side, qs, ks)
     # Without documents the host table says whether the pair has work (a predicate that
     # depends on the data costs XLA memory, ring._any_live); with them, the live blocks do.
     run = jnp.any(live) if documents else jnp.asarray(pair_active(cfg))[a, c]
@@ -104,12 +103,12 @@ def forward(cfg, acc, q, qs, q_shards, kv, kv_shards, kv_heads, *, skip_kv_shard
     already computed (all_gather's local shard, computed before its gather)."""
     backend = ring.step_backend(cfg)
     k, v, ks = kv
-    documents = qs is not None and (cfg.skip_documents or layout_lib.per_row(cfg.layout))
+    documents = block_source.of(cfg).data_dependent(qs)
 
     def one_query_shard(u, acc):
         qs_u = _index(qs, u)
         ctx, _ = backend.fwd_start(cfg, q[u], qs_u, kv_heads)
-        q_side = ring.query_side(cfg, qs_u)
+        q_side = block_source.of(cfg).query_side(qs_u)
 
         def one_kv_shard(m, acc_u):
             ks_m = _index(ks, m)
@@ -142,13 +141,13 @@ def backward(cfg, acc, q, qs, lse, do, di, q_shards, kv, kv_shards, kv_heads):
     previous call), q-side inputs stacked [U, ...] in the ring's layout ([b, L, n(, h)])."""
     backend = ring.step_backend(cfg)
     k, v, ks = kv
-    documents = qs is not None and (cfg.skip_documents or layout_lib.per_row(cfg.layout))
+    documents = block_source.of(cfg).data_dependent(qs)
 
     def one_query_shard(u, acc):
         dq, dk, dv = acc
         qs_u = _index(qs, u)
         ctx, _ = backend.bwd_start(cfg, q[u], qs_u, lse[u], do[u], di[u], kv_heads)
-        q_side = ring.query_side(cfg, qs_u)
+        q_side = block_source.of(cfg).query_side(qs_u)
 
         def one_kv_shard(m, carry):
             dq_u, dk, dv = carry
