@@ -191,8 +191,8 @@ def _reference(mask, S, seg, q, k, v, do):
 
 
 def measure(args, vmem: str) -> list[dict]:
-    """The rows this process measures (stock and tokamax at `vmem`; longctx only at "default",
-    its limit being its own)."""
+    """The rows this process measures (stock and tokamax at `vmem`; longctx, its limit being its
+    own, only in the first process: the default one under --vmem both)."""
     import jax
     import jax.numpy as jnp
     device = jax.devices()[0]
@@ -204,7 +204,8 @@ def measure(args, vmem: str) -> list[dict]:
     peak = chip.peak_flops
     print(f"device {device.device_kind}, scoped VMEM {vmem}, peak {peak / 1e12:.0f} TFLOP/s",
           flush=True)
-    impls = [i for i in args.impls.split(",") if i != "longctx" or vmem == "default"]
+    first = "default" if args.vmem == "both" else args.vmem  # longctx's one process
+    impls = [i for i in args.impls.split(",") if i != "longctx" or vmem == first]
     rows, start = [], time.perf_counter()
     seqs = [int(s) for s in args.seqs.split(",")]
     for heads, kv_heads in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
@@ -413,7 +414,7 @@ def main(argv=None):
             env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") +
                                        f" --xla_tpu_scoped_vmem_limit_kib={RAISED_VMEM_KIB}").strip()
         child_args = [a for a in (argv if argv is not None else sys.argv[1:])]
-        if vmem == "raised":  # longctx sets its own limit: measured once, in the default process
+        if vmem == "raised" and args.vmem == "both":  # longctx sets its own limit: measured once
             child_args += ["--impls", ",".join(i for i in args.impls.split(",") if i != "longctx")]
         child = subprocess.Popen([sys.executable, os.path.abspath(__file__), *child_args,
                                   "--child", vmem, "--run", args.run], env=env,
