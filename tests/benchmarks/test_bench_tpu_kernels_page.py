@@ -25,7 +25,16 @@ def test_each_head_shape_is_its_own_section_and_comparison():
             _row("longctx", 256, 1024, 100.0), _row("stock", 256, 1024, 200.0)]
     page = _bench().markdown(dict(rows=rows, commands=[], device="TPU v5 lite"))
     narrow, wide = page.split("head_dim 64")[1].split("head_dim 256")
-    assert "| 32,768 | causal | 1024 | 50.0 | 60.0 | 1.20 | r |" in narrow
-    assert "| 32,768 | causal | 1024 | 200.0 | 100.0 | 0.50 | r |" in wide.split("## longctx by block")[0]
+    assert "| 32,768 | causal | 1024 | 50.0 | default | 60.0 | 1.20 | r |" in narrow
+    assert "| 32,768 | causal | 1024 | 200.0 | default | 100.0 | 0.50 | r |" in wide.split("## longctx by block")[0]
     assert "| 32,768 | causal | 8/8 x 64 | 20.0 / 60.0 |" in page
     assert "| 32,768 | causal | 8/8 x 256 | 33.3 / 100.0 |" in page
+
+
+def test_side_by_side_takes_stock_at_the_faster_limit_of_the_same_run():
+    rows = [_row("longctx", 128, 2048, 60.0), _row("stock", 128, 2048, 50.0, vmem="raised"),
+            _row("stock", 128, 2048, 70.0, vmem="default"),
+            dict(_row("stock", 128, 2048, 10.0, vmem="raised"), run="another run")]
+    page = _bench().markdown(dict(rows=rows, commands=[], device="TPU v5 lite"))
+    side_by_side = page.split("Each at its best")[0]
+    assert "| 32,768 | causal | 2048 | 50.0 | raised | 60.0 | 1.20 | r |" in side_by_side
