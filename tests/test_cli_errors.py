@@ -545,26 +545,6 @@ def test_ring_report_says_it_is_working_before_a_large_schedule():
     assert small.returncode == 0 and small.stderr == ""
 
 
-def test_estimate_says_what_it_compiles_before_the_compile_starts():
-    from longctx.plan import aot
-
-    if not aot.libtpu_available():
-        pytest.skip("libtpu is not installed (the [tpu] extra)")
-    env = {k: v for k, v in os.environ.items() if k != cli.DEBUG_ENV}
-    proc = subprocess.Popen([sys.executable, "scripts/estimate.py", "--config=configs/base.py:tiny",
-                             "--topology=v5p:2x2x2", "--json"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        first = proc.stderr.readline()
-        assert first == "estimate: compiling the train step for v5p:2x2x2 (takes seconds) ...\n"
-        assert proc.poll() is None  # said while the compile runs, not after
-        assert re.fullmatch(r"estimate: compiled in \d+ s; compiling one layer of it for the breakdown \.\.\.\n",
-                            proc.stderr.readline())
-    finally:
-        proc.kill()
-        proc.communicate()
-
-
 def test_first_use_corpus_preparation_says_so_once_and_where(tmp_path, monkeypatch, capsys):
     """The line comes before the (half-minute) preparation starts; a prepared corpus is silent."""
     said = []

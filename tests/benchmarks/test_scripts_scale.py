@@ -6,6 +6,7 @@ Each script runs as a subprocess, as a user would run it, writing into a tempora
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from configs import base
+from longctx import cli
 from longctx import config as config_lib
 from longctx.model import flops
 from longctx.plan import aot
@@ -60,7 +62,25 @@ def test_libtpu_start_up_settings_do_not_outlive_the_topology(monkeypatch):
 @needs_libtpu
 @pytest.mark.tpu_aot
 def test_estimate_tiny_on_v5p_fits_and_prints_memory():
-    p = run("scripts/estimate.py", "--config=configs/base.py:tiny", "--topology=v5p:2x2x2", "--json")
+    """Also what it says while it works: each compile is named on stderr before it starts (a user
+    waits minutes for a big one)."""
+    env = {k: v for k, v in os.environ.items() if k != cli.DEBUG_ENV}
+    proc = subprocess.Popen([sys.executable, "scripts/estimate.py", "--config=configs/base.py:tiny",
+                             "--topology=v5p:2x2x2", "--json"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()
+        assert first == "estimate: compiling the train step for v5p:2x2x2 (takes seconds) ...\n"
+        assert proc.poll() is None  # said while the compile runs, not after
+        second = proc.stderr.readline()
+        assert re.fullmatch(r"estimate: compiled in \d+ s; compiling one layer of it for the breakdown \.\.\.\n",
+                            second)
+        stdout, rest = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    p = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, first + second + rest)
     assert p.returncode == 0, p.stderr[-2000:]
     # libtpu, loaded for the topology, printed half a dozen start-up lines here (aot._topology)
     for line in ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "INVALID_ARGUMENT",
