@@ -428,7 +428,7 @@ def main(argv=None):
             else:
                 print(line, end="", flush=True)
         child.wait()
-    data = _merge(args.json, rows, device, bc.command_line())
+    data = _merge(args.json, rows, device, f"[{args.run}] {bc.command_line()}")  # rows name their run
     bc.write_json(args.json, data)
     bc.write_markdown(args.md, markdown(data))
     write_block_table(data, args.block_table)

@@ -6,11 +6,14 @@ the same grids walking a table of live blocks per q-block row (forward) or kv-bl
 block is never fetched either. What differs, each for a reason measured on a v5e chip (see
 docs/tpu_kernels.md):
 
-  - Masks from positions. A partial block's mask is computed in the kernel from each query's
-    allowed key interval [lo, hi] and each key's global position (ops/masks.MaskSpec.bounds),
-    and from segment ids with documents; blocks the tables mark full skip the mask's vector work
-    altogether (splash computes its mask function on every block). So any mask of ops/masks.py
-    under any layout needs no table of partial-block patterns.
+  - Masks from positions. A block's mask is computed in the kernel from each query's allowed
+    key interval [lo, hi] and each key's global position (ops/masks.MaskSpec.bounds), and from
+    segment ids with documents, so any mask of ops/masks.py under any layout needs no table of
+    partial-block patterns. A block the tables mark full has its mask or'ed to all-true, in the
+    same body as a partial block, as splash does: a second, unmasked copy of the body (each
+    copy unrolled over the block's sub-tiles) took the backward at blocks of 2,048 from 33 to
+    74 ms at 32K causal on a v5e (the kernel's code, not its arithmetic), and saved nothing
+    measurable at 1,024.
   - One fused backward pass over every kv block, dQ accumulated in place. Splash's fused
     backward writes a dQ per kv block ([kv blocks, heads, L, head_dim]) and sums them after.
     Here each live (kv block, q block) step reads the q block's float32 dQ from HBM, adds its
@@ -183,18 +186,21 @@ def _forward_kernel(data_next, block_mask, grid_width, q_blocks, q_ref, k_ref, v
         m_ref[...] = jnp.full_like(m_ref, mask_value)
         l_ref[...] = jnp.zeros_like(l_ref)
 
-    def visit(masked: bool):
+    masking = any(r is not None for r in (kv_pos_ref, kv_seg_ref))
+
+    @pl.when(cls != EMPTY)
+    def _visit():
         def body(c, _):
             keys = pl.ds(c * bkv_compute, bkv_compute)
             s = lax.dot_general(q_ref[...], k_ref[keys, :], NT, preferred_element_type=jnp.float32)
             s = _soft_cap(s, soft_cap)
-            if masked:
+            if masking:
                 shape = s.shape
                 row = lambda r: None if r is None else _lanes(r[...], bkv_compute)  # noqa: E731
                 col = lambda r: None if r is None else jnp.broadcast_to(r[:1, keys], shape)  # noqa: E731
                 allowed = _mask(row(q_lo_ref), row(q_hi_ref), col(kv_pos_ref), row(q_seg_ref),
                                 col(kv_seg_ref), shape)
-                s = jnp.where(allowed, s, mask_value)
+                s = jnp.where(allowed | (cls == FULL), s, mask_value)
             m_prev, l_prev = m_ref[...], l_ref[...]                      # [bq, LANES]
             m_next = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
             p = jnp.exp(s - _lanes(m_next, bkv_compute))
@@ -209,11 +215,6 @@ def _forward_kernel(data_next, block_mask, grid_width, q_blocks, q_ref, k_ref, v
             acc_ref[...] = _lanes(alpha, head_dim) * acc_ref[...] + pv
 
         lax.fori_loop(0, k_ref.shape[0] // bkv_compute, body, None, unroll=True)
-
-    masking = any(r is not None for r in (kv_pos_ref, kv_seg_ref))
-    pl.when(cls == FULL if masking else cls != EMPTY)(lambda: visit(False))
-    if masking:
-        pl.when(cls == PARTIAL)(lambda: visit(True))
 
     @pl.when(j == grid_width[0] - 1)
     def _end():
@@ -395,7 +396,10 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
-    def visit(masked: bool):
+    masking = any(r is not None for r in (kv_pos_ref, kv_seg_ref))
+
+    @pl.when(cls != EMPTY)
+    def _visit():
         address = (b * n_h + h) * (dq_hbm.shape[2] // bq) + block
         slot = dq.start(address, b, h, block)
         q, do = q_ref[...], do_ref[...]
@@ -407,13 +411,13 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
             k, v = k_ref[keys, :], v_ref[keys, :]
             s_raw = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32)  # [kc, bq]
             s = _soft_cap(s_raw, soft_cap)
-            if masked:
+            if masking:
                 shape = s.shape
                 row = lambda r: None if r is None else jnp.broadcast_to(r[:1, :], shape)  # noqa: E731
                 col = lambda r: None if r is None else _lanes(r[keys, :], bq)  # noqa: E731
                 allowed = _mask(row(q_lo_ref), row(q_hi_ref), col(kv_pos_ref), row(q_seg_ref),
                                 col(kv_seg_ref), shape)
-                s = jnp.where(allowed, s, mask_value)
+                s = jnp.where(allowed | (cls == FULL), s, mask_value)
             p = jnp.exp(s - lse)
             dv_acc[keys, :] += lax.dot_general(p.astype(do.dtype), do, NN,
                                                preferred_element_type=jnp.float32)
@@ -428,11 +432,6 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
 
         lax.fori_loop(0, bkv // bkv_compute, body, None, unroll=True)
         dq.finish(slot, address, b, h, block, dq_share[...])
-
-    masking = any(r is not None for r in (kv_pos_ref, kv_seg_ref))
-    pl.when(cls == FULL if masking else cls != EMPTY)(lambda: visit(False))
-    if masking:
-        pl.when(cls == PARTIAL)(lambda: visit(True))
 
     @pl.when(last_of_group)
     def _():
