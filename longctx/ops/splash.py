@@ -156,7 +156,8 @@ def _merge(o, lse, o_s, lse_s):
 
 def _empty_partial(q):
     """A step's (out, lse) with nothing computed: zero output, -inf lse."""
-    return vary_like((jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)), q)
+    return vary_like((jnp.zeros(q.shape, jnp.float32),
+                      jnp.full(q.shape[:3], -jnp.inf, jnp.float32)), q)
 
 
 def fwd_step(cfg, ctx, acc, k, v, ks, blocks, live, run):
