@@ -428,7 +428,8 @@ def main(argv=None):
             else:
                 print(line, end="", flush=True)
         child.wait()
-    data = _merge(args.json, rows, device, f"[{args.run}] {bc.command_line()}")  # rows name their run
+    # the command carries the run stamp its rows name
+    data = _merge(args.json, rows, device, f"[{args.run}] {bc.command_line()}")
     bc.write_json(args.json, data)
     bc.write_markdown(args.md, markdown(data))
     write_block_table(data, args.block_table)
