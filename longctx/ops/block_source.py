@@ -42,10 +42,13 @@ class ClosedFormBlocks:
     def pair(self, q_shard, kv_shard, q_side, qs, ks):
         """(blocks, live) of query shard `q_shard` (with `query_side`'s summary) against K/V
         shard `kv_shard` (traced ints) with ids `ks`."""
-        cfg = self.cfg
-        blocks = tables_lib.step_blocks(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq,
-                                        cfg.bkv, q_shard, kv_shard)
+        blocks = self._blocks(q_shard, kv_shard)
         return blocks, self._live(blocks, q_side, ks)
+
+    def _blocks(self, q_shard, kv_shard):
+        cfg = self.cfg
+        return tables_lib.step_blocks(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq, cfg.bkv,
+                                      q_shard, kv_shard)
 
     def _live(self, blocks, q_ranges, ks):
         """The static mask's blocks, less those whose queries and keys share no document."""
@@ -63,8 +66,7 @@ class ClosedFormBlocks:
 
         def any_live(t):
             source = pick(cfg.tables.kv_source, d, t)
-            blocks = tables_lib.step_blocks(cfg.spec, cfg.layout, cfg.seq_len, cfg.sp, cfg.bq,
-                                            cfg.bkv, d, source)
+            blocks = self._blocks(d, source)
             return jnp.any(tables_lib.live_blocks(blocks.classes, q_side,
                                                   (kv_first[source], kv_last[source])))
 

@@ -272,9 +272,10 @@ def backward(cfg, res, do):
         return (dk, dv), dq
 
     travel = (backend.to_kv_layout(k), backend.to_kv_layout(v), ks)
-    zk = vary_like(jnp.zeros(travel[0].shape, jnp.float32), q)
     if _one_step(cfg):
         dq = zk = None
+    else:
+        zk = vary_like(jnp.zeros(travel[0].shape, jnp.float32), q)
     (dk, dv), dq, hops = _ring_loop(cfg, travel, (zk, zk), dq, body, _stop(cfg, d, q_side, ks))
     dk, dv = _shift((dk, dv), -hops, cfg)  # home: the owner of this K/V shard
     dk, dv = backend.from_kv_layout(dk), backend.from_kv_layout(dv)
