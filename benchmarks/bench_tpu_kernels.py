@@ -389,6 +389,9 @@ def _merge(path, rows, device, command):
     data["device"] = device or data.get("device")
     if command not in data["commands"]:
         data["commands"].append(command)
+    # a run whose rows were all measured again is no longer a source of the page
+    runs = {r["run"] for r in data["rows"]}
+    data["commands"] = [c for c in data["commands"] if c[1:c.index("]")] in runs]
     return data
 
 

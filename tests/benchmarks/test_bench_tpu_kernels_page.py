@@ -38,3 +38,12 @@ def test_side_by_side_takes_stock_at_the_faster_limit_of_the_same_run():
     page = _bench().markdown(dict(rows=rows, commands=[], device="TPU v5 lite"))
     side_by_side = page.split("Each at its best")[0]
     assert "| 32,768 | causal | 2048 | 50.0 | raised | 60.0 | 1.20 | r |" in side_by_side
+
+
+def test_a_run_measured_again_in_full_leaves_the_list_of_commands(tmp_path):
+    bench, path = _bench(), str(tmp_path / "kernels.json")
+    old = [_row("longctx", 128, 1024, 60.0), dict(_row("longctx", 128, 2048, 50.0), run="kept")]
+    bench.bc.write_json(path, dict(rows=old, commands=["[r] first", "[kept] second"], device="d"))
+    data = bench._merge(path, [dict(_row("longctx", 128, 1024, 55.0), run="new")], "d", "[new] third")
+    assert data["commands"] == ["[kept] second", "[new] third"]
+    assert sorted(r["run"] for r in data["rows"]) == ["kept", "new"]
