@@ -219,8 +219,9 @@ def markdown(result) -> str:
                   "The chip's own constants (`step_time.chip_constant`), fitted on its kernels "
                   "and train steps below given the published ones: " +
                   ", ".join(f"`{k}` = {v}" for k, v in t["constants"].items() if _chip_own(k)) + ". "
-                  f"Train steps of `configs/base.py:{c['preset']}` (one causal row, blocks of 1,024) "
-                  "measured on one TPU v5e chip by this repository (median of steps 2-6, "
+                  f"Train steps of `configs/base.py:{c['preset']}` (one causal row, at blocks of 1,024 "
+                  "unless named) measured on one TPU v5e chip by this repository (median of the "
+                  "steps after the first, "
                   "[tpu.md](tpu.md)), priced at each run's own config on `v5e:1x1`. The **fit** "
                   "ones set `matmul_v5e`; the others are held out. Mean absolute error "
                   f"**{apct(c['summary']['held_out_mean_abs_error'])} on "
@@ -238,12 +239,12 @@ def markdown(result) -> str:
                   "One attention call on one TPU v5e chip (heads 8 x d, batch 1: "
                   "[tpu_kernels.md](tpu_kernels.md)), priced as the step prices one layer's "
                   "(`step_time.attention_pass_seconds`). The **fit** rows (longctx's kernels at "
-                  "32K and 64K tokens, blocks of 512 and 1,024, causal and window) set v5e's own "
+                  "32K and 64K tokens, blocks of 512, 1,024 and 2,048, causal and window) set v5e's own "
                   "`attention_v5e`, `block_overhead_v5e` and `score_element_v5e` (the launch and "
                   "dead-step costs are the published runs'). Error of forward + backward, mean "
                   "absolute, by head width: on the fitted rows; on the same rows under a fit that "
                   "left every row of that width out (the head-width dependence held out); on "
-                  "longctx's held-out rows (8K tokens, blocks of 2,048, documents); on stock "
+                  "longctx's held-out rows (8K tokens, documents); on stock "
                   "splash's (another kernel, held out):\n"]
         lines += [bc.table(["head width", "fitted rows", "fitted error", "width left out of the fit",
                             "(its forward)", "held-out rows", "held-out error", "stock rows", "stock error"],

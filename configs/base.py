@@ -286,16 +286,17 @@ def _v5e_0p5b(c):
     """A 511.7M-parameter Llama-shaped model (8 layers, d_model 2,048, 16 heads of 128 over 8 K/V
     heads, MLP 5,632, vocabulary 32,768) at 32,768 tokens on one TPU v5e chip (15.75 GiB of HBM):
     one host, one process, mesh 1 x 1 x 1, bf16 compute over float32 parameters, the splash kernel
-    with blocks of 1,024 (the fastest measured on the chip at 32,768 tokens for causal, window
-    and document masks: docs/tpu_kernels.md), on the embedded corpus's packed documents.
-    Parameters, AdamW state and gradients take 7.6 GiB; each layer keeps its input, q, k, v and
-    the attention's output for the backward (nothing_saveable: on the chip 1.69 s a step, 58% MFU
-    on a causal row, where keeping the projections' outputs took 1.82 s; docs/tpu.md)."""
+    with blocks of 2,048 (on the chip a causal row's step takes 1.57 s at 2,048 and 1.67 s at
+    1,024, and the corpus's packed rows are faster at 2,048 too: docs/tpu.md), on the embedded
+    corpus's packed documents. Parameters, AdamW state and gradients take 7.6 GiB; each layer
+    keeps its input, q, k, v and the attention's output for the backward (nothing_saveable: 62%
+    MFU on a causal row; keeping the projections' outputs took 1.82 s a step at blocks of 1,024
+    against 1.69)."""
     c.mesh.update(dp=1, fsdp=1, sp=1)
     c.model.update(vocab_size=32_768, d_model=2048, num_layers=8, num_heads=16, num_kv_heads=8,
                    head_dim=128, mlp_dim=5632, dtype="bfloat16", param_dtype="float32",
                    remat_policy="nothing_saveable")
-    c.attention.update(impl="splash", block_size=1024, layout="contiguous")
+    c.attention.update(impl="splash", block_size=2048, layout="contiguous")
     c.data.update(seq_len=32_768, global_batch_size=1)
     c.optimizer.update(learning_rate=3e-4, warmup_steps=20)
     c.train.update(num_steps=200, log_every=10, eval_every=100, eval_steps=2, loss_chunk_size=1024)

@@ -130,7 +130,7 @@ def out_of_memory_advice(config, oom: errors.OutOfMemory, devices) -> str:
     """The nearest change that fits a run whose train step the compiler refused (`oom`: HBM with
     the whole step's bytes per device, or one kernel's scoped VMEM) on `devices`, in words."""
     if oom.memory == errors.SCOPED_VMEM:
-        return _smaller_block(config, len(devices))
+        return _smaller_block(config, devices)
     return _nearest_fit(config, oom, devices)
 
 
@@ -153,12 +153,14 @@ def _changed(config, **keys):
     return c
 
 
-def _smaller_block(config, num_devices: int) -> str:
+def _smaller_block(config, devices) -> str:
     block = config.attention.block_size
+    chip = hardware.chip_for_device_kind(devices[0].device_kind)
+    tried = planner.block_sizes(chip.name if chip else None)
     for smaller in (b for b in SMALLER_BLOCKS if b < block):
-        if _valid(_changed(config, **{"attention.block_size": smaller}), num_devices):
+        if _valid(_changed(config, **{"attention.block_size": smaller}), len(devices)):
             return (f"the nearest change that should fit: --config.attention.block_size={smaller} (a kernel's "
-                    f"scoped VMEM grows with its block; the planner's blocks on TPU are {planner.BLOCK_SIZES})")
+                    f"scoped VMEM grows with its block; the blocks the planner tries on this device are {tried})")
     return ("no smaller attention.block_size is valid for these shards: raise the compiler's scoped VMEM limit "
             "(LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=N)")
 

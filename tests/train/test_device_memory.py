@@ -143,7 +143,7 @@ def test_out_of_scoped_vmem_names_a_smaller_block(trained, monkeypatch):
         "the train step does not fit: it has a kernel that asks for 18.00 MiB of scoped VMEM, over its limit of "
         "16.00 MiB (the compiler's figure, before any step ran: nothing was trained or written); the nearest "
         "change that should fit: --config.attention.block_size=128 (a kernel's scoped VMEM grows with its "
-        "block; the planner's blocks on TPU are (512,)).")
+        "block; the blocks the planner tries on this device are (512,)).")
     assert _files(trained) == before
 
 
@@ -160,10 +160,12 @@ def test_without_advice_the_sentence_points_to_estimate(trained, monkeypatch):
 V5E_CHIP = types.SimpleNamespace(device_kind="TPU v5 lite", coords=(0, 0, 0), platform="tpu")
 
 
-def _v5e_0p5b(**data):
+def _v5e_0p5b(block_size=None, **data):
     c = base.get_config("v5e_0p5b")
     c.unlock()
     c.data.update(**data)
+    if block_size is not None:
+        c.attention.block_size = block_size
     c.lock()
     return c
 
@@ -180,9 +182,11 @@ def test_on_one_v5e_chip_the_issue_s_refused_run_gets_the_planner_s_nearest_fit(
         "no change of a policy, chunk or micro-batches fits (by the memory model fitted to this compile); "
         "--topology=v5e:1x2 (2 chips; scripts/plan.py says how to run it) is the smallest slice that fits it "
         "and --config.data.seq_len=32768 fits these chips")
-    assert fit_remedy.out_of_memory_advice(_v5e_0p5b(), errors.OutOfMemory(
-        errors.SCOPED_VMEM, int(16.14 * 2 ** 20), 16 * 2 ** 20, "kernel"), [V5E_CHIP]).startswith(
-        "the nearest change that should fit: --config.attention.block_size=512 ")
+    # the issue's kernel at blocks of 1,024 over the default 16 MiB of scoped VMEM: halve the block
+    advice = fit_remedy.out_of_memory_advice(_v5e_0p5b(block_size=1024), errors.OutOfMemory(
+        errors.SCOPED_VMEM, int(16.14 * 2 ** 20), 16 * 2 ** 20, "kernel"), [V5E_CHIP])
+    assert advice.startswith("the nearest change that should fit: --config.attention.block_size=512 ")
+    assert advice.endswith("the blocks the planner tries on this device are (512, 1024, 2048))")
 
 
 def test_four_sequences_that_do_not_fit_are_accumulated():
