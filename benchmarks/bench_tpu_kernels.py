@@ -45,6 +45,9 @@ from longctx.plan import measured_blocks  # noqa: E402
 RAISED_VMEM_KIB = 98304
 WINDOW = 4096
 DOCUMENTS = 32
+# documents: DOCUMENTS per row at random cuts; one_document: segment ids that one document fills,
+# a causal row's blocks through the document path (what a packed row of one long file costs)
+MASKS = ("causal", "window", "documents", "one_document", "full")
 KEY = ("impl", "vmem", "mask", "S", "heads", "kv_heads", "head_dim", "block")
 RUN = time.strftime("%Y-%m-%d %H:%M", time.gmtime())  # rows measured in one invocation share it
 
@@ -52,7 +55,8 @@ RUN = time.strftime("%Y-%m-%d %H:%M", time.gmtime())  # rows measured in one inv
 def _arguments(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", default="32768,65536")
-    p.add_argument("--masks", default="causal,window,documents,full")
+    p.add_argument("--masks", default="causal,window,documents,full",
+                   help=f"comma separated, of {', '.join(MASKS)}")
     p.add_argument("--impls", default="longctx,stock,tokamax")
     p.add_argument("--blocks", default="512,1024,2048")
     p.add_argument("--heads", default="8/8,32/8", help="query heads / kv heads, comma separated")
@@ -68,7 +72,12 @@ def _arguments(argv=None):
                    help="where attention.block_size=auto reads the chip's timings")
     p.add_argument("--child", choices=("default", "raised"), help=argparse.SUPPRESS)
     p.add_argument("--run", default=RUN, help=argparse.SUPPRESS)  # the parent's, for its children
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.masks.split(",")) - set(MASKS))
+    if unknown:
+        p.error(f"--masks {args.masks}: {', '.join(unknown)} is not a mask this benchmark runs; "
+                f"choose from {', '.join(MASKS)}")
+    return args
 
 
 # ----------------------------------------------------------------------------- measuring (chip)
@@ -81,14 +90,21 @@ def _segments(S):
     return np.cumsum(starts).astype(np.int32) + 1
 
 
+def _document_ids(mask, S):
+    """The row's segment ids under `mask`, None for the masks without documents."""
+    if mask == "documents":
+        return _segments(S)
+    return np.ones(S, np.int32) if mask == "one_document" else None
+
+
 def _pairs(mask, S, seg):
     i = np.arange(S, dtype=np.int64)
     if mask == "full":
         return S * S
-    if mask == "causal":
-        return S * (S + 1) // 2
     if mask == "window":
         return int(np.sum(np.minimum(i, WINDOW) + 1))
+    if seg is None:
+        return S * (S + 1) // 2
     _, counts = np.unique(seg, return_counts=True)
     return int(np.sum(counts.astype(np.int64) * (counts + 1) // 2))
 
@@ -109,7 +125,7 @@ def _attention(impl, mask, S, block, seg, heads, head_dim):
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
     causal, window = mask != "full", WINDOW if mask == "window" else None
-    ids = jnp.asarray(seg) if mask == "documents" else None
+    ids = None if seg is None else jnp.asarray(seg)
     scale = head_dim ** -0.5
     if impl == "longctx":
         from longctx.ops import ring_attention
@@ -174,7 +190,7 @@ def _reference(mask, S, seg, q, k, v, do):
         allowed &= i[None, :] <= i[:, None]
     if mask == "window":
         allowed &= i[None, :] >= i[:, None] - WINDOW
-    if mask == "documents":
+    if seg is not None:
         allowed &= jnp.asarray(seg)[:, None] == jnp.asarray(seg)[None, :]
     per_kv = q.shape[1] // k.shape[1]
 
@@ -210,12 +226,12 @@ def measure(args, vmem: str) -> list[dict]:
     seqs = [int(s) for s in args.seqs.split(",")]
     for heads, kv_heads in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
         for S in seqs:
-            seg = _segments(S)
             rng = np.random.default_rng(S)
             draw = lambda n: jnp.asarray(  # noqa: E731
                 rng.standard_normal((S, n, args.head_dim), np.float32), jnp.bfloat16)
             q, k, v, do = draw(heads), draw(kv_heads), draw(kv_heads), draw(heads)
             for mask in args.masks.split(","):
+                seg = _document_ids(mask, S)
                 pairs = _pairs(mask, S, seg)
                 flops = 4.0 * pairs * heads * args.head_dim
                 reference = None
@@ -308,8 +324,8 @@ def markdown(data) -> str:
              "backward 3.5x that). Ratios below 1: longctx is faster.", "",
              f"Device: {data.get('device', '?')}. Runs (each row names its run):", ""]
     lines += [f"    {c}" for c in data.get("commands", [])]
-    masks = ("causal", "window", "documents", "full")
-    label = lambda m: f"window {WINDOW:,}" if m == "window" else m  # noqa: E731
+    masks = MASKS
+    label = lambda m: {"window": f"window {WINDOW:,}", "one_document": "one document"}.get(m, m)  # noqa: E731
     for heads, kv_heads, head_dim in sorted({_shape(r) for r in rows}):
         shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
         lines += ["", f"## {heads} query heads over {kv_heads} K/V heads, head_dim {head_dim}", "",

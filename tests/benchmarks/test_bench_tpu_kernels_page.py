@@ -47,3 +47,23 @@ def test_a_run_measured_again_in_full_leaves_the_list_of_commands(tmp_path):
     data = bench._merge(path, [dict(_row("longctx", 128, 1024, 55.0), run="new")], "d", "[new] third")
     assert data["commands"] == ["[kept] second", "[new] third"]
     assert sorted(r["run"] for r in data["rows"]) == ["kept", "new"]
+
+
+def test_one_document_is_a_causal_rows_pairs_through_the_document_path():
+    bench = _bench()
+    ids = bench._document_ids("one_document", 64)
+    assert ids is not None and len(set(ids.tolist())) == 1
+    assert bench._pairs("one_document", 64, ids) == bench._pairs("causal", 64, None) == 64 * 65 // 2
+    assert bench._document_ids("causal", 64) is None
+    assert len(set(bench._document_ids("documents", 4096).tolist())) == bench.DOCUMENTS
+    page = bench.markdown(dict(rows=[dict(_row("longctx", 128, 1024, 60.0), mask="one_document")],
+                               commands=[], device="TPU v5 lite"))
+    assert "| 32,768 | one document | 8/8 x 128 | 20.0 / 60.0 |" in page
+
+
+def test_an_unknown_mask_is_refused_before_anything_runs(capsys):
+    import pytest
+    with pytest.raises(SystemExit) as exited:
+        _bench()._arguments(["--masks", "causal,docs"])
+    assert exited.value.code == 2
+    assert "docs is not a mask this benchmark runs; choose from causal, window, documents" in capsys.readouterr().err
