@@ -325,7 +325,8 @@ def markdown(data) -> str:
              f"Device: {data.get('device', '?')}. Runs (each row names its run):", ""]
     lines += [f"    {c}" for c in data.get("commands", [])]
     masks = MASKS
-    label = lambda m: {"window": f"window {WINDOW:,}", "one_document": "one document"}.get(m, m)  # noqa: E731
+    names = {"window": f"window {WINDOW:,}", "one_document": "one document"}
+    label = lambda m: names.get(m, m)  # noqa: E731
     for heads, kv_heads, head_dim in sorted({_shape(r) for r in rows}):
         shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
         lines += ["", f"## {heads} query heads over {kv_heads} K/V heads, head_dim {head_dim}", "",

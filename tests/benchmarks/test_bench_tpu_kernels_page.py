@@ -1,7 +1,10 @@
-"""docs/tpu_kernels.md as benchmarks/bench_tpu_kernels.py writes it: rows of different head
-shapes are different kernels, each compared only with its own shape."""
+"""docs/tpu_kernels.md as benchmarks/bench_tpu_kernels.py writes it (rows of different head
+shapes are different kernels, each compared only with its own shape; a run no row names any more
+leaves the page), and the masks its flags accept. Nothing here needs a chip."""
 import importlib.util
 import os
+
+import pytest
 
 from tests import ROOT
 
@@ -62,7 +65,6 @@ def test_one_document_is_a_causal_rows_pairs_through_the_document_path():
 
 
 def test_an_unknown_mask_is_refused_before_anything_runs(capsys):
-    import pytest
     with pytest.raises(SystemExit) as exited:
         _bench()._arguments(["--masks", "causal,docs"])
     assert exited.value.code == 2
