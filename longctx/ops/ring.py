@@ -32,6 +32,7 @@ live blocks and owns the accumulators the steps add into, in its own layout:
   fwd_end(cfg, context, acc)               -> (out float32 [b, L, n, h], lse [b, L, n])
   bwd_start(cfg, q, qs, lse, do, di, kv_heads) -> (context, dq)
   bwd_step(cfg, context, (dq, dk, dv), k, v, ks, blocks, live, run) -> (dq, dk, dv), float32
+                                           (dk, dv may be K/V's dtype on a ring of one step)
   bwd_end(cfg, context, dq)                -> dq float32 [b, L, n, h]
 
 A ring of one run step (one device, or a mask whose keys never leave their shard) passes the

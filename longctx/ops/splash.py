@@ -6,7 +6,8 @@ for the forward and per kv-block column for the backward, each marked partial (m
 by element from positions and segment ids, in the kernel) or full. The forward returns each
 step's normalised output and logsumexp in float32, merged into the running ones here; the
 backward is one fused kernel per step, whose float32 dQ, dK and dV are added to the running dQ
-and to the dK, dV travelling with K/V. Sinks are not given to the kernels: they
+and to the dK, dV travelling with K/V (a ring of one step adds nothing to its dK, dV: the kernel
+rounds them to K/V's dtype itself, which halves the bytes written and read after it). Sinks are not given to the kernels: they
 enter once, in the ring's float32 merge.
 
 Layouts: the kernels take heads-major operands, so q (and dQ, out, lse) are transposed once per
@@ -189,21 +190,24 @@ def bwd_start(cfg, q, qs, lse, do, di, kv_heads):
 
 
 def bwd_step(cfg, ctx, acc, k, v, ks, blocks, live, run):
-    """(dQ, dK, dV) with this step's added (float32; dK, dV in the travelling layout)."""
+    """(dQ, dK, dV) with this step's added (float32; dK, dV in the travelling layout), or the
+    step's own (dK, dV in K/V's dtype) where there is no accumulator: the ring's one step."""
+    dkv_dtype = k.dtype if acc[0] is None else jnp.float32
+
     def compute():
         classes = _classes(cfg, blocks, live, ctx.qs, ks)
         tables = tables_lib.grid_tables(classes, cfg.tables.grid_height, axis=-2)
         masks = _step_masks(cfg, blocks, ctx.qs, ks)
         call = lambda *args: kernels.backward(  # noqa: E731
-            *args, bkv_compute=cfg.bkv_dkv_compute, **_common(cfg))
+            *args, bkv_compute=cfg.bkv_dkv_compute, dkv_dtype=dkv_dtype, **_common(cfg))
         step = _local(call, ctx.q, tables, ctx.q, k, v, *masks, ctx.lse, ctx.do, ctx.di)
         return step if acc[0] is None else tuple(a + s for a, s in zip(acc, step))
 
     def skipped():
         if acc[0] is not None:
             return acc
-        zeros = lambda x: vary_like(jnp.zeros(x.shape, jnp.float32), ctx.q)  # noqa: E731
-        return zeros(ctx.q), zeros(k), zeros(v)
+        zeros = lambda x, dtype: vary_like(jnp.zeros(x.shape, dtype), ctx.q)  # noqa: E731
+        return zeros(ctx.q, jnp.float32), zeros(k, dkv_dtype), zeros(v, dkv_dtype)
 
     return _maybe(run, compute, skipped)
 

@@ -435,8 +435,8 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
 
     @pl.when(last_of_group)
     def _():
-        dk_ref[...] = dk_acc[...]
-        dv_ref[...] = dv_acc[...]
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
     @pl.when((b == n_b - 1) & (j == n_j - 1) & (h == n_h - 1) & (i == grid_height[0] - 1))
     def _():
@@ -444,9 +444,9 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
 
 
 def backward(tables, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, lse, do, di, *, bq, bkv,
-             bkv_compute, mask_value, soft_cap, interpret, device_kind=None):
-    """One fused pass over the live blocks: (dQ [b, heads, L, head_dim], dK, dV [b, kv_heads,
-    L_kv, head_dim]), float32. tables: (data_next, block_mask) packed per kv-block column
+             bkv_compute, mask_value, soft_cap, interpret, device_kind=None, dkv_dtype=jnp.float32):
+    """One fused pass over the live blocks: (dQ [b, heads, L, head_dim] float32, dK, dV [b,
+    kv_heads, L_kv, head_dim] in `dkv_dtype`, summed in float32 and rounded once). tables: (data_next, block_mask) packed per kv-block column
     ([..., rows, kv blocks]); lse, di [b, heads, L] float32; the rest as `forward`'s. dQ
     starts as zeros that the kernel adds into (an aliased buffer: an output's HBM is otherwise
     uninitialised); a q or kv block with no live block gets zeros."""
@@ -495,8 +495,8 @@ def backward(tables, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, lse, do, di, *,
         dq, dk, dv = pl.pallas_call(
             kernel, name="longctx_attention_bwd", interpret=interpret,
             out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                       jax.ShapeDtypeStruct((batch, kv_heads, kv_len, head_dim), jnp.float32),
-                       jax.ShapeDtypeStruct((batch, kv_heads, kv_len, head_dim), jnp.float32)],
+                       jax.ShapeDtypeStruct((batch, kv_heads, kv_len, head_dim), dkv_dtype),
+                       jax.ShapeDtypeStruct((batch, kv_heads, kv_len, head_dim), dkv_dtype)],
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=3, in_specs=in_specs,
                 out_specs=[pl.BlockSpec(memory_space=pl.ANY), dkv_spec, dkv_spec],

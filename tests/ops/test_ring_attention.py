@@ -470,11 +470,12 @@ def _ref_program_prescaled(mask_items):
     return jax.jit(functools.partial(_out_and_grads, ref))
 
 
-@pytest.mark.parametrize("impl", ["xla", "splash"])
-def test_bfloat16_inputs(impl):
+@pytest.mark.parametrize("impl,sp", [("xla", 4), ("splash", 4), ("splash", 1)])
+def test_bfloat16_inputs(impl, sp):
     """bf16 in, bf16 out, float32 statistics: every element within rounding noise of the float32
-    reference on the same bf16 values, the noise computed per element from its own terms."""
-    sp, fsdp = 4, 2
+    reference on the same bf16 values, the noise computed per element from its own terms. At
+    sp=1 the splash backward's kernel rounds dK, dV itself (a ring of one step)."""
+    fsdp = 2
     q, k, v, seg, aux, dout = _inputs(5, 2 * fsdp, SHARD * sp, 2, dtype=jnp.bfloat16)
     items = tuple(sorted(MASKS["causal"].items()))
     out, grads = _ring_program(sp, fsdp, SHARD * sp, "zigzag", impl, items, None, True, True)(
@@ -630,3 +631,30 @@ def test_under_remat_and_scan_like_the_model(impl):
     np.testing.assert_allclose(got[0], want[0], **FWD_TOL)
     for g, r in zip(got[1], want[1]):
         np.testing.assert_allclose(g, r, **GRAD_TOL)
+
+
+def _pallas_outputs(jaxpr):
+    """(kernel name, output dtypes) of every pallas_call in a jaxpr and its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield str(eqn.params["name"]), tuple(v.aval.dtype for v in eqn.outvars)
+        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _subs(eqn):
+            yield from _pallas_outputs(sub)
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_a_ring_of_one_step_has_its_backward_kernel_round_dk_dv(sp):
+    """With one step nothing is added to the step's dK and dV, so the kernel writes them in K/V's
+    dtype (half the bytes of float32, written and then read again to round them); a ring of
+    more steps keeps them float32 to sum its steps. Their values: test_bfloat16_inputs."""
+    mesh, data = _mesh(sp, 1), P(None, "sp")
+    q = jax.ShapeDtypeStruct((1, SHARD * sp, HEADS, HEAD_DIM), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, SHARD * sp, 2, HEAD_DIM), jnp.bfloat16)
+    f = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, impl="splash", block_sizes=BLOCK, causal=True),
+                      mesh=mesh, in_specs=(data,) * 3, out_specs=data)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(),
+                                    argnums=(0, 1, 2)))(q, kv, kv)
+    backward = [dtypes for name, dtypes in _pallas_outputs(jaxpr.jaxpr) if "bwd" in name]
+    assert backward, "no backward kernel found"
+    dkv = jnp.bfloat16 if sp == 1 else jnp.float32
+    assert all(dtypes == (jnp.float32, dkv, dkv) for dtypes in backward), backward
