@@ -129,9 +129,11 @@ def fwd_start(cfg, q, qs, kv_heads):
     return FwdContext(q, qs), acc
 
 
-def _fwd_kernel(cfg, ctx, k, v, ks, blocks, live):
+def _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, every_row=False):
     """The step's normalised output and logsumexp (float32, heads-major; rows with nothing to
-    attend to: zero output, -inf lse)."""
+    attend to: zero output, -inf lse). `every_row`: the caller knows that every query has an
+    allowed key in a computed block (a ring's one step without documents: each query sees
+    itself), so no row needs emptying."""
     classes = _classes(cfg, blocks, live, ctx.qs, ks)
     data, block = tables_lib.grid_tables(classes, cfg.tables.grid_width, axis=-1)
     (data, block), q_blocks = tables_lib.live_rows_first(data, block)
@@ -139,6 +141,8 @@ def _fwd_kernel(cfg, ctx, k, v, ks, blocks, live):
     call = lambda *args: kernels.forward(  # noqa: E731
         *args, bkv_compute=cfg.bkv_compute, **_common(cfg))
     out, lse = _local(call, ctx.q, (data, block), q_blocks[:, 0], ctx.q, k, v, *masks)
+    if every_row:
+        return out, lse
     # A row with no allowed key in this step has lse ~ MASK_VALUE (masked scores in a computed
     # block), or sits in a q block with no live block, which the kernel never wrote: either way
     # it is empty here, -inf lse and zero output, so the merge gives it exactly zero weight.
@@ -164,6 +168,8 @@ def _empty_partial(q):
 def fwd_step(cfg, ctx, acc, k, v, ks, blocks, live, run):
     # The merge stays outside the cond, the kernel's output its only result (a merge inside
     # kept more of the step's buffers alive at once).
+    if acc is None and ctx.qs is None and run is True:
+        return _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, every_row=True)
     step = _maybe(run, lambda: _fwd_kernel(cfg, ctx, k, v, ks, blocks, live),
                   lambda: _empty_partial(ctx.q))
     return step if acc is None else _merge(*acc, *step)

@@ -658,3 +658,32 @@ def test_a_ring_of_one_step_has_its_backward_kernel_round_dk_dv(sp):
     assert backward, "no backward kernel found"
     dkv = jnp.bfloat16 if sp == 1 else jnp.float32
     assert all(dtypes == (jnp.float32, dkv, dkv) for dtypes in backward), backward
+
+
+def _selects_of_shape(jaxpr, shape, dtype):
+    """select_n equations (in a jaxpr and its sub-jaxprs) whose output has `shape` and `dtype`."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        aval = eqn.outvars[0].aval if eqn.outvars else None
+        n += eqn.primitive.name == "select_n" and aval.shape == shape and aval.dtype == dtype
+        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _subs(eqn):
+            n += _selects_of_shape(sub, shape, dtype)
+    return n
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_a_ring_of_one_step_without_documents_keeps_every_row_of_its_forward(documents):
+    """On one step every query sees itself (MaskSpec.bounds holds the position), so without
+    documents (no padding) every row of the forward kernel's output is computed and none needs
+    emptying: no pass over the float32 output selects rows. With documents a padded row has no
+    key, so its row is emptied."""
+    mesh, data = _mesh(1, 1), P(None, "sp")
+    q = jax.ShapeDtypeStruct((1, SHARD, HEADS, HEAD_DIM), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, SHARD, 2, HEAD_DIM), jnp.float32)
+    seg = (jax.ShapeDtypeStruct((1, SHARD), jnp.int32),) if documents else ()
+    f = jax.shard_map(lambda q, k, v, *s: ring_attention(q, k, v, *s, impl="splash", block_sizes=BLOCK,
+                                                         causal=True),
+                      mesh=mesh, in_specs=(data,) * (3 + len(seg)), out_specs=data)
+    jaxpr = jax.make_jaxpr(f)(q, kv, kv, *seg)
+    selects = _selects_of_shape(jaxpr.jaxpr, (1, HEADS, SHARD, HEAD_DIM), jnp.float32)
+    assert (selects > 0) == documents, selects
