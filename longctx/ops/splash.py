@@ -7,8 +7,8 @@ by element from positions and segment ids, in the kernel) or full. The forward r
 step's normalised output and logsumexp in float32, merged into the running ones here; the
 backward is one fused kernel per step, whose float32 dQ, dK and dV are added to the running dQ
 and to the dK, dV travelling with K/V (a ring of one step adds nothing to its dK, dV: the kernel
-rounds them to K/V's dtype itself, which halves the bytes written and read after it). Sinks are not given to the kernels: they
-enter once, in the ring's float32 merge.
+rounds them to K/V's dtype itself, which halves the bytes written and read after it). Sinks are
+not given to the kernels: they enter once, in the ring's float32 merge.
 
 Layouts: the kernels take heads-major operands, so q (and dQ, out, lse) are transposed once per
 call, in fwd_start / bwd_start, and K/V travel the ring heads-major ([b, kv_heads, L, h]:

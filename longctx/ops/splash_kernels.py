@@ -444,12 +444,14 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
 
 
 def backward(tables, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, lse, do, di, *, bq, bkv,
-             bkv_compute, mask_value, soft_cap, interpret, device_kind=None, dkv_dtype=jnp.float32):
+             bkv_compute, mask_value, soft_cap, interpret, device_kind=None,
+             dkv_dtype=jnp.float32):
     """One fused pass over the live blocks: (dQ [b, heads, L, head_dim] float32, dK, dV [b,
-    kv_heads, L_kv, head_dim] in `dkv_dtype`, summed in float32 and rounded once). tables: (data_next, block_mask) packed per kv-block column
-    ([..., rows, kv blocks]); lse, di [b, heads, L] float32; the rest as `forward`'s. dQ
-    starts as zeros that the kernel adds into (an aliased buffer: an output's HBM is otherwise
-    uninitialised); a q or kv block with no live block gets zeros."""
+    kv_heads, L_kv, head_dim] in `dkv_dtype`, summed in float32 and rounded once). tables:
+    (data_next, block_mask) packed per kv-block column ([..., rows, kv blocks]); lse, di [b,
+    heads, L] float32; the rest as `forward`'s. dQ starts as zeros that the kernel adds into (an
+    aliased buffer: an output's HBM is otherwise uninitialised); a q or kv block with no live
+    block gets zeros."""
     data_next, block_mask = tables
     batch, heads, L, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]

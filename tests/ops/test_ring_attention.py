@@ -650,8 +650,10 @@ def test_a_ring_of_one_step_has_its_backward_kernel_round_dk_dv(sp):
     mesh, data = _mesh(sp, 1), P(None, "sp")
     q = jax.ShapeDtypeStruct((1, SHARD * sp, HEADS, HEAD_DIM), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, SHARD * sp, 2, HEAD_DIM), jnp.bfloat16)
-    f = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, impl="splash", block_sizes=BLOCK, causal=True),
-                      mesh=mesh, in_specs=(data,) * 3, out_specs=data)
+    def attend(q, k, v):
+        return ring_attention(q, k, v, impl="splash", block_sizes=BLOCK, causal=True)
+
+    f = jax.shard_map(attend, mesh=mesh, in_specs=(data,) * 3, out_specs=data)
     jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(),
                                     argnums=(0, 1, 2)))(q, kv, kv)
     backward = [dtypes for name, dtypes in _pallas_outputs(jaxpr.jaxpr) if "bwd" in name]
@@ -681,9 +683,10 @@ def test_a_ring_of_one_step_without_documents_keeps_every_row_of_its_forward(doc
     q = jax.ShapeDtypeStruct((1, SHARD, HEADS, HEAD_DIM), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, SHARD, 2, HEAD_DIM), jnp.float32)
     seg = (jax.ShapeDtypeStruct((1, SHARD), jnp.int32),) if documents else ()
-    f = jax.shard_map(lambda q, k, v, *s: ring_attention(q, k, v, *s, impl="splash", block_sizes=BLOCK,
-                                                         causal=True),
-                      mesh=mesh, in_specs=(data,) * (3 + len(seg)), out_specs=data)
+    def attend(q, k, v, *s):
+        return ring_attention(q, k, v, *s, impl="splash", block_sizes=BLOCK, causal=True)
+
+    f = jax.shard_map(attend, mesh=mesh, in_specs=(data,) * (3 + len(seg)), out_specs=data)
     jaxpr = jax.make_jaxpr(f)(q, kv, kv, *seg)
     selects = _selects_of_shape(jaxpr.jaxpr, (1, HEADS, SHARD, HEAD_DIM), jnp.float32)
     assert (selects > 0) == documents, selects
