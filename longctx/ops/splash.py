@@ -166,11 +166,10 @@ def _empty_partial(q):
 
 
 def fwd_step(cfg, ctx, acc, k, v, ks, blocks, live, run):
-    if acc is None and ctx.qs is None and run is True:  # a ring's one step, no documents
-        return _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, every_row=True)
+    every_row = acc is None and ctx.qs is None  # a ring's one step, no documents
     # The merge stays outside the cond, the kernel's output its only result (a merge inside
     # kept more of the step's buffers alive at once).
-    step = _maybe(run, lambda: _fwd_kernel(cfg, ctx, k, v, ks, blocks, live),
+    step = _maybe(run, lambda: _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, every_row),
                   lambda: _empty_partial(ctx.q))
     return step if acc is None else _merge(*acc, *step)
 
