@@ -505,14 +505,17 @@ def _jaxpr(sp, impl="xla", seq_len=None, **mask):
     return jax.make_jaxpr(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2)))(q, kv, kv)
 
 
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of all its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _subs(eqn):
+            yield from _eqns(sub)
+
+
 def _count(jaxpr, prim=None):
     """Equations in a jaxpr and all its sub-jaxprs (optionally only those of one primitive)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += prim is None or eqn.primitive.name == prim
-        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _subs(eqn):
-            n += _count(sub, prim)
-    return n
+    return sum(prim is None or eqn.primitive.name == prim for eqn in _eqns(jaxpr))
 
 
 def _subs(eqn):
@@ -635,11 +638,8 @@ def test_under_remat_and_scan_like_the_model(impl):
 
 def _pallas_outputs(jaxpr):
     """(kernel name, output dtypes) of every pallas_call in a jaxpr and its sub-jaxprs."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            yield str(eqn.params["name"]), tuple(v.aval.dtype for v in eqn.outvars)
-        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _subs(eqn):
-            yield from _pallas_outputs(sub)
+    return [(str(eqn.params["name"]), tuple(v.aval.dtype for v in eqn.outvars))
+            for eqn in _eqns(jaxpr) if eqn.primitive.name == "pallas_call"]
 
 
 @pytest.mark.parametrize("sp", [1, 2])
@@ -664,13 +664,8 @@ def test_a_ring_of_one_step_has_its_backward_kernel_round_dk_dv(sp):
 
 def _selects_of_shape(jaxpr, shape, dtype):
     """select_n equations (in a jaxpr and its sub-jaxprs) whose output has `shape` and `dtype`."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        aval = eqn.outvars[0].aval if eqn.outvars else None
-        n += eqn.primitive.name == "select_n" and aval.shape == shape and aval.dtype == dtype
-        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _subs(eqn):
-            n += _selects_of_shape(sub, shape, dtype)
-    return n
+    return sum(eqn.primitive.name == "select_n" and eqn.outvars[0].aval.shape == shape
+               and eqn.outvars[0].aval.dtype == dtype for eqn in _eqns(jaxpr))
 
 
 @pytest.mark.parametrize("documents", [False, True])
