@@ -324,7 +324,6 @@ def markdown(data) -> str:
              "backward 3.5x that). Ratios below 1: longctx is faster.", "",
              f"Device: {data.get('device', '?')}. Runs (each row names its run):", ""]
     lines += [f"    {c}" for c in data.get("commands", [])]
-    masks = MASKS
     names = {"window": f"window {WINDOW:,}", "one_document": "one document"}
     label = lambda m: names.get(m, m)  # noqa: E731
     for heads, kv_heads, head_dim in sorted({_shape(r) for r in rows}):
@@ -336,7 +335,7 @@ def markdown(data) -> str:
         table = []
         for r in sorted((r for r in rows if r["impl"] == "longctx" and "fwdbwd_ms" in r
                          and all(r[k] == v for k, v in shape.items())),
-                        key=lambda r: (r["S"], masks.index(r["mask"]), r["block"])):
+                        key=lambda r: (r["S"], MASKS.index(r["mask"]), r["block"])):
             stock = _best(rows, impl="stock", run=r["run"], S=r["S"], mask=r["mask"],
                           block=r["block"], **shape)
             if stock is not None:
@@ -348,7 +347,7 @@ def markdown(data) -> str:
                       "different runs compared: see each row's run).", ""]
         table = []
         for S in sorted({r["S"] for r in rows}):
-            for mask in masks:
+            for mask in MASKS:
                 match = dict(S=S, mask=mask, **shape)
                 best = {i: _best(rows, impl=i, **match) for i in ("longctx", "stock", "tokamax")}
                 lc = best["longctx"]
@@ -364,7 +363,7 @@ def markdown(data) -> str:
     per_block = []
     for S, mask, shape in sorted({(r["S"], r["mask"], _shape(r)) for r in rows
                                   if r["impl"] == "longctx"},
-                                 key=lambda x: (x[2], x[0], masks.index(x[1]))):
+                                 key=lambda x: (x[2], x[0], MASKS.index(x[1]))):
         cells = []
         for block in blocks:
             r = _best(rows, impl="longctx", S=S, mask=mask, block=block,
