@@ -26,8 +26,8 @@ live blocks and owns the accumulators the steps add into, in its own layout:
 
   to_kv_layout(x), from_kv_layout(x)       K, V (and dK, dV) into the layout they travel the
                                            ring in, and back: once per call
-  fwd_start(cfg, q, qs, kv_heads)          -> (context, acc): what every step reads, and the
-                                              forward's accumulator
+  fwd_start(cfg, q, qs, kv_heads, sinks=None) -> (context, acc): what every step reads, and
+                                              the forward's accumulator, sinks [n] in it
   fwd_step(cfg, context, acc, k, v, ks, blocks, live, run) -> acc
   fwd_end(cfg, context, acc)               -> (out float32 [b, L, n, h], lse [b, L, n])
   bwd_start(cfg, q, qs, lse, do, di, kv_heads) -> (context, dq)
@@ -41,7 +41,10 @@ merge into an empty accumulator would only cost passes over the shard.
 
 splash merges each step's normalised output into the running one (its kernels return that);
 xla carries an unnormalised online softmax from step to step, head-major, and normalises once,
-so that a step costs no pass over the shard beyond its blocks. Sinks and the sink gradient live
+so that a step costs no pass over the shard beyond its blocks. The ring hands the sink logits to
+its backend's forward, which counts them with its own exponentials (float32 on a v5e: within
+stock splash's error, where adding them afterwards from the logsumexp was 150x further off);
+the strategies built on shard_pairs.py add them afterwards (add_sinks). The sink gradient lives
 here, once.
 """
 from __future__ import annotations
@@ -204,8 +207,8 @@ def scaled_query(cfg, q):
 
 def add_sinks(o, lse, aux):
     """(out, lse) of the keys with the sink logits aux [n] added (None: unchanged). The sink is
-    one more logit in the denominator, with no value: it only rescales. Every strategy adds
-    them here, once, in float32, after its steps."""
+    one more logit in the denominator, with no value: it only rescales. The strategies built on
+    shard_pairs.py add them here, once, in float32, after their steps."""
     if aux is None:
         return o, lse
     lse_all = jnp.logaddexp(lse, aux.astype(jnp.float32)[None, None, :])
@@ -238,7 +241,7 @@ def forward(cfg, q, k, v, qs, ks, aux):
     qx = scaled_query(cfg, q)
     source = block_source.of(cfg)
     q_side = source.query_side(qs)
-    ctx, state = backend.fwd_start(cfg, qx, qs, k.shape[2])
+    ctx, state = backend.fwd_start(cfg, qx, qs, k.shape[2], aux)
     if _one_step(cfg):
         state = None
 
@@ -250,7 +253,7 @@ def forward(cfg, q, k, v, qs, ks, aux):
 
     travel = (backend.to_kv_layout(k), backend.to_kv_layout(v), ks)
     _, state, _ = _ring_loop(cfg, travel, (), state, body, _stop(cfg, d, q_side, ks))
-    o, lse = add_sinks(*backend.fwd_end(cfg, ctx, state), aux)
+    o, lse = backend.fwd_end(cfg, ctx, state)
     return o.astype(q.dtype), lse
 
 

@@ -7,8 +7,9 @@ by element from positions and segment ids, in the kernel) or full. The forward r
 step's normalised output and logsumexp in float32, merged into the running ones here; the
 backward is one fused kernel per step, whose float32 dQ, dK and dV are added to the running dQ
 and to the dK, dV travelling with K/V (a ring of one step adds nothing to its dK, dV: the kernel
-rounds them to K/V's dtype itself, which halves the bytes written and read after it). Sinks are
-not given to the kernels: they enter once, in the ring's float32 merge.
+rounds them to K/V's dtype itself, which halves the bytes written and read after it). Sinks
+start the forward's accumulator, as a partial with zero output and the sink as its logsumexp; a
+ring of one step, which has no accumulator, gives them to its forward kernel instead.
 
 Layouts: the kernels take heads-major operands, so q (and dQ, out, lse) are transposed once per
 call, in fwd_start / bwd_start, and K/V travel the ring heads-major ([b, kv_heads, L, h]:
@@ -115,40 +116,41 @@ def _maybe(run, compute, skipped):
 
 
 class FwdContext(NamedTuple):
-    q: jax.Array           # [b, n, L, h], scaled
-    qs: jax.Array | None   # [b, L]
+    q: jax.Array              # [b, n, L, h], scaled
+    qs: jax.Array | None      # [b, L]
+    sinks: jax.Array | None   # [n] float32
 
 
-def fwd_start(cfg, q, qs, kv_heads):
+def fwd_start(cfg, q, qs, kv_heads, sinks=None):
     """The forward's context and accumulator: the normalised output and logsumexp so far,
-    heads-major float32, empty (-inf lse)."""
+    heads-major float32: zero output, and the sink logits as the logsumexp (-inf without)."""
     q = _heads_major(q)
-    b, n, L, h = q.shape
-    acc = vary_like((jnp.zeros((b, n, L, h), jnp.float32),
-                     jnp.full((b, n, L), -jnp.inf, jnp.float32)), q)
-    return FwdContext(q, qs), acc
+    ctx = FwdContext(q, qs, None if sinks is None else sinks.astype(jnp.float32))
+    return ctx, _empty_partial(ctx, sinks=True)
 
 
-def _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, every_row=False):
+def _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, sinks, every_row):
     """The step's normalised output and logsumexp (float32, heads-major; rows with nothing to
-    attend to: zero output, -inf lse). `every_row`: the caller knows that every query has an
-    allowed key in a computed block (a ring's one step without documents: each query sees
-    itself), so no row needs emptying."""
+    attend to: zero output, -inf lse, or the sink's where `sinks` has the kernel add them).
+    `every_row`: the caller knows that every query has an allowed key in a computed block (a
+    ring's one step without documents: each query sees itself), so no row needs emptying."""
     classes = _classes(cfg, blocks, live, ctx.qs, ks)
     data, block = tables_lib.grid_tables(classes, cfg.tables.grid_width, axis=-1)
     (data, block), q_blocks = tables_lib.live_rows_first(data, block)
     masks = _step_masks(cfg, blocks, ctx.qs, ks)
     call = lambda *args: kernels.forward(  # noqa: E731
         *args, bkv_compute=cfg.bkv_compute, **_common(cfg))
-    out, lse = _local(call, ctx.q, (data, block), q_blocks[:, 0], ctx.q, k, v, *masks)
+    out, lse = _local(call, ctx.q, (data, block), q_blocks[:, 0], ctx.q, k, v, *masks,
+                      ctx.sinks if sinks else None)
     if every_row:
         return out, lse
     # A row with no allowed key in this step has lse ~ MASK_VALUE (masked scores in a computed
-    # block), or sits in a q block with no live block, which the kernel never wrote: either way
-    # it is empty here, -inf lse and zero output, so the merge gives it exactly zero weight.
+    # block; with sinks, the sink's logit), or sits in a q block with no live block, which the
+    # kernel never wrote: either way it is empty here, so the merge gives it exactly zero weight.
     computed = jnp.repeat(jnp.any(classes != 0, axis=-1), cfg.bq, axis=-1)[:, None]  # [b|1, 1, L]
     valid = (lse > 0.5 * MASK_VALUE) & computed
-    return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
+    empty_out, empty_lse = _empty_partial(ctx, sinks)
+    return jnp.where(valid[..., None], out, empty_out), jnp.where(valid, lse, empty_lse)
 
 
 def _merge(o, lse, o_s, lse_s):
@@ -159,18 +161,24 @@ def _merge(o, lse, o_s, lse_s):
     return o * w[..., None] + o_s * w_s[..., None], new
 
 
-def _empty_partial(q):
-    """A step's (out, lse) with nothing computed: zero output, -inf lse."""
-    return vary_like((jnp.zeros(q.shape, jnp.float32),
-                      jnp.full(q.shape[:3], -jnp.inf, jnp.float32)), q)
+def _empty_partial(ctx, sinks):
+    """(out, lse) with nothing computed: zero output, and -inf lse or (`sinks` and the context
+    has them) the sink logits."""
+    q = ctx.q
+    lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+    if sinks and ctx.sinks is not None:
+        lse = jnp.broadcast_to(ctx.sinks[None, :, None], lse.shape)
+    return vary_like((jnp.zeros(q.shape, jnp.float32), lse), q)
 
 
 def fwd_step(cfg, ctx, acc, k, v, ks, blocks, live, run):
+    # A ring's one step has no accumulator to hold the sinks: its kernel adds them.
+    sinks = acc is None
     every_row = acc is None and ctx.qs is None  # a ring's one step, no documents
     # The merge stays outside the cond, the kernel's output its only result (a merge inside
     # kept more of the step's buffers alive at once).
-    step = _maybe(run, lambda: _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, every_row),
-                  lambda: _empty_partial(ctx.q))
+    step = _maybe(run, lambda: _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, sinks, every_row),
+                  lambda: _empty_partial(ctx, sinks))
     return step if acc is None else _merge(*acc, *step)
 
 

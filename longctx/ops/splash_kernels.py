@@ -173,8 +173,8 @@ def _soft_cap(s, soft_cap):
 # K/V blocks. Table row i is q block q_blocks[b, i]: the rows with a live block first.
 
 def _forward_kernel(data_next, block_mask, grid_width, q_blocks, q_ref, k_ref, v_ref, q_lo_ref,
-                    q_hi_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_ref, l_ref,
-                    acc_ref, *, bkv_compute, mask_value, soft_cap):
+                    q_hi_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, sinks_ref, o_ref, lse_ref,
+                    m_ref, l_ref, acc_ref, *, bkv_compute, mask_value, soft_cap):
     del q_blocks  # read by the block specs only
     b, h, i, j = (pl.program_id(a) for a in range(4))
     bq, head_dim = acc_ref.shape
@@ -183,8 +183,12 @@ def _forward_kernel(data_next, block_mask, grid_width, q_blocks, q_ref, k_ref, v
     @pl.when(j == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
-        m_ref[...] = jnp.full_like(m_ref, mask_value)
-        l_ref[...] = jnp.zeros_like(l_ref)
+        if sinks_ref is None:
+            m_ref[...] = jnp.full_like(m_ref, mask_value)
+            l_ref[...] = jnp.zeros_like(l_ref)
+        else:  # the sink is the row's first logit, with no value: exp(sink - max) = 1
+            m_ref[...] = sinks_ref[0, h] * jnp.ones_like(m_ref)
+            l_ref[...] = jnp.ones_like(l_ref)
 
     masking = any(r is not None for r in (kv_pos_ref, kv_seg_ref))
 
@@ -223,8 +227,8 @@ def _forward_kernel(data_next, block_mask, grid_width, q_blocks, q_ref, k_ref, v
         lse_ref[...] = jnp.log(l) + m_ref[...]
 
 
-def forward(tables, q_blocks, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, *, bq, bkv,
-            bkv_compute, mask_value, soft_cap, interpret, device_kind=None):
+def forward(tables, q_blocks, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, sinks=None, *, bq,
+            bkv, bkv_compute, mask_value, soft_cap, interpret, device_kind=None):
     """(out [b, heads, L, head_dim], lse [b, heads, L]), float32, of q against the live blocks
     of k, v.
 
@@ -234,7 +238,10 @@ def forward(tables, q_blocks, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, *, bq,
     caller masks it), nor is a row all of whose keys are masked out (lse ~ mask_value).
     q_lo, q_hi int32 [L] (or None): each query's allowed global key positions; kv_pos int32
     [L_kv]: the keys' global positions (in a per-row layout [b, L] and [b, L_kv], each row its
-    own, as the segment ids); q_seg [b, L], kv_seg [b, L_kv] int32 or None."""
+    own, as the segment ids); q_seg [b, L], kv_seg [b, L_kv] int32 or None. sinks [heads]
+    float32 or None: each head's sink logit, in the denominator of every row (as splash's
+    forward takes it, so that the output is one division by a sum of the kernel's own
+    exponentials: added afterwards from lse, it was 150x less accurate in float32 on a v5e)."""
     data_next, block_mask = tables
     batch, heads, L, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -268,11 +275,15 @@ def forward(tables, q_blocks, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, *, bq,
                 pl.BlockSpec((None, None, bkv, head_dim), kv_map),
                 row_spec() if positions else None, row_spec() if positions else None,
                 col_spec() if positions else None,
-                seg_row() if segments else None, seg_col() if segments else None]
+                seg_row() if segments else None, seg_col() if segments else None,
+                None if sinks is None else pl.BlockSpec(
+                    (SUBLANES, heads), lambda *_: (0, 0), memory_space=pltpu.SMEM)]
     args = [q, k, v,
             _rows(q_lo) if positions else None, _rows(q_hi) if positions else None,
             _cols(kv_pos) if positions else None,
-            _rows(q_seg) if segments else None, _cols(kv_seg) if segments else None]
+            _rows(q_seg) if segments else None, _cols(kv_seg) if segments else None,
+            None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32),
+                                                        (SUBLANES, heads))]
     out_specs = [pl.BlockSpec((None, None, bq, head_dim), q_map),
                  pl.BlockSpec((None, None, bq, LANES), q_map)]
     kernel = functools.partial(_forward_kernel, bkv_compute=bkv_compute, mask_value=mask_value,

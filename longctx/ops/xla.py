@@ -174,23 +174,32 @@ def from_kv_layout(x):
 
 
 class FwdContext(NamedTuple):
-    """What every forward step reads: q head-major and the query segment ids."""
+    """What every forward step reads: q head-major, the query segment ids and the sink logits
+    ([k, g] float32, or None)."""
     q: jax.Array
     qs: jax.Array | None
+    sinks: jax.Array | None
 
 
-def fwd_start(cfg, q, qs, kv_heads):
+def fwd_start(cfg, q, qs, kv_heads, sinks=None):
     """(context, accumulator) of the forward: the online softmax's running max, sum and
     unnormalised output ([b, k, g, L(, h)] float32), carried from step to step and normalised
-    once, in fwd_end."""
+    once, in fwd_end. Sinks start it: each is a first logit with no value (max = sink, sum 1)."""
     q = _heads_major(q, kv_heads)
-    return FwdContext(q, qs), _empty_forward(q)
+    if sinks is not None:
+        sinks = sinks.astype(f32).reshape(kv_heads, -1)
+    ctx = FwdContext(q, qs, sinks)
+    return ctx, _empty_forward(ctx)
 
 
-def _empty_forward(q):
+def _empty_forward(ctx):
+    q = ctx.q
     stats = q.shape[:4]  # [b, k, g, L]
-    return vary_like((jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32),
-                      jnp.zeros(q.shape, f32)), q)
+    if ctx.sinks is None:
+        m, l = jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32)
+    else:
+        m, l = jnp.broadcast_to(ctx.sinks[None, :, :, None], stats), jnp.ones(stats, f32)
+    return vary_like((m, l, jnp.zeros(q.shape, f32)), q)
 
 
 def fwd_step(cfg, ctx: FwdContext, acc, k, v, ks, blocks, live, run):
@@ -201,7 +210,7 @@ def fwd_step(cfg, ctx: FwdContext, acc, k, v, ks, blocks, live, run):
     ~175 to ~115 ms)."""
     step = _Step(cfg, ctx.q, k, v, ctx.qs, ks, blocks, live)
     if acc is None:  # the ring's one step: its accumulator starts here
-        acc = _empty_forward(ctx.q)
+        acc = _empty_forward(ctx)
 
     def visit(at: Visit, carry):
         m_all, l_all, o_all = carry

@@ -685,3 +685,33 @@ def test_a_ring_of_one_step_without_documents_keeps_every_row_of_its_forward(doc
     jaxpr = jax.make_jaxpr(f)(q, kv, kv, *seg)
     selects = _selects_of_shape(jaxpr.jaxpr, (1, HEADS, SHARD, HEAD_DIM), jnp.float32)
     assert (selects > 0) == documents, selects
+
+
+def _pallas_inputs(jaxpr, kernel):
+    """(shape, dtype) of each input of every pallas_call named `kernel` in a jaxpr."""
+    return [[(tuple(v.aval.shape), v.aval.dtype) for v in eqn.invars] for eqn in _eqns(jaxpr)
+            if eqn.primitive.name == "pallas_call" and str(eqn.params["name"]) == kernel]
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_a_ring_of_one_step_gives_its_sinks_to_the_forward_kernel(sp):
+    """A ring of one step has no accumulator to start from the sinks, so its forward kernel
+    takes them ([8, heads] float32, as splash's): the output is then one division by a sum of
+    the kernel's own exponentials, as stock splash's is (on a v5e in float32, adding the sinks
+    afterwards from the kernel's logsumexp was 150x less accurate than stock splash). A ring of
+    more steps starts its float32 merge from them and its kernels take none. Their values:
+    test_bfloat16_inputs and test_other_ring_sizes (sp=1), the oracle tests (sp > 1)."""
+    mesh, data = _mesh(sp, 1), P(None, "sp")
+    q = jax.ShapeDtypeStruct((1, SHARD * sp, HEADS, HEAD_DIM), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, SHARD * sp, 2, HEAD_DIM), jnp.float32)
+    sinks = jax.ShapeDtypeStruct((HEADS,), jnp.float32)
+
+    def attend(q, k, v, sinks):
+        return ring_attention(q, k, v, None, None, sinks, impl="splash", block_sizes=BLOCK,
+                              causal=True)
+
+    f = jax.shard_map(attend, mesh=mesh, in_specs=(data,) * 3 + (P(),), out_specs=data)
+    forward = _pallas_inputs(jax.make_jaxpr(f)(q, kv, kv, sinks).jaxpr, "longctx_attention_fwd")
+    assert forward, "no forward kernel found"
+    takes_sinks = [((8, HEADS), jnp.float32) in inputs for inputs in forward]
+    assert takes_sinks == [sp == 1] * len(forward), (sp, takes_sinks)
