@@ -245,6 +245,17 @@ def test_document_edge_cases(impl, case):
            segments=_edge_documents(case))
 
 
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+def test_a_ring_of_one_step_whose_device_holds_only_padding(impl):
+    """One device (sp=1) whose rows are all padding, beside one with a padded row: the one step
+    has no live block there, and its kernels walk an empty table (ring._any_live), sinks
+    included."""
+    segments = _edge_documents("padding_rows", seq_len=SHARD)
+    segments[:2] = 0  # fsdp shard 0 holds rows 0 and 1
+    _check(impl=impl, layout="contiguous", mask="causal", with_seg=True, kv_heads=2,
+           with_aux=True, soft_cap=None, sp=1, fsdp=2, segments=segments)
+
+
 def test_q_blocks_the_splash_forward_never_walks_are_masked(monkeypatch):
     """The splash forward's grid ends after the q blocks with a live block
     (splash_kernels.forward's q_blocks); the others are never written: NaN in interpret mode,
@@ -715,3 +726,32 @@ def test_a_ring_of_one_step_gives_its_sinks_to_the_forward_kernel(sp):
     assert forward, "no forward kernel found"
     takes_sinks = [((8, HEADS), jnp.float32) in inputs for inputs in forward]
     assert takes_sinks == [sp == 1] * len(forward), (sp, takes_sinks)
+
+
+def _kernels_under_cond(jaxpr):
+    """pallas_calls inside a cond's branches, in a jaxpr and its sub-jaxprs."""
+    return sum(_count(sub, "pallas_call") for eqn in _eqns(jaxpr) if eqn.primitive.name == "cond"
+               for sub in _subs(eqn))
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_a_ring_of_one_step_with_documents_calls_its_kernels_unconditionally(sp):
+    """With documents a ring of several steps skips a step that has no live block (a cond
+    around its kernels); a ring of one step has no step to skip but one of padding only, which
+    its kernels walk as an empty table, so it has no cond: on a TPU the cond kept copies of the
+    kernels' float32 outputs (AOT for v5p, 32,768 tokens, 8 heads, blocks of 2,048: 640 MiB of
+    temporaries against 383, and causal without documents 364). Values with documents at sp=1:
+    test_bfloat16_inputs, test_other_ring_sizes and test_document_edge_cases."""
+    mesh, data = _mesh(sp, 1), P(None, "sp")
+    q = jax.ShapeDtypeStruct((1, SHARD * sp, HEADS, HEAD_DIM), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, SHARD * sp, 2, HEAD_DIM), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, SHARD * sp), jnp.int32)
+
+    def attend(q, k, v, seg):
+        return ring_attention(q, k, v, seg, impl="splash", block_sizes=BLOCK, causal=True)
+
+    f = jax.shard_map(attend, mesh=mesh, in_specs=(data,) * 4, out_specs=data)
+    loss = lambda *a: f(*a).sum()  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv, seg).jaxpr
+    assert _count(jaxpr, "pallas_call") >= 2
+    assert (_kernels_under_cond(jaxpr) > 0) == (sp > 1), _kernels_under_cond(jaxpr)
