@@ -42,10 +42,9 @@ merge into an empty accumulator would only cost passes over the shard.
 splash merges each step's normalised output into the running one (its kernels return that);
 xla carries an unnormalised online softmax from step to step, head-major, and normalises once,
 so that a step costs no pass over the shard beyond its blocks. The ring hands the sink logits to
-its backend's forward, which counts them with its own exponentials (float32 on a v5e: within
-stock splash's error, where adding them afterwards from the logsumexp was 150x further off);
-the strategies built on shard_pairs.py add them afterwards (add_sinks). The sink gradient lives
-here, once.
+its backend's forward, which counts them with its own exponentials, as splash does
+(splash_kernels.forward says why); the strategies built on shard_pairs.py add them afterwards
+(add_sinks). The sink gradient lives here, once.
 """
 from __future__ import annotations
 
