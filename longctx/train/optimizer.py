@@ -6,24 +6,49 @@ that the config does not say outright.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from longctx.model.decoder import weight_decay_mask
 from longctx.train import checkpoint_compat as compat
 
 
-def learning_rate_schedule(config) -> optax.Schedule:
+def schedule_values(config) -> np.ndarray:
+    """The numbers of the run's learning-rate schedule, float32 [peak, floor, warmup steps, decay
+    steps]: the warmup at most the run, the decay ending at train.num_steps (and after the
+    warmup). The train step takes them as an argument (steps.jit_steps), not as constants, so
+    that one compiled step serves every run length and warmup: a run resumed to train longer
+    finds its program in a persistent compilation cache."""
     o, steps = config.optimizer, config.train.num_steps
     warmup = min(o.warmup_steps, steps)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.learning_rate, warmup_steps=warmup,
-        decay_steps=max(steps, warmup + 1), end_value=o.learning_rate * o.min_learning_rate_ratio)
+    return np.array([o.learning_rate, o.learning_rate * o.min_learning_rate_ratio, warmup,
+                     max(steps, warmup + 1)], np.float32)
 
 
-def make_optimizer(config) -> optax.GradientTransformation:
+def learning_rate_schedule(config, values=None) -> optax.Schedule:
+    """optax's warmup_cosine_decay_schedule from 0 of `values` (schedule_values(config) where
+    None; traced in the train step): linear from 0 to the peak over the warmup, then half a
+    cosine down to the floor at the decay's end, and the floor after it."""
+    peak, floor, warmup, decay = (schedule_values(config) if values is None else values)
+    alpha = jnp.where(peak == 0, 0.0, floor / jnp.where(peak == 0, 1.0, peak))
+
+    def schedule(count):
+        count = jnp.asarray(count, jnp.float32)
+        rising = peak * jnp.clip(count, 0.0, warmup) / jnp.maximum(warmup, 1.0)
+        done = jnp.clip(count - warmup, 0.0, decay - warmup) / (decay - warmup)
+        falling = peak * ((1.0 - alpha) * 0.5 * (1.0 + jnp.cos(jnp.pi * done)) + alpha)
+        return jnp.where(count < warmup, rising, falling)
+
+    return schedule
+
+
+def make_optimizer(config, schedule=None) -> optax.GradientTransformation:
+    """AdamW (after the global-norm clip) on the run's learning-rate schedule; `schedule`: its
+    numbers (schedule_values), traced inside the train step."""
     o = config.optimizer
-    adamw = optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
+    adamw = optax.adamw(learning_rate_schedule(config, schedule), b1=o.b1, b2=o.b2, eps=o.eps,
                         weight_decay=o.weight_decay, mask=weight_decay_mask)
     if o.grad_clip_norm is None:
         return adamw

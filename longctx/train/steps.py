@@ -1,6 +1,7 @@
-"""The step functions: the pure `train_step(state, batch) -> (state, metrics)` and the eval step,
-both jitted once with explicit shardings (`jit_steps`), and `evaluate`, the validation loss over
-a few batches and by in-document position.
+"""The step functions: the pure `train_step(state, batch, schedule) -> (state, metrics)` and the
+eval step, both jitted once with explicit shardings (`jit_steps`: the train step with the run's
+schedule bound, `TrainStep`), and `evaluate`, the validation loss over a few batches and by
+in-document position.
 
 Shapes: every batch array is int32 [global_batch, seq_len], batch sharded over (dp, fsdp) and the
 sequence over sp, tokens already in the ring layout (the data pipeline permuted them).
@@ -20,7 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from longctx.data import packing
 from longctx.model.decoder import model_nll
 from longctx.parallel import mesh as mesh_lib
-from longctx.train.optimizer import applied_updates, learning_rate_schedule
+from longctx.train.optimizer import (applied_updates, learning_rate_schedule, make_optimizer,
+                                     schedule_values)
 from longctx.train.state import Setup, TrainState, abstract_with_shardings
 
 BATCH_KEYS = packing.KEYS  # the arrays of a packed batch, each [global_batch, seq_len]
@@ -75,16 +77,17 @@ def _loss_and_grads(graphdef, params, batch, accum: int, param_shardings):
 
 
 def make_train_step(config, setup: Setup):
-    """The pure `train_step(state, batch) -> (state, metrics)`: one optimizer update on the whole
-    batch, its gradients accumulated over train.grad_accum_steps micro-batches."""
-    schedule = learning_rate_schedule(config)
+    """The pure `train_step(state, batch, schedule) -> (state, metrics)`: one optimizer update on
+    the whole batch, its gradients accumulated over train.grad_accum_steps micro-batches, at the
+    learning rate of `schedule` (optimizer.schedule_values)."""
     skip_nonfinite = config.train.on_nonfinite == "skip"
     accum = grad_accum_steps(config)
 
-    def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
+    def train_step(state: TrainState, batch, schedule) -> tuple[TrainState, dict]:
         loss, count, grads = _loss_and_grads(setup.graphdef, state.params, batch, accum,
                                              setup.state_shardings.params)
-        updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+        optimizer = make_optimizer(config, schedule)  # setup.optimizer's, its numbers traced
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.global_norm(grads)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -93,7 +96,8 @@ def make_train_step(config, setup: Setup):
             kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
             new_state = kept.replace(step=state.step + 1)
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": count,
-                   "learning_rate": schedule(applied_updates(state.opt_state))}
+                   "learning_rate": learning_rate_schedule(config, schedule)(
+                       applied_updates(state.opt_state))}
         return new_state, metrics
 
     return train_step
@@ -144,13 +148,36 @@ def compile_ahead(train_step, config, setup: Setup):
     return train_step.lower(state, abstract_batch(config, setup)).compile()
 
 
+class TrainStep:
+    """The jitted train step with the run's schedule bound: `step(state, batch)`, and
+    `step.lower(state, batch)` to compile it ahead. The schedule's numbers are an argument of the
+    program, not constants in it (optimizer.schedule_values), so runs that differ only in their
+    length or warmup share one program."""
+
+    def __init__(self, jitted, values: np.ndarray, sharding: NamedSharding):
+        self.jitted, self._values, self._sharding = jitted, values, sharding
+        self._on_devices = None
+
+    def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        if self._on_devices is None:  # every process holds the same numbers
+            self._on_devices = jax.make_array_from_callback(
+                self._values.shape, self._sharding, lambda index: self._values[index])
+        return self.jitted(state, batch, self._on_devices)
+
+    def lower(self, state, batch):
+        values = jax.ShapeDtypeStruct(self._values.shape, self._values.dtype,
+                                      sharding=self._sharding)
+        return self.jitted.lower(state, batch, values)
+
+
 def jit_steps(config, setup: Setup):
     """The train step jitted once with explicit shardings and the state donated; and the eval step."""
     replicated = NamedSharding(setup.batch_sharding.mesh, PartitionSpec())
     batch_shardings = {k: setup.batch_sharding for k in BATCH_KEYS}
-    train_step = jax.jit(make_train_step(config, setup),
-                         in_shardings=(setup.state_shardings, batch_shardings),
-                         out_shardings=(setup.state_shardings, replicated), donate_argnums=0)
+    jitted = jax.jit(make_train_step(config, setup),
+                     in_shardings=(setup.state_shardings, batch_shardings, replicated),
+                     out_shardings=(setup.state_shardings, replicated), donate_argnums=0)
+    train_step = TrainStep(jitted, schedule_values(config), replicated)
     eval_step = jax.jit(make_eval_step(config, setup),
                         in_shardings=(setup.state_shardings.params, batch_shardings),
                         out_shardings=replicated)

@@ -86,7 +86,7 @@ def test_the_step_compiled_ahead_is_the_one_the_loop_runs(tmp_path, monkeypatch,
     monkeypatch.setattr(train_loop, "jit_steps", jit_steps)
     workdir = str(tmp_path / "run")
     train_loop.train_and_evaluate(_config(3), workdir)
-    assert jitted[0]._cache_size() == 1
+    assert jitted[0].jitted._cache_size() == 1
     out = capsys.readouterr().out
     assert re.search(r"^longctx: compiled the train step in \d+\.\d s: \d+\.\d\d MiB per device by the compiler\.$",
                      out, re.M), out

@@ -61,10 +61,35 @@ def test_sharded_step_matches_single_device():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def _lowered_text(config):
+    mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        setup = train_state.make_setup(config, mesh, "zigzag")
+        train_step, _ = train_steps.jit_steps(config, setup)
+        state = train_state.abstract_with_shardings(setup.abstract_state, setup.state_shardings)
+        return train_step.lower(state, train_steps.abstract_batch(config, setup)).as_text()
+
+
+def test_runs_of_another_length_or_warmup_share_one_program():
+    """The learning-rate schedule's numbers are the step's argument, not constants in its
+    program: a run resumed to train longer, or another test's run, finds the same program in a
+    persistent compilation cache. Its peak rate is a number of the schedule too."""
+    def config(**changes):
+        c = step_config()
+        c.train.num_steps = changes.pop("num_steps", 100)
+        c.optimizer.update(**changes)
+        return c
+
+    one = _lowered_text(config())
+    assert one == _lowered_text(config(num_steps=7, warmup_steps=3, learning_rate=3e-4,
+                                       min_learning_rate_ratio=0.5))
+    assert one != _lowered_text(config(weight_decay=0.5))  # (a constant the text shows)
+
+
 def test_shardings_follow_the_rules_and_one_compile():
     rows = [synthetic.packed_rows(4, 512, 97, seed=s) for s in range(3)]
     state, _, train_step, setup, batch = run_steps(step_config(2, 2, 2), jax.devices(), rows)
-    assert train_step._cache_size() == 1  # three steps, one trace and compile
+    assert train_step.jitted._cache_size() == 1  # three steps, one trace and compile
     params = state.params
     # parameters: the model dimension over fsdp x sp (tests/train/test_sharding.py tests the rule itself)
     assert params["embed"][...].sharding.spec == P(None, ("fsdp", "sp"))
