@@ -151,7 +151,7 @@ def train_synthetic(config, seed: int, compiler_options: dict | None = None, mak
             batch = {k: jax.device_put(rows[k][:, perm], setup.batch_sharding)
                      for k in train_steps.BATCH_KEYS}
             if compiled is None:
-                compiled = train_step.lower(state, batch).compile(compiler_options)
+                compiled = train_step.compiled(state, batch, compiler_options)
             state, _ = compiled(state, batch)
             # One step in flight at a time: with many queued on virtual CPU devices, XLA:CPU's
             # all-gathers were seen to deadlock (5 of 8 devices at the rendezvous, abort at 40 s).

@@ -156,18 +156,26 @@ class TrainStep:
 
     def __init__(self, jitted, values: np.ndarray, sharding: NamedSharding):
         self.jitted, self._values, self._sharding = jitted, values, sharding
-        self._on_devices = None
+        self._placed = None
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
-        if self._on_devices is None:  # every process holds the same numbers
-            self._on_devices = jax.make_array_from_callback(
-                self._values.shape, self._sharding, lambda index: self._values[index])
-        return self.jitted(state, batch, self._on_devices)
+        return self.jitted(state, batch, self._on_devices())
 
     def lower(self, state, batch):
         values = jax.ShapeDtypeStruct(self._values.shape, self._values.dtype,
                                       sharding=self._sharding)
         return self.jitted.lower(state, batch, values)
+
+    def compiled(self, state, batch, compiler_options=None):
+        """The step compiled ahead with `compiler_options`, called as step(state, batch)."""
+        executable = self.lower(state, batch).compile(compiler_options)
+        return lambda state, batch: executable(state, batch, self._on_devices())
+
+    def _on_devices(self):
+        if self._placed is None:  # every process holds the same numbers
+            self._placed = jax.make_array_from_callback(
+                self._values.shape, self._sharding, lambda index: self._values[index])
+        return self._placed
 
 
 def jit_steps(config, setup: Setup):

@@ -31,6 +31,9 @@ needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(),
 # A benchmark whose FLOPs over its time beat cores x this did not time the work it reports.
 CPU_CORE_PEAK_FLOPS = 2 * 16 * 2 * 4e9
 BATCH_KEYS = 5  # int32 [rows, L] arrays per batch: tokens, segment_ids, positions, targets, loss_mask
+# The train step's other argument: the learning-rate schedule's four float32 numbers
+# (optimizer.schedule_values), which a TPU lays out in one tile of 128.
+SCHEDULE_BYTES = {"cpu": 4 * 4, "tpu": 128 * 4}
 
 
 def _state_bytes(config) -> int:
@@ -90,14 +93,16 @@ def test_estimate_tiny_on_v5p_fits_and_prints_memory():
     assert out["fits"] is True and out["num_devices"] == 8 and out["device_kind"].startswith("TPU v5")
     assert out["hbm_bytes"] == 95 * aot.GIB  # a v5p chip
     # Per device, from the shapes: the donated train state lies between sharded over all 8 devices
-    # and replicated; the only other argument is this device's batch shard (rows x L int32 arrays).
+    # and replicated; the others are this device's batch shard (rows x L int32 arrays) and the
+    # schedule.
     c = base.get_config("tiny")
     mesh = out["mesh_shape"]
     assert mesh == {"dp": 1, "fsdp": 2, "sp": 4}
     state = _state_bytes(c)
     assert state / 8 <= out["alias_bytes"] <= state + 1024, (out["alias_bytes"], state)
     rows, shard = c.data.global_batch_size // (mesh["dp"] * mesh["fsdp"]), c.data.seq_len // mesh["sp"]
-    assert out["argument_bytes"] - out["alias_bytes"] == BATCH_KEYS * 4 * rows * shard
+    assert (out["argument_bytes"] - out["alias_bytes"]
+            == BATCH_KEYS * 4 * rows * shard + SCHEDULE_BYTES["tpu"])
     _assert_memory_adds_up(out)
     assert 0 < out["temp_bytes"] and out["total_bytes"] < out["hbm_bytes"] and out["remedies"] == []
     # The breakdown (tests/plan/test_memory_breakdown.py checks its figures): unpadded state and batch
@@ -251,9 +256,10 @@ def test_bench_memory_quick_cpu(tmp_path):
     for r in out["weak"] + out["strong"]:
         assert r["arrays_with_two_dims_ge_L"] == [], r  # no L x L score matrix anywhere
         assert r["L"] == r["seq_len"] // r["sp"] and r["mesh"] == {"dp": 16 // r["sp"], "fsdp": 1, "sp": r["sp"]}
-        # The donated state, split over sp (+ a few scalars), and one row of L tokens per device besides.
+        # The donated state, split over sp (+ a few scalars), and one row of L tokens per device
+        # and the schedule besides.
         assert state // r["sp"] <= r["alias_bytes"] <= state // r["sp"] + 1024, (r["alias_bytes"], state)
-        assert r["argument_bytes"] - r["alias_bytes"] == BATCH_KEYS * 4 * r["L"]
+        assert r["argument_bytes"] - r["alias_bytes"] == BATCH_KEYS * 4 * r["L"] + SCHEDULE_BYTES["cpu"]
         _assert_memory_adds_up(r)
     # What the script exists to show. Weak scaling (L fixed): per-device memory flat, within the
     # script's own 10% target. Strong scaling (S fixed): halving L (sp 2 -> 4) cuts the activation
