@@ -150,9 +150,9 @@ def compile_ahead(train_step, config, setup: Setup):
 
 class TrainStep:
     """The jitted train step with the run's schedule bound: `step(state, batch)`, and
-    `step.lower(state, batch)` to compile it ahead. The schedule's numbers are an argument of the
-    program, not constants in it (optimizer.schedule_values), so runs that differ only in their
-    length or warmup share one program."""
+    `step.lower(state, batch)` or `step.compiled(...)` to compile it ahead. The schedule's numbers
+    are an argument of the program, not constants in it (optimizer.schedule_values), so runs that
+    differ only in their length or warmup share one program."""
 
     def __init__(self, jitted, values: np.ndarray, sharding: NamedSharding):
         self.jitted, self._values, self._sharding = jitted, values, sharding
