@@ -126,12 +126,12 @@ def fwd_start(cfg, q, qs, kv_heads, sinks=None):
     heads-major float32: zero output, and the sink logits as the logsumexp (-inf without)."""
     q = _heads_major(q)
     ctx = FwdContext(q, qs, None if sinks is None else sinks.astype(jnp.float32))
-    return ctx, _empty_partial(ctx, sinks=True)
+    return ctx, _empty_partial(ctx, with_sinks=True)
 
 
-def _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, sinks, every_row):
+def _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, with_sinks, every_row):
     """The step's normalised output and logsumexp (float32, heads-major; rows with nothing to
-    attend to: zero output, -inf lse, or the sink's where `sinks` has the kernel add them).
+    attend to: zero output, -inf lse, or the sink's where `with_sinks` has the kernel add them).
     `every_row`: the caller knows that every query has an allowed key in a computed block (a
     ring's one step without documents: each query sees itself), so no row needs emptying."""
     classes = _classes(cfg, blocks, live, ctx.qs, ks)
@@ -141,7 +141,7 @@ def _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, sinks, every_row):
     call = lambda *args: kernels.forward(  # noqa: E731
         *args, bkv_compute=cfg.bkv_compute, **_common(cfg))
     out, lse = _local(call, ctx.q, (data, block), q_blocks[:, 0], ctx.q, k, v, *masks,
-                      ctx.sinks if sinks else None)
+                      ctx.sinks if with_sinks else None)
     if every_row:
         return out, lse
     # A row with no allowed key in this step has lse ~ MASK_VALUE (masked scores in a computed
@@ -149,8 +149,7 @@ def _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, sinks, every_row):
     # kernel never wrote: either way it is empty here, so the merge gives it exactly zero weight.
     computed = jnp.repeat(jnp.any(classes != 0, axis=-1), cfg.bq, axis=-1)[:, None]  # [b|1, 1, L]
     valid = (lse > 0.5 * MASK_VALUE) & computed
-    empty_out, empty_lse = _empty_partial(ctx, sinks)
-    return jnp.where(valid[..., None], out, empty_out), jnp.where(valid, lse, empty_lse)
+    return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, _empty_lse(ctx, with_sinks))
 
 
 def _merge(o, lse, o_s, lse_s):
@@ -161,24 +160,29 @@ def _merge(o, lse, o_s, lse_s):
     return o * w[..., None] + o_s * w_s[..., None], new
 
 
-def _empty_partial(ctx, sinks):
-    """(out, lse) with nothing computed: zero output, and -inf lse or (`sinks` and the context
-    has them) the sink logits."""
-    q = ctx.q
-    lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-    if sinks and ctx.sinks is not None:
-        lse = jnp.broadcast_to(ctx.sinks[None, :, None], lse.shape)
-    return vary_like((jnp.zeros(q.shape, jnp.float32), lse), q)
+def _empty_lse(ctx, with_sinks):
+    """The logsumexp of rows with nothing computed: -inf, or (`with_sinks` and the context has
+    them) the sink logits."""
+    shape = ctx.q.shape[:3]
+    if with_sinks and ctx.sinks is not None:
+        return jnp.broadcast_to(ctx.sinks[None, :, None], shape)
+    return jnp.full(shape, -jnp.inf, jnp.float32)
+
+
+def _empty_partial(ctx, with_sinks):
+    """(out, lse) with nothing computed: zero output and _empty_lse."""
+    return vary_like((jnp.zeros(ctx.q.shape, jnp.float32), _empty_lse(ctx, with_sinks)), ctx.q)
 
 
 def fwd_step(cfg, ctx, acc, k, v, ks, blocks, live, run):
     # A ring's one step has no accumulator to hold the sinks: its kernel adds them.
-    sinks = acc is None
+    with_sinks = acc is None
     every_row = acc is None and ctx.qs is None  # a ring's one step, no documents
     # The merge stays outside the cond, the kernel's output its only result (a merge inside
     # kept more of the step's buffers alive at once).
-    step = _maybe(run, lambda: _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, sinks, every_row),
-                  lambda: _empty_partial(ctx, sinks))
+    step = _maybe(run, lambda: _fwd_kernel(cfg, ctx, k, v, ks, blocks, live, with_sinks,
+                                           every_row),
+                  lambda: _empty_partial(ctx, with_sinks))
     return step if acc is None else _merge(*acc, *step)
 
 

@@ -741,7 +741,8 @@ def test_a_ring_of_one_step_with_documents_calls_its_kernels_unconditionally(sp)
     its kernels walk as an empty table, so it has no cond: on a TPU the cond kept copies of the
     kernels' float32 outputs (AOT for v5p, 32,768 tokens, 8 heads, blocks of 2,048: 640 MiB of
     temporaries against 383, and causal without documents 364). Values with documents at sp=1:
-    test_bfloat16_inputs, test_other_ring_sizes and test_document_edge_cases."""
+    test_bfloat16_inputs, test_other_ring_sizes and
+    test_a_ring_of_one_step_whose_device_holds_only_padding."""
     mesh, data = _mesh(sp, 1), P(None, "sp")
     q = jax.ShapeDtypeStruct((1, SHARD * sp, HEADS, HEAD_DIM), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, SHARD * sp, 2, HEAD_DIM), jnp.float32)
