@@ -17,8 +17,13 @@ Why whole blocks: the ring computes a block whole or not at all, so a chunk that
 block makes that block hold two chunks, needed at both chunks' steps; with every spread piece
 a run of whole blocks at the front of its shard, the blocks the ring computes are the blocks
 the documents need (on the embedded corpus at 131,072 tokens, sp 8, block 512: within 2% of the
-natural order's). The rest of a shard follows: the spread documents' last partial blocks, then
-the whole documents, then padding.
+natural order's). The rest of a shard follows, then padding: its whole documents and the
+pieces that are not whole blocks (a spread document's last partial block, a scattered
+document's pieces), each piece of a document with pieces on other shards starting a block or
+ending on a block edge, whole documents cut at an edge to make room (`_arrange`: the ring sums
+up a block by its first document, its last and the range of ids between; a document of
+another shard between two others would make that range cover documents that live elsewhere,
+and every device would compute their blocks against it at every step).
 
 The work model: blocks per (device, ring step), closed form for spread documents, the causal
 triangle of each whole document, block pairs for scattered ones; a layout's cost is the sum
@@ -28,13 +33,13 @@ the fewest possible (those longer than a shard) up to CANDIDATES more, and the c
 kept. A row whose documents all stay whole runs on ring step 0 alone.
 
 Masks stay exact: each token keeps its position in its document (RoPE's), and its segment id
-becomes 1 + its document's offset in a numbering of the row's own (the spread documents first,
-then each shard's whole documents), so that `global_positions` = segment id - 1 + position is
-a position in a virtual row where every document is one run of positions: causal, window and
-chunked masks, functions of positions within a document, are what they were. The numbering
-groups each shard's whole documents, so that a block's documents are few and its id ranges say
-which shard they live on (ops/tables.py's per-row block tests rely on it for speed, never for
-correctness).
+becomes 1 + its document's offset in a numbering of the row's own (the documents in the order
+the shards hold them, each where its first piece that is not whole blocks of it lies; those in
+whole blocks only last), so that `global_positions` = segment id - 1 + position is a position
+in a virtual row where every document is one run of positions: causal, window and chunked
+masks, functions of positions within a document, are what they were. The numbering follows
+each shard's order, so that a block's id range covers only documents of its shard
+(ops/row_blocks.py's block tests rely on it for speed, never for correctness).
 
 Pure numpy and deterministic: every host of an sp group computes the same permutation of the
 same row, and a resumed run the same as before.
@@ -52,8 +57,8 @@ MIN_SPREAD_BLOCKS = 8    # documents of fewer blocks are never spread (their chu
 RESIDUES = 8             # starting shards tried per group spacing of a spread document
 STEP_COST = 1.0          # blocks a ring step costs beyond its blocks (ops/auto_layout.py's rule)
 
-# Regions of a shard, in order: whole blocks of spread and scattered documents, their partial
-# blocks, whole documents (then padding).
+# What a piece of a shard is: whole blocks of a spread or scattered document (at the front of
+# the shard), the rest of one (its partial block, pieces of a scattered one), a whole document.
 _BLOCKS, _PARTIAL, _WHOLE = 0, 1, 2
 
 
@@ -291,6 +296,80 @@ def best_plan(segment_ids, num_shards: int, block: int) -> _Plan:
     return best
 
 
+def _homes(pieces) -> dict:
+    """Each document's home: the first shard holding a piece of it that is not whole blocks of
+    it (where it is numbered; elsewhere it is foreign). Documents in whole blocks only have none."""
+    home = {}
+    for d, held in enumerate(pieces):
+        for doc, _, _, region in held:
+            if region != _BLOCKS:
+                home.setdefault(doc, d)
+    return home
+
+
+def _shared(pieces) -> set:
+    """The documents with pieces on more than one shard (spread or scattered)."""
+    shards = {}
+    for d, held in enumerate(pieces):
+        for doc, _, _, _ in held:
+            shards.setdefault(doc, set()).add(d)
+    return {doc for doc, where in shards.items() if len(where) > 1}
+
+
+def _arrange(pieces, d: int, home: dict, shared: set, block: int) -> list:
+    """Shard d's pieces in layout order: its whole blocks of single documents, then the rest,
+    where every piece of a document `shared` with other shards starts a block or ends on a
+    block edge, the shard's whole documents filling between (cut at the edges where needed: the
+    two parts of one are still one run of its positions). Why: row_blocks sums up a block by its
+    first document, its last and the range of ids between them. A foreign document between two
+    others (one numbered with its `home` shard's) would make that range cover documents numbered
+    in between that live elsewhere, and the ring would compute their blocks against the block
+    at every step; one of the shard's own there only makes its blocks elsewhere compute the
+    block (their positions follow its other documents'). So foreign pieces take the edges
+    first, and where whole documents run out, the shard's own shared pieces fill instead."""
+    out = [p for p in pieces if p[3] == _BLOCKS]
+    at = sum(p[2] - p[1] for p in out)
+    rest = [p for p in pieces if p[3] != _BLOCKS]
+    pending = ([p for p in rest if home[p[0]] != d] +                    # foreign: edges first
+               [p for p in rest if home[p[0]] == d and p[0] in shared])  # the shard's own shared
+    stream = [p for p in rest if p[0] not in shared][::-1]
+
+    def fill(upto):  # whole documents (then own shared pieces) up to `upto`, the last cut there
+        nonlocal at
+        while at < upto:
+            if stream:
+                doc, first, stop, region = stream.pop()
+            elif pending and home[pending[-1][0]] == d:
+                doc, first, stop, region = pending.pop()
+            else:
+                return
+            cut = min(stop, first + upto - at)
+            out.append((doc, first, cut, region))
+            if cut < stop:
+                stream.append((doc, cut, stop, region))
+            at += cut - first
+
+    def put(piece):
+        nonlocal at
+        out.append(piece)
+        at += piece[2] - piece[1]
+
+    while pending:
+        fill(-(-at // block) * block)
+        if not pending:
+            break
+        put(pending.pop(0))                                  # first in its block
+        if pending and at % block:
+            edge = -(-at // block) * block
+            length = pending[0][2] - pending[0][1]
+            if length <= edge - at:                          # and one last in it
+                fill(edge - length)
+                if pending:
+                    put(pending.pop(0))
+    fill(at + sum(p[2] - p[1] for p in stream))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RowLayout:
     """One row in the per-document layout: `permutation` int64 [S] (x_layout =
@@ -326,14 +405,14 @@ def row_layout(segment_ids, num_shards: int, block: int, positions=None) -> RowL
             offset[doc], numbered[doc] = cursor, True
             cursor += int(spans[doc])
 
-    for doc in plan.spread:
-        number(doc)
-    for d in range(num_shards):  # scattered documents, then each shard's whole ones
-        for doc, _, _, region in plan.pieces[d]:
-            if region != _WHOLE:
+    home, shared = _homes(plan.pieces), _shared(plan.pieces)
+    order = [_arrange(plan.pieces[d], d, home, shared, block) for d in range(num_shards)]
+    for pieces in order:  # in the order the shards hold them, blocks of one document last
+        for doc, _, _, region in pieces:
+            if region != _BLOCKS:
                 number(doc)
-    for d in range(num_shards):
-        for doc, _, _, region in plan.pieces[d]:
+    for pieces in order:
+        for doc, _, _, _ in pieces:
             number(doc)
     if cursor >= 2 ** 30:
         raise ValueError(f"positions up to {cursor:,} in a row: global positions must stay below "
@@ -345,7 +424,7 @@ def row_layout(segment_ids, num_shards: int, block: int, positions=None) -> RowL
     used = 0
     for d in range(num_shards):
         slot = d * shard_len
-        for doc, first, stop, _ in sorted(plan.pieces[d], key=lambda p: (p[3], offset[p[0]] + p[1])):
+        for doc, first, stop, _ in order[d]:
             n = stop - first
             perm[slot:slot + n] = starts[doc] + np.arange(first, stop)
             new_ids[slot:slot + n] = offset[doc] + 1

@@ -111,3 +111,14 @@ def test_long_tailed_documents_keep_the_ring_balanced():
     # the host schedule counts what the ring computes, every block of it needed
     one = tables.document_schedule(spec, "per_document", seq_len, sp, block, rows[:1])
     assert one.kept_blocks == one.computed_blocks.sum()
+
+
+def test_the_ring_computes_no_block_for_nothing():
+    """Two long documents spread, their last partial blocks on shards that hold whole documents
+    too: each shard's pieces are ordered and numbered so that no block's range of ids covers a
+    document that lives elsewhere, and every block the ring computes holds a needed pair."""
+    seq_len, sp, block = 8192, 4, 128
+    ids = np.repeat(np.arange(1, 7), [3637, 1969, 316, 240, 217, 1813]).astype(np.int32)
+    spec = masks.make_mask_spec(causal=True)
+    schedule = tables.document_schedule(spec, "per_document", seq_len, sp, block, ids[None])
+    assert schedule.kept_blocks == schedule.computed_blocks.sum()
