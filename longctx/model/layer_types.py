@@ -147,8 +147,9 @@ def rope_scaling(config, name: str) -> dict | None:
 
 def period(config) -> tuple[LayerType, ...]:
     """The resolved types of one period, in pattern order (one LayerType per position)."""
-    resolved = {}
-    return tuple(resolved.setdefault(name, resolve(config, name)) for name in pattern(config.attention))
+    names = pattern(config.attention)
+    resolved = {name: resolve(config, name) for name in dict.fromkeys(names)}  # each type once
+    return tuple(resolved[name] for name in names)
 
 
 def distinct(config) -> tuple[LayerType, ...]:
