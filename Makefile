@@ -23,9 +23,10 @@ demo: $(STAMP)
 
 # Two pytest workers, one per core of this project's 2-core machines: compiling is mostly
 # single-threaded. --dist loadfile keeps each file on one worker, so that a module's fixtures
-# (tests/train/test_checkpoint.py's training runs, for one) run once.
+# (tests/train/test_checkpoint.py's training runs, for one) run once; the files go out in the
+# collection's order, the longest first (tests/conftest.py, LONGEST_FILES).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 clean:
 	rm -rf runs $(VENV)

@@ -8,4 +8,13 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 ASSETS = os.path.join(ROOT, "tests", "assets")
+# make test runs a covering subset; LONGCTX_EXHAUSTIVE=1 runs every case (README, "Tests").
+EXHAUSTIVE = bool(os.environ.get("LONGCTX_EXHAUSTIVE"))
+
+
+def exhaustive_only(covered_by: str):
+    """A mark for a case that runs only with LONGCTX_EXHAUSTIVE=1; `covered_by` names what
+    checks the same code in the default subset."""
+    import pytest
+    return pytest.mark.skipif(not EXHAUSTIVE, reason=f"runs with LONGCTX_EXHAUSTIVE=1 ({covered_by})")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")

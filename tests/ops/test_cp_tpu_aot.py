@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from longctx.ops import context_parallel
 from longctx.plan import aot
+from tests import exhaustive_only
 
 pytestmark = [
     pytest.mark.tpu_aot,
@@ -52,7 +53,10 @@ def _compile(strategy, degree, topology="v5p:2x2x2"):
     return compiled, time.perf_counter() - start, hbm
 
 
-@pytest.mark.parametrize("strategy,degree", [("all_gather", None), ("ulysses", None), ("usp", 2)])
+@pytest.mark.parametrize("strategy,degree", [
+    ("all_gather", None),
+    pytest.param("ulysses", None, marks=exhaustive_only("usp x2 compiles Ulysses' all-to-all")),
+    ("usp", 2)])
 def test_strategy_fwd_bwd_compiles_and_fits_on_v5p_2x2x2(strategy, degree):
     compiled, seconds, hbm = _compile(strategy, degree)
     hlo = compiled.as_text()
