@@ -8,7 +8,8 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 ASSETS = os.path.join(ROOT, "tests", "assets")
-# make test runs a covering subset; LONGCTX_EXHAUSTIVE=1 runs every case (README, "Tests").
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+# make test runs a covering subset; LONGCTX_EXHAUSTIVE=1 runs every case (README, "Two commands").
 EXHAUSTIVE = bool(os.environ.get("LONGCTX_EXHAUSTIVE"))
 
 
@@ -17,4 +18,3 @@ def exhaustive_only(covered_by: str):
     checks the same code in the default subset."""
     import pytest
     return pytest.mark.skipif(not EXHAUSTIVE, reason=f"runs with LONGCTX_EXHAUSTIVE=1 ({covered_by})")
-FIXTURES = os.path.join(ROOT, "tests", "fixtures")
