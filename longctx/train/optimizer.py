@@ -44,11 +44,12 @@ def learning_rate_schedule(config, values=None) -> optax.Schedule:
     return schedule
 
 
-def make_optimizer(config, schedule=None) -> optax.GradientTransformation:
-    """AdamW (after the global-norm clip) on the run's learning-rate schedule; `schedule`: its
-    numbers (schedule_values), traced inside the train step."""
+def make_optimizer(config, schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
+    """AdamW (after the global-norm clip) on the run's learning-rate schedule: `schedule`, or
+    learning_rate_schedule(config) where None (the train step passes one of traced numbers)."""
     o = config.optimizer
-    adamw = optax.adamw(learning_rate_schedule(config, schedule), b1=o.b1, b2=o.b2, eps=o.eps,
+    schedule = learning_rate_schedule(config) if schedule is None else schedule
+    adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps,
                         weight_decay=o.weight_decay, mask=weight_decay_mask)
     if o.grad_clip_norm is None:
         return adamw

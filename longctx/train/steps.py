@@ -86,7 +86,8 @@ def make_train_step(config, setup: Setup):
     def train_step(state: TrainState, batch, schedule) -> tuple[TrainState, dict]:
         loss, count, grads = _loss_and_grads(setup.graphdef, state.params, batch, accum,
                                              setup.state_shardings.params)
-        optimizer = make_optimizer(config, schedule)  # setup.optimizer's, its numbers traced
+        learning_rate = learning_rate_schedule(config, schedule)
+        optimizer = make_optimizer(config, learning_rate)  # setup.optimizer's, its numbers traced
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.global_norm(grads)
@@ -96,8 +97,7 @@ def make_train_step(config, setup: Setup):
             kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
             new_state = kept.replace(step=state.step + 1)
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": count,
-                   "learning_rate": learning_rate_schedule(config, schedule)(
-                       applied_updates(state.opt_state))}
+                   "learning_rate": learning_rate(applied_updates(state.opt_state))}
         return new_state, metrics
 
     return train_step
