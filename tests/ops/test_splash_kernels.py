@@ -186,6 +186,29 @@ def test_vmem_check_refuses_what_no_limit_fits():
         kernels.check_vmem(8192, 8192, 8192, 128, 2, masking, "TPU v5 lite")
 
 
+def test_the_unsigned_position_test_is_the_two_compares():
+    """The document path's position test, kv_pos - q_lo < count in uint32, allows exactly what
+    lo <= kv_pos <= hi does, at the ends of the positions the ring computes (MaskSpec.bounds on
+    device: +-2**30) and of int32 (but -2**31: a uint32 counts up to 2**32 - 1 keys) and for
+    empty intervals; a full block keeps them and counts the most a uint32 holds."""
+    big = masks._BIG_ON_DEVICE
+    ends = [-2 ** 31 + 1, -big, -big + 1, -1, 0, 1, big - 1, big, 2 ** 31 - 1]
+    pairs = [(a, b) for a in ends for b in ends if a <= b]
+    lo, hi = (jnp.asarray(np.array(x, np.int32))[:, None] for x in zip(*pairs, (1, 0)))
+    pos = jnp.asarray(np.array(ends + [5, -5, 2 ** 30 + 7], np.int32))[None, :]
+    shape = (lo.shape[0], pos.shape[1])
+    q_ids, kv_ids = jnp.ones(lo.shape, jnp.int32), jnp.ones(pos.shape, jnp.int32)
+    two = kernels._mask(lo, hi, pos, q_ids, kv_ids, shape)
+    one = kernels._mask(lo, None, pos, q_ids, kv_ids, shape,
+                        counts=kernels._interval_counts(lo, hi, False), full=False)
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(two))
+    assert not np.asarray(two)[np.asarray(hi < lo)[:, 0]].any()  # the empty interval allows none
+    full = kernels._mask(lo, None, pos, q_ids, kv_ids, shape,
+                         counts=kernels._interval_counts(lo, hi, True), full=True)
+    assert np.asarray(full)[np.asarray(two)].all()
+    assert (np.asarray(kernels._interval_counts(lo, hi, True)) == 2 ** 32 - 1).all()
+
+
 # ----------------------------------------------------------------------------- the bf16 ring
 
 SEQ_LEN, SP, RING_BLOCK = 1024, 4, 128
