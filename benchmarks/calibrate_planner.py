@@ -4,7 +4,7 @@ train steps, docs/tpu.md), HBM against this repository's whole-step TPU compiles
 constants, reports the error on the points not used for fitting apart. Writes
 docs/planner_calibration.json and .md.
 
-  .venv/bin/python benchmarks/calibrate_planner.py             # fit, compare, write (about a minute)
+  .venv/bin/python benchmarks/calibrate_planner.py             # fit, compare, write (about ten seconds)
   .venv/bin/python benchmarks/calibrate_planner.py --render-only
 
 Step time: longctx/plan/calibration.py's POINTS (each with its source) and plan/chip_points.py's

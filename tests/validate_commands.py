@@ -22,7 +22,7 @@ import tempfile
 # What the scripts import; each only speeds things up (a module that fails to import here is
 # imported, and fails, in the command that needs it).
 PRELOAD = ("jax", "numpy", "absl.app", "absl.flags", "ml_collections.config_flags", "longctx.cli",
-           "longctx.config", "longctx.train", "longctx.plan.aot", "longctx.interop.hf", "longctx.evals.inference",
+           "longctx.config", "longctx.train.loop", "longctx.plan.aot", "longctx.interop.hf", "longctx.evals.inference",
            "longctx.evals.needle", "longctx.interop.params_io", "longctx.evals.ablation", "longctx.data.prepare")
 
 

@@ -180,23 +180,22 @@ def point_config(base, point: Point):
     return c
 
 
-def _prepared(base, point: Point, cache: dict):
-    """(config, topology, schedule, mesh) of a point, made once per fit."""
+def _prepared(base, point: Point, cache: dict) -> step_time.StepTerms:
+    """The point's step before the constants price it (step_time.terms), counted once per fit."""
     if point not in cache:
         config = point_config(base, point)
         spec = masks.make_mask_spec(**attention_lib.mask_kwargs(config.attention))
         chosen = context_parallel.named(point.cp, point.degree)
         schedule = attention_work.static_schedule(chosen, spec, point.layout, point.seq_len,
                                                   point.mesh[2], point.block)
-        cache[point] = (config, hardware.parse_topology(point.topology), schedule,
-                        dict(zip(("dp", "fsdp", "sp"), point.mesh)))
+        cache[point] = step_time.terms(config, hardware.parse_topology(point.topology), schedule,
+                                       dict(zip(("dp", "fsdp", "sp"), point.mesh)))
     return cache[point]
 
 
 def predict(base, point: Point, constants: dict | None = None,
             cache: dict | None = None) -> step_time.StepEstimate:
-    config, topology, schedule, mesh = _prepared(base, point, {} if cache is None else cache)
-    return step_time.estimate(config, topology, schedule, mesh, constants=constants)
+    return _prepared(base, point, {} if cache is None else cache).estimate(constants)
 
 
 def log_error(predicted: float, published: float) -> float:

@@ -1,6 +1,7 @@
 """A model of one train step's time on a TPU slice (or GPUs), from the config alone.
 
     estimate(config, topology, schedule) -> StepEstimate
+    terms(config, topology, schedule).estimate(constants)   # the same, counted once for many constants
 
 Per device: the matmuls of the model (model/flops.py, plus what remat recomputes) at a fraction
 of the chip's peak, or at HBM speed where their operands make them slower; the attention blocks
@@ -371,6 +372,77 @@ def model_flops_per_step(config, pairs_per_row: float | None = None) -> float:
     return flops_lib.dense_flops_per_step(config) + attention
 
 
+@dataclasses.dataclass(frozen=True)
+class TypeTerms:
+    """One layer type's part of a step that the constants leave alone (StepTerms)."""
+    name: str
+    layers: int              # the model's layers of this type
+    cp: str                  # its strategy
+    block: int
+    blocks: float            # blocks on its critical path, every row this device's sp group holds
+    calls: float             # kernel calls per pass of one layer
+    dead: dict               # {pass: grid steps walked with nothing live}, those rows
+    # ((share of the batches, ((pass, seconds on the links, under the blocks, calls), ...)), ...):
+    # its context-parallel transfers, all its layers', by the ring steps K/V travel
+    transfers: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTerms:
+    """What `estimate` counts from the config, the topology and the schedule alone: everything
+    but what the constants (CONSTANTS) price. `estimate(constants)` prices it; a fit that tries
+    many constants on one config counts it once."""
+    chip: hardware.Chip      # one mesh device
+    num_layers: int
+    heads: int
+    head_dim: int
+    dense_flops: float       # the matmuls' FLOPs of one device, remat included
+    hbm_matmul: float        # seconds the matmuls' HBM traffic takes
+    optimizer: float
+    gather: float            # one layer's FSDP weight gathers (forward and backward), seconds
+    scatter: float           # one layer's gradient reduce-scatter, seconds
+    allreduce: float         # the dp gradient all-reduce, seconds
+    types: tuple             # of TypeTerms
+    communication: dict      # StepEstimate.communication
+    model_flops: float
+    device_flops: float
+    tokens: int
+    num_chips: int
+
+    def estimate(self, constants: dict | None = None) -> StepEstimate:
+        """The step under `constants` (CONSTANTS where None or for a key it leaves out)."""
+        eff = dict(CONSTANTS, **(constants or {}))
+        chip = self.chip
+        compute_matmul = self.dense_flops / (chip.peak_flops * matmul_efficiency(chip.name, eff))
+        matmul = max(compute_matmul, self.hbm_matmul)
+        attention = fsdp_exposed = cp_exposed = 0.0
+        per_type = {}
+        for t in self.types:
+            one_layer = attention_pass_seconds(chip, t.blocks, t.block, self.heads, self.head_dim,
+                                               t.calls, t.dead, eff)
+            attention_pass = {p: t.layers * s for p, s in one_layer.items()}
+            type_attention = sum(attention_pass.values())
+            exposed = _exposed_seconds(t.transfers, attention_pass, eff["collective_latency"])
+            layer_compute = matmul / self.num_layers + type_attention / t.layers
+            type_fsdp = t.layers * max(0.0, self.gather + self.scatter - layer_compute)
+            attention += type_attention
+            cp_exposed += exposed
+            fsdp_exposed += type_fsdp
+            per_type[t.name] = {
+                "layers": t.layers, "cp": t.cp, "block_size": t.block,
+                "attention_seconds": type_attention, "cp_exposed_seconds": exposed,
+                "fsdp_exposed_seconds": type_fsdp}
+        # dp: the gradient shard all-reduced, hidden behind the backward.
+        backward = (matmul + attention) * 2.0 / 3.0
+        dp_exposed = max(0.0, self.allreduce - backward)
+        return StepEstimate(
+            matmul=matmul, attention=attention, optimizer=self.optimizer, fsdp_exposed=fsdp_exposed,
+            cp_exposed=cp_exposed, dp_exposed=dp_exposed, communication=dict(self.communication),
+            model_flops=self.model_flops, device_flops=self.device_flops, tokens=self.tokens,
+            num_chips=self.num_chips, peak_flops=chip.peak_flops,
+            hbm_bound_matmul=self.hbm_matmul > compute_matmul, per_type=per_type)
+
+
 def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str, int], *,
              rows_in_schedule: int = 1, pairs_per_row: float | None = None,
              constants: dict | None = None) -> StepEstimate:
@@ -382,7 +454,13 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
     priced with its own mask, strategy and block (its resolved attention config) and its layer
     count. `pairs_per_row`: the pairs the schedule's documents keep (document_pairs of the same
     rows), for MFU; None: rows of one document."""
-    eff = dict(CONSTANTS, **(constants or {}))
+    return terms(config, topology, schedule, mesh_sizes, rows_in_schedule=rows_in_schedule,
+                 pairs_per_row=pairs_per_row).estimate(constants)
+
+
+def terms(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str, int], *,
+          rows_in_schedule: int = 1, pairs_per_row: float | None = None) -> StepTerms:
+    """What `estimate` counts before any constant prices it (its arguments but the constants)."""
     chip = topology.device  # what one mesh device has (a TPU7x chip is two)
     m, d = config.model, config.data
     dp, fsdp, sp = mesh_sizes["dp"], mesh_sizes["fsdp"], mesh_sizes["sp"]
@@ -401,8 +479,6 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
     gathered_layer = layer_params * compute_bytes  # the layer's weights in the compute dtype
     hbm_matmul = m.num_layers * passes * (
         gathered_layer + tokens_per_device * _activation_bytes_per_token(config)) / chip.hbm_bandwidth
-    compute_matmul = dense_hw / (chip.peak_flops * matmul_efficiency(chip.name, eff))
-    matmul = max(compute_matmul, hbm_matmul)
 
     # AdamW on this device's shard: read parameter, gradient, two moments; write parameter and
     # moments (float32): OPTIMIZER_BYTES per parameter, the moments' on their own shard.
@@ -424,10 +500,10 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
 
     # Per layer type: the attention blocks on the critical path of its strategy, every row this
     # device's sp group holds; its context-parallel collectives; the FSDP traffic its layers'
-    # compute does not hide.
-    attention = fsdp_exposed = cp_exposed = attention_hw_flops = 0.0
+    # compute does not hide (StepTerms.estimate).
+    attention_hw_flops = 0.0
     cp_seconds: dict = {}
-    per_type = {}
+    types = []
     for layer_type, count in collectives.type_layers(config):
         a = layer_type.attention
         sched = schedule[layer_type.name] if isinstance(schedule, dict) else schedule
@@ -436,69 +512,53 @@ def estimate(config, topology: hardware.Topology, schedule, mesh_sizes: dict[str
         block_flops = 4.0 * block * block * m.head_dim * m.num_heads  # forward, all heads
         shape = collectives.type_shape(config, a, sp, rows)
         cfg = collectives.type_config(a, shape, config.attention.layout)
-        calls = _kernel_calls(a, sched, cfg)
         scale = rows / rows_in_schedule
-        one_layer = attention_pass_seconds(chip, blocks, block, m.num_heads, m.head_dim, calls,
-                                           {p: n * scale for p, n in dead_steps(sched).items()}, eff)
-        attention_pass = {p: count * t for p, t in one_layer.items()}
-        type_attention = sum(attention_pass.values())
-        seconds, exposed = _cp_seconds(a, shape, cfg, count, topology, sched, spans, attention_pass,
-                                       eff["collective_latency"])
+        seconds, transfers = _cp_seconds(a, shape, cfg, count, topology, sched, spans)
         for kind, t in seconds.items():
             cp_seconds[kind] = cp_seconds.get(kind, 0.0) + t
-        layer_compute = matmul / m.num_layers + type_attention / count
-        type_fsdp = count * max(0.0, gather + scatter - layer_compute)
-        attention += type_attention
-        cp_exposed += exposed
-        fsdp_exposed += type_fsdp
         attention_hw_flops += count * blocks * block_flops * sum(ATTENTION_PASSES.values())
-        per_type[layer_type.name] = {
-            "layers": count, "cp": str(attention_lib.strategy_of(a)), "block_size": block,
-            "attention_seconds": type_attention, "cp_exposed_seconds": exposed,
-            "fsdp_exposed_seconds": type_fsdp}
+        types.append(TypeTerms(
+            name=layer_type.name, layers=count, cp=str(attention_lib.strategy_of(a)), block=block,
+            blocks=blocks, calls=_kernel_calls(a, sched, cfg),
+            dead={p: n * scale for p, n in dead_steps(sched).items()}, transfers=transfers))
 
-    # dp: the gradient shard all-reduced, hidden behind the backward.
+    # dp: the gradient shard all-reduced (StepTerms.estimate hides it behind the backward).
     allreduce = _collective_seconds("all_reduce", 2 * (dp - 1) / dp * params / param_ways * 4, dp,
                                     spans["dp"], hardware.has_wraparound(topology, dp), link)
-    backward = (matmul + attention) * 2.0 / 3.0
-    dp_exposed = max(0.0, allreduce - backward)
 
-    return StepEstimate(
-        matmul=matmul, attention=attention, optimizer=optimizer, fsdp_exposed=fsdp_exposed,
-        cp_exposed=cp_exposed, dp_exposed=dp_exposed,
+    return StepTerms(
+        chip=chip, num_layers=m.num_layers, heads=m.num_heads, head_dim=m.head_dim,
+        dense_flops=dense_hw, hbm_matmul=hbm_matmul, optimizer=optimizer, gather=gather,
+        scatter=scatter, allreduce=allreduce, types=tuple(types),
         communication={"fsdp_gather": m.num_layers * gather, "fsdp_reduce_scatter": m.num_layers * scatter,
                        "dp_all_reduce": allreduce, **cp_seconds},
         model_flops=model_flops_per_step(config, pairs_per_row),
         device_flops=dense_hw + attention_hw_flops,
-        tokens=d.global_batch_size * d.seq_len,
-        num_chips=chips, peak_flops=chip.peak_flops, hbm_bound_matmul=hbm_matmul > compute_matmul,
-        per_type=per_type)
+        tokens=d.global_batch_size * d.seq_len, num_chips=chips)
 
 
-def _cp_seconds(attention, shape, cfg, layers, topology, schedule, spans, attention_pass, latency):
-    """({"cp_<kind>": seconds on the links}, exposed seconds) of one layer type's strategy
-    (`attention`: its resolved config; `shape`, `cfg`: one of its calls) over its `layers` layers;
-    `attention_pass`: those layers' attention seconds per pass, which the transfers the strategy
-    runs under its blocks hide behind."""
+def _cp_seconds(attention, shape, cfg, layers, topology, schedule, spans):
+    """({"cp_<kind>": seconds on the links}, TypeTerms.transfers) of one layer type's strategy
+    (`attention`: its resolved config; `shape`, `cfg`: one of its calls) over its `layers` layers."""
     if shape.sp == 1:
-        return {}, 0.0
+        return {}, ()
     chosen = attention_lib.strategy_of(attention)
-    seconds, exposed = {}, 0.0
+    seconds, parts = {}, []
     for steps, weight in _step_weights(schedule).items():
         transfers = chosen.transfers(shape, cfg, range(steps))
-        part_seconds, part_exposed = _transfer_seconds(transfers, shape.sp, layers, topology, spans,
-                                                       attention_pass, latency)
+        part_seconds, part = _transfer_seconds(transfers, shape.sp, layers, topology, spans)
         for kind, t in part_seconds.items():
             seconds[kind] = seconds.get(kind, 0.0) + weight * t
-        exposed += weight * part_exposed
-    return seconds, exposed
+        parts.append((weight, part))
+    return seconds, tuple(parts)
 
 
-def _transfer_seconds(transfers, sp: int, layers, topology, spans, attention_pass, latency):
+def _transfer_seconds(transfers, sp: int, layers, topology, spans):
     """_cp_seconds of one strategy's `transfers` (ops/strategy.py: its bytes by kind and pass,
-    K/V travelling a given number of steps)."""
+    K/V travelling a given number of steps): ({"cp_<kind>": seconds}, ((pass, seconds, under the
+    blocks, calls), ...))."""
     link = topology.device.ici_link_bandwidth
-    seconds, exposed = {}, 0.0
+    seconds, part = {}, []
     for p, parts in transfers.items():
         for t in parts:
             span = 1.0 if t.kind == "permute" else _group_span(t.group, sp, spans["sp"])
@@ -509,9 +569,22 @@ def _transfer_seconds(transfers, sp: int, layers, topology, spans, attention_pas
                 # way carries that many sends (links.pass_hops, from mesh.ring_cycle)
                 secs *= links.pass_hops(topology, sp, t.stride)
             seconds[f"cp_{t.kind}"] = seconds.get(f"cp_{t.kind}", 0.0) + secs
-            hidden = attention_pass[p] if t.under_blocks else 0.0
-            exposed += max(0.0, secs - hidden) + layers * t.calls * latency
-    return seconds, exposed
+            part.append((p, secs, t.under_blocks, layers * t.calls))
+    return seconds, tuple(part)
+
+
+def _exposed_seconds(transfers, attention_pass, latency) -> float:
+    """Seconds of a type's transfers (TypeTerms.transfers) the step waits for: a transfer its
+    strategy issues under the blocks hides behind the pass's attention (`attention_pass`
+    {pass: seconds}), the others are exposed whole; every call pays `latency`."""
+    exposed = 0.0
+    for weight, part in transfers:
+        part_exposed = 0.0
+        for p, secs, under_blocks, calls in part:
+            hidden = attention_pass[p] if under_blocks else 0.0
+            part_exposed += max(0.0, secs - hidden) + calls * latency
+        exposed += weight * part_exposed
+    return exposed
 
 
 def _group_span(group: int, sp: int, sp_span: float) -> float:

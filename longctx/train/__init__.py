@@ -13,8 +13,17 @@
 Imports: longctx.model, longctx.data, longctx.ops, longctx.parallel, longctx.config, longctx.cli,
 longctx.errors. Evaluations that need the run's parameters (the passkey evaluator of
 longctx.evals) reach the loop as hooks it is given (hooks.py), never by an import from here.
+
+`train_and_evaluate` is imported lazily, so that `longctx.train.lease` (and workdir) start without
+importing jax, which the lease does not need.
 """
 
-from longctx.train.loop import train_and_evaluate
+import importlib
 
 __all__ = ["train_and_evaluate"]
+
+
+def __getattr__(name):
+    if name == "train_and_evaluate":
+        return importlib.import_module("longctx.train.loop").train_and_evaluate
+    raise AttributeError(f"module 'longctx.train' has no attribute {name!r}")

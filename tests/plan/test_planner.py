@@ -228,9 +228,8 @@ def test_calibration_constants_are_what_the_fit_gives(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "calibrate_planner.py"),
                              "--json", str(out), "--md", str(tmp_path / "calibration.md")],
                             cwd=ROOT, env=child_env.script_env(), capture_output=True, text=True,
-                            # a guard against a hang, not a speed test: the fit takes about a CPU
-                            # minute (every point's schedule, dead grid steps included), 2.5 minutes
-                            # beside the rest of make test
+                            # a guard against a hang, not a speed test: the fit takes about ten
+                            # CPU seconds (each point counted once, step_time.terms)
                             timeout=1200)
     assert result.returncode == 0, result.stderr[-2000:]
     doc = json.loads(out.read_text())
