@@ -20,6 +20,7 @@ from configs import base
 from longctx import cli
 from longctx.data import pipeline, prepare
 from longctx.errors import ConfigError, LongctxError, RunError
+from tests.validate_commands import ScriptServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
@@ -30,8 +31,7 @@ WORDS = "the of and to in is was for on that with as by at from long context rin
 def run(*args, env=None, timeout=180):
     full_env = {k: v for k, v in os.environ.items() if k not in (cli.DEBUG_ENV, cli.VALIDATE_ENV)}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return ScriptServer.run([sys.executable, *args], cwd=ROOT, env=full_env, timeout=timeout)
 
 
 def the_line(result) -> str:

@@ -1,12 +1,12 @@
 """Every validation rule fires with a sentence that names its key, before anything compiles."""
 
-import subprocess
 import sys
 
 import pytest
 
 from configs import base
 from longctx.config import ConfigError, validate
+from tests.validate_commands import ScriptServer
 
 
 def tiny():
@@ -73,19 +73,19 @@ def test_rule_fires_with_its_message(overrides, num_devices, message):
 
 def test_unknown_override_key_fails_on_the_command_line(tmp_path):
     """An unknown key is refused by the locked config, before any jax work."""
-    result = subprocess.run(
-        [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={tmp_path}",
-         "--config.model.num_layerz=4"],
-        capture_output=True, text=True, timeout=120)
+    result = ScriptServer.run(
+          [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={tmp_path}",
+           "--config.model.num_layerz=4"],
+          timeout=120)
     assert result.returncode != 0
     assert "num_layerz" in result.stderr
 
 
 def test_bad_mesh_fails_before_compilation(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={tmp_path}",
-         "--config.mesh.sp=3"],
-        capture_output=True, text=True, timeout=120)
+    result = ScriptServer.run(
+          [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={tmp_path}",
+           "--config.mesh.sp=3"],
+          timeout=120)
     assert result.returncode != 0
     assert "longctx: mesh:" in result.stderr
     assert not (tmp_path / "checkpoints").exists()
@@ -94,8 +94,8 @@ def test_bad_mesh_fails_before_compilation(tmp_path):
 def test_unwritable_workdir_fails_before_compilation(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    result = subprocess.run(
-        [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={blocker}/run"],
-        capture_output=True, text=True, timeout=120)
+    result = ScriptServer.run(
+          [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={blocker}/run"],
+          timeout=120)
     assert result.returncode != 0
     assert "is not writable" in result.stderr

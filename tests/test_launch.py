@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests import child_output
+from tests.validate_commands import ScriptServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = os.path.join(ROOT, "launch", "local.py")
@@ -421,7 +422,7 @@ GKE_ARGS = ["--name", "lc-ms", "--slices", "4", "--topology", "4x4x4", "--accele
 
 
 def _gke(*args):
-    return subprocess.run([sys.executable, GKE, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return ScriptServer.run([sys.executable, GKE, *args], cwd=ROOT, timeout=60)
 
 
 def test_gke_jobset_manifest():

@@ -20,6 +20,7 @@ from contextlib import redirect_stderr
 import pytest
 
 from longctx import cli
+from tests.validate_commands import ScriptServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VALUES = ("0", "-1", "x")
@@ -44,8 +45,8 @@ MUST_BE_WALKED = {("scripts/ring_report.py", "--tokens"), ("scripts/ring_report.
 @pytest.fixture(scope="module")
 def walked():
     env = {k: v for k, v in os.environ.items() if k not in (cli.DEBUG_ENV, cli.VALIDATE_ENV)}
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "walk_script_flags.py"), *VALUES],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = ScriptServer.run([sys.executable, os.path.join(ROOT, "tests", "walk_script_flags.py"), *VALUES],
+                         cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)["results"], json.loads(r.stdout)["scripts"]
 
@@ -114,8 +115,8 @@ def test_a_script_run_without_the_venv_says_which_python_to_use(script):
     """`python scripts/x.py` with an interpreter that lacks jax (here this one without its
     site-packages, `-S`): one line naming .venv/bin/python, before any third-party import."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", cli.DEBUG_ENV)}
-    r = subprocess.run([sys.executable, "-S", script, "--help"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = ScriptServer.run([sys.executable, "-S", script, "--help"], cwd=ROOT, env=env,
+                         timeout=60)
     lines = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
     assert lines[0].startswith("longctx: jax") and ".venv/bin/python" in lines[0], lines

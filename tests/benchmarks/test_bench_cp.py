@@ -6,18 +6,18 @@ oracle checks and the formula-vs-HLO agreement are in the JSON this reads."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 from tests import ROOT as REPO
+from tests.validate_commands import ScriptServer
 
 
 def test_bench_cp_render_only(tmp_path):
     src = os.path.join(REPO, "docs", "bench_cp.json")
     shutil.copy(src, tmp_path / "bench_cp.json")
-    p = subprocess.run([sys.executable, "benchmarks/bench_cp.py", "--render-only", "--json",
-                        str(tmp_path / "bench_cp.json"), "--md", str(tmp_path / "b.md")],
-                       cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    p = ScriptServer.run([sys.executable, "benchmarks/bench_cp.py", "--render-only", "--json",
+                          str(tmp_path / "bench_cp.json"), "--md", str(tmp_path / "b.md")],
+                         cwd=REPO, env=dict(os.environ), timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.load(open(src))
     md = (tmp_path / "b.md").read_text()

@@ -23,6 +23,7 @@ from tests import ROOT as REPO
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import bench_common  # noqa: E402
+from tests.validate_commands import ScriptServer
 
 needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(),
                                   reason="libtpu is not installed (the [tpu] extra)")
@@ -48,8 +49,7 @@ def _assert_memory_adds_up(r):
 def run(*args, env=None, timeout=300):
     full_env = dict(os.environ)  # the scripts pick their own device counts
     full_env.update(env or {})
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return ScriptServer.run([sys.executable, *args], cwd=REPO, env=full_env, timeout=timeout)
 
 
 @needs_libtpu

@@ -4,7 +4,6 @@ headers hold (shard_counts), and data.path naming a file says so."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -14,6 +13,7 @@ from configs import base
 from longctx.data import resolve_dataset, shard_counts
 from longctx.errors import ConfigError
 from tests import ROOT
+from tests.validate_commands import ScriptServer
 
 
 def config_at(path):
@@ -119,9 +119,9 @@ def test_data_path_naming_a_file_says_it_is_a_file(data_dir, tmp_path):
 
 def test_the_trainer_refuses_it_before_anything_runs(data_dir, tmp_path):
     d = edited_copy(data_dir, tmp_path, split_count("train", "num_tokens", 7))
-    r = subprocess.run([sys.executable, "scripts/train.py", "--config=configs/base.py:tiny",
-                        f"--config.data.path={d}", f"--workdir={tmp_path / 'w'}", "--validate_only"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = ScriptServer.run([sys.executable, "scripts/train.py", "--config=configs/base.py:tiny",
+                          f"--config.data.path={d}", f"--workdir={tmp_path / 'w'}", "--validate_only"],
+                         cwd=ROOT, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith(
         f"longctx: {d}/metadata.json disagrees with its shards: splits.train.num_tokens is 7 but")

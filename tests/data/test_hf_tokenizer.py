@@ -8,7 +8,6 @@ and EOS in tokenizer_config.json, the way Hugging Face model directories name th
 import hashlib
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from longctx.data.pipeline import TokenSource
 from longctx.data.tokenizer import load_tokenizer
 from longctx.errors import ConfigError
 from tests import ROOT as REPO
+from tests.validate_commands import ScriptServer
 
 CORPUS = os.path.dirname(json.__file__)  # a few standard-library files of the embedded corpus
 VOCAB = 400
@@ -46,8 +46,8 @@ def build_tokenizer(directory, *, config: dict | None = None):
 
 
 def prepare(*args):
-    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "prepare_data.py"), "--quiet",
-                           *map(str, args)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    return ScriptServer.run([sys.executable, os.path.join(REPO, "scripts", "prepare_data.py"), "--quiet",
+                             *map(str, args)], timeout=300, cwd=REPO)
 
 
 def test_prepare_data_with_an_hf_tokenizer(tmp_path):
@@ -113,9 +113,9 @@ def test_vocabulary_check_against_the_model_still_applies(tmp_path):
     data = tmp_path / "data"
     assert prepare("--input", CORPUS, "--glob", "*.py", "--output", data, "--tokenizer", f"hf:{source}",
                    "--val-fraction", "0.3").returncode == 0
-    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "train.py"), "--config=configs/base.py:tiny",
-                        f"--workdir={tmp_path / 'run'}", f"--config.data.path={data}", "--config.model.vocab_size=256"],
-                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    r = ScriptServer.run([sys.executable, os.path.join(REPO, "scripts", "train.py"), "--config=configs/base.py:tiny",
+                          f"--workdir={tmp_path / 'run'}", f"--config.data.path={data}", "--config.model.vocab_size=256"],
+                         timeout=300, cwd=REPO)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("longctx: model.vocab_size=256 is smaller than")
     assert "400" in r.stderr

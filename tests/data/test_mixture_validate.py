@@ -5,7 +5,6 @@ names it and says what to do, and nothing is written."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from longctx.train import loop
 from tests import ROOT, child_env
 from tests.data.mixture_sources import WEIGHTS, prepare_sources, sources_override
 from tests.synthetic import make_corpus
+from tests.validate_commands import ScriptServer
 
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 
@@ -134,8 +134,8 @@ def test_each_bad_source_is_one_sentence_naming_it(dirs, tmp_path, case):
 
 
 def _train(*flags):
-    return subprocess.run([sys.executable, TRAIN, "--config=configs/base.py:tiny", *flags, "--validate_only"],
-                          cwd=ROOT, env=child_env.script_env(), capture_output=True, text=True, timeout=300)
+    return ScriptServer.run([sys.executable, TRAIN, "--config=configs/base.py:tiny", *flags, "--validate_only"],
+                            cwd=ROOT, env=child_env.script_env(), timeout=300)
 
 
 @pytest.mark.slow

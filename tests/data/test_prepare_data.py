@@ -20,6 +20,7 @@ from longctx.data.pipeline import TokenSource
 from longctx.data.tokenizer import load_tokenizer
 from longctx.errors import ConfigError
 from tests import ROOT
+from tests.validate_commands import ScriptServer
 
 SCRIPT = os.path.join(ROOT, "scripts", "prepare_data.py")
 WORDS = "the of and to in is was for on that with as by at from long context ring attention".split()
@@ -47,8 +48,8 @@ def corpus(tmp_path_factory):
 
 
 def run(*args):
-    return subprocess.run([sys.executable, SCRIPT, "--quiet", *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
+    return ScriptServer.run([sys.executable, SCRIPT, "--quiet", *map(str, args)],
+                            timeout=300)
 
 
 def digest(d):
@@ -261,8 +262,8 @@ class _Terminal(io.StringIO):
 def test_progress_is_a_bar_on_a_terminal_and_plain_lines_in_a_log(corpus, tmp_path, monkeypatch,
                                                                   capsys):
     """The bar's redraws (carriage returns) piled up in redirected logs."""
-    r = subprocess.run([sys.executable, SCRIPT, "--input", corpus / "txt", "--output",
-                        tmp_path / "piped"], capture_output=True, text=True, timeout=300)
+    r = ScriptServer.run([sys.executable, SCRIPT, "--input", corpus / "txt", "--output",
+                          tmp_path / "piped"], timeout=300)
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr and "%|" not in r.stderr, r.stderr
 

@@ -9,13 +9,13 @@ import pytest
 
 from longctx.config import ConfigError
 from longctx.evals import ablation
+from tests.validate_commands import ScriptServer
 
 GRID = "configs/ablations/smoke.py"
 
 
 def run_ablate(*args):
-    return subprocess.run([sys.executable, "scripts/ablate.py", *args], capture_output=True, text=True,
-                          timeout=900)
+    return ScriptServer.run([sys.executable, "scripts/ablate.py", *args], timeout=900)
 
 
 def test_grid_runs_reports_and_skips_finished(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 from longctx.evals import ablation
 from longctx.evals import ablation_stats as stats
 from longctx.model import layer_types
+from tests.validate_commands import ScriptServer
 
 HYBRID = "configs/ablations/hybrid.py"
 SMOKE = "configs/ablations/smoke.py"
@@ -33,8 +34,8 @@ def write_run(run_dir, *, steps, train_loss, val_loss, tokens_per_s=1000.0, posi
 
 
 def test_the_hybrid_grid_validates_and_repeats_each_pattern_whole():
-    result = subprocess.run([sys.executable, "scripts/ablate.py", f"--grid={HYBRID}", "--workdir=runs/x",
-                             "--seeds=3", "--validate_only"], capture_output=True, text=True, timeout=300)
+    result = ScriptServer.run([sys.executable, "scripts/ablate.py", f"--grid={HYBRID}", "--workdir=runs/x",
+                               "--seeds=3", "--validate_only"], timeout=300)
     assert result.returncode == 0, result.stderr
     assert "the 5 variants of configs/ablations/hybrid.py are fine" in result.stdout + result.stderr
     _, variants = ablation.load_grid(HYBRID)

@@ -15,7 +15,6 @@ only thing that hides the needle). The thresholds (>= 0.75, <= 0.25) hold for ev
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -29,7 +28,7 @@ from longctx.evals import needle
 from longctx.parallel import layout as layout_lib
 from longctx.parallel import mesh as mesh_lib
 from tests import ROOT as REPO
-from tests.validate_commands import run_scripts
+from tests.validate_commands import ScriptServer, run_scripts
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the synthetic task lives with its benchmark
 
@@ -146,9 +145,9 @@ def test_training_hook_and_eval_script(tmp_path):
 
     env = {**os.environ, "LONGCTX_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
     out = str(tmp_path / "eval")
-    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "eval_needle.py"), f"--workdir={workdir}",
-                           f"--out={out}", "--depths=3", "--samples=1"],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    done = ScriptServer.run([sys.executable, os.path.join(REPO, "scripts", "eval_needle.py"), f"--workdir={workdir}",
+                             f"--out={out}", "--depths=3", "--samples=1"],
+                            cwd=REPO, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "eval_needle: mean accuracy" in done.stdout
     result = json.load(open(os.path.join(out, "needle.json")))
@@ -172,8 +171,8 @@ def test_the_needle_hook_without_its_evaluator_is_one_sentence_before_any_compil
 
 def run_eval_needle(*args):
     env = {**os.environ, "LONGCTX_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "eval_needle.py"), *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    return ScriptServer.run([sys.executable, os.path.join(REPO, "scripts", "eval_needle.py"), *map(str, args)],
+                            cwd=REPO, env=env, timeout=600)
 
 
 @pytest.mark.slow
@@ -190,9 +189,8 @@ def test_eval_needle_reads_a_converted_model_with_its_own_tokenizer(tmp_path):
     build_tokenizer(hf_dir, config={"bos_token": "<s>", "eos_token": "</s>"})
     converted = tmp_path / "converted"
     env = {**os.environ, "LONGCTX_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), "to-longctx",
-                           f"--hf={hf_dir}", f"--out={converted}"], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=600)
+    done = ScriptServer.run([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), "to-longctx",
+                             f"--hf={hf_dir}", f"--out={converted}"], cwd=REPO, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     small = ["--seq-len=256", "--lengths=256", "--depths=2", "--samples=1", "--mesh=1,2,4", "--impl=xla"]
 

@@ -5,7 +5,6 @@ has a model that passes), and refuses a command naming no model or two in one se
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,7 +14,7 @@ from longctx import config as config_lib
 from longctx import train
 from longctx.evals import ruler
 from tests import ROOT as REPO
-from tests.validate_commands import run_scripts
+from tests.validate_commands import ScriptServer, run_scripts
 
 SCRIPT = os.path.join(REPO, "scripts", "eval_ruler.py")
 CONVERT = os.path.join(REPO, "scripts", "convert_hf.py")
@@ -44,9 +43,9 @@ def test_training_hook_and_eval_script(tmp_path):
 
     env = {**os.environ, "LONGCTX_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
     out = str(tmp_path / "eval")
-    done = subprocess.run([sys.executable, SCRIPT, f"--workdir={workdir}", f"--out={out}", "--depths=2",
-                           "--samples=1", "--tasks=niah_single_2,niah_multikey_2,vt", "--lengths=512,1024"],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    done = ScriptServer.run([sys.executable, SCRIPT, f"--workdir={workdir}", f"--out={out}", "--depths=2",
+                             "--samples=1", "--tasks=niah_single_2,niah_multikey_2,vt", "--lengths=512,1024"],
+                            cwd=REPO, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "eval_ruler: mean score" in done.stdout and "eval_ruler: vt " in done.stdout
     result = json.load(open(os.path.join(out, "ruler.json")))
@@ -64,13 +63,13 @@ def test_eval_script_on_a_converted_hf_llama(tmp_path):
     259 ids fit the model's 512) on the ring (1x2x4, xla), as docs/ruler.md prints it."""
     env = {**os.environ, "LONGCTX_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
     converted, out = str(tmp_path / "llama_hf"), str(tmp_path / "ruler")
-    done = subprocess.run([sys.executable, CONVERT, "to-longctx", f"--hf={HF_LLAMA}", f"--out={converted}"],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    done = ScriptServer.run([sys.executable, CONVERT, "to-longctx", f"--hf={HF_LLAMA}", f"--out={converted}"],
+                            cwd=REPO, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
-    done = subprocess.run([sys.executable, SCRIPT, f"--checkpoint={converted}", "--tokenizer=byte", "--mesh=1,2,4",
-                           "--impl=xla", "--seq-len=512", "--tasks=niah_single_1,niah_multikey_2", "--lengths=512",
-                           "--depths=2", "--samples=1", f"--out={out}"],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    done = ScriptServer.run([sys.executable, SCRIPT, f"--checkpoint={converted}", "--tokenizer=byte", "--mesh=1,2,4",
+                             "--impl=xla", "--seq-len=512", "--tasks=niah_single_1,niah_multikey_2", "--lengths=512",
+                             "--depths=2", "--samples=1", f"--out={out}"],
+                            cwd=REPO, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "eval_ruler: niah_multikey_2 " in done.stdout and "eval_ruler: mean score" in done.stdout
     result = json.load(open(os.path.join(out, "ruler.json")))

@@ -9,7 +9,6 @@ layout are padded to 2 x 8 x 128 = 2,048 tokens: measured against transformers' 
 """
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -21,7 +20,7 @@ from longctx.errors import ConfigError
 from longctx.evals import inference
 from longctx.ops import blocks
 from tests import ROOT as REPO
-from tests.validate_commands import run_scripts
+from tests.validate_commands import ScriptServer, run_scripts
 
 HF_DIR = os.path.join(REPO, "tests", "assets", "hf", "llama3_scaling")
 ASSETS = os.path.join(REPO, "tests", "assets", "hf")
@@ -29,8 +28,8 @@ ASSETS = os.path.join(REPO, "tests", "assets", "hf")
 
 def run_script(*args):
     env = {**os.environ, "LONGCTX_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), *args],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    return ScriptServer.run([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), *args],
+                            cwd=REPO, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")

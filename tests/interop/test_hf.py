@@ -13,7 +13,6 @@ to O(10): a RoPE, window or layout error moves them by 0.02 to 10, far above the
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import ml_dtypes
@@ -26,7 +25,7 @@ from longctx.errors import ConfigError
 from longctx.evals import inference
 from longctx.interop import hf, params_io, staging
 from tests import ASSETS, FIXTURES
-from tests.validate_commands import run_scripts
+from tests.validate_commands import ScriptServer, run_scripts
 
 ASSETS = os.path.join(ASSETS, "hf")
 from tests import ROOT as REPO
@@ -619,8 +618,8 @@ def test_missing_files_are_named(tmp_path):
 
 def run_script(*args):
     env = {**os.environ, "LONGCTX_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), *args],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    return ScriptServer.run([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), *args],
+                            cwd=REPO, env=env, timeout=600)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import pytest
 from longctx.ops import auto_layout, masks, tables
 from longctx.parallel import layout as layout_lib
 from tests import ROOT
+from tests.validate_commands import ScriptServer
 
 MASKS = {
     "full": {},
@@ -519,10 +520,10 @@ def test_ring_report_with_documents():
 
     script = os.path.join(ROOT,
                           "scripts", "ring_report.py")
-    out = subprocess.run([sys.executable, script, "--seq-len", "4096", "--sp", "4", "--block", "256",
-                          "--causal", "--doc-lengths", "512", "--json",
-                          "--strategies", "ring,all_gather,ulysses,usp:2"],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    out = ScriptServer.run([sys.executable, script, "--seq-len", "4096", "--sp", "4", "--block", "256",
+                            "--causal", "--doc-lengths", "512", "--json",
+                            "--strategies", "ring,all_gather,ulysses,usp:2"],
+                           timeout=120, check=True).stdout
     report = json.loads(out.strip().splitlines()[-1])
     contiguous = report["layouts"]["contiguous"]
     assert contiguous["kept_blocks"] == 24 and contiguous["computed_blocks"] == [[6]] * 4

@@ -3,12 +3,12 @@ does, each the first that the memory model fits, and scripts/plan.py's exit 2 wi
 
 import copy
 import os
-import subprocess
 import sys
 
 from configs import base
 from longctx.plan import fit_remedy, hardware, planner
 from tests import child_env
+from tests.validate_commands import ScriptServer
 
 
 def _config(preset, **data):
@@ -51,10 +51,9 @@ def test_the_longest_sequence_is_the_first_that_fits():
 
 def test_plan_that_nothing_fits_exits_2_with_the_nearest_slice():
     """Not the table and `run #1: ...` (a run that does not fit) with exit status 0."""
-    result = subprocess.run([sys.executable, os.path.join(child_env.ROOT, "scripts", "plan.py"),
-                             "--config=configs/base.py:llama3_8b_128k", "--topology=v5e:2x2", "--compile", "0"],
-                            cwd=child_env.ROOT, env=child_env.script_env(), capture_output=True, text=True,
-                            timeout=300)
+    result = ScriptServer.run([sys.executable, os.path.join(child_env.ROOT, "scripts", "plan.py"),
+                               "--config=configs/base.py:llama3_8b_128k", "--topology=v5e:2x2", "--compile", "0"],
+                              cwd=child_env.ROOT, env=child_env.script_env(), timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("longctx: ")]
     assert lines == ["longctx: no candidate fits v5e:2x2 by the memory model: the smallest needs ~101 GiB "

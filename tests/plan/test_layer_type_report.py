@@ -3,7 +3,6 @@ each type of a hybrid model on its own mask, block and strategy, its bytes by th
 for abstract TPU devices, as the lowered program sends them."""
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -12,13 +11,14 @@ import pytest
 
 from configs import base
 from longctx.plan import aot, layer_type_report
+from tests.validate_commands import ScriptServer
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                       "scripts", "ring_report.py")
 
 
 def _ring_report(*args):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300)
+    return ScriptServer.run([sys.executable, SCRIPT, *args], timeout=300)
 
 
 def _tiny_hybrid(sp=4):

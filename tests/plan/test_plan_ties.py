@@ -3,12 +3,12 @@ held-out error of the fastest) are ranked by what it knows better, the plan says
 attention.cp=auto takes the row that ranking puts first."""
 
 import copy
-import subprocess
 import sys
 
 from configs import base
 from longctx.plan import auto, hardware, planner, step_time
 from tests import child_env
+from tests.validate_commands import ScriptServer
 
 V5P_64 = hardware.parse_topology("v5p:4x4x4")
 
@@ -61,10 +61,9 @@ def test_auto_takes_the_row_the_tie_rule_puts_first():
 
 
 def test_plan_says_which_rows_are_a_tie_and_why():
-    result = subprocess.run([sys.executable, "scripts/plan.py", "--config=configs/base.py:llama3_8b_128k",
-                             "--topology=v5p:2x2x2", "--seq-len", "32768", "--compile", "0", "--top", "4"],
-                            cwd=child_env.ROOT, env=child_env.script_env(), capture_output=True, text=True,
-                            timeout=600)
+    result = ScriptServer.run([sys.executable, "scripts/plan.py", "--config=configs/base.py:llama3_8b_128k",
+                               "--topology=v5p:2x2x2", "--seq-len", "32768", "--compile", "0", "--top", "4"],
+                              cwd=child_env.ROOT, env=child_env.script_env(), timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert (f"are a tie (predicted within {step_time.HELD_OUT_ERROR:.0%} of each other, "

@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -22,6 +21,7 @@ from longctx.ops import context_parallel, masks, tables
 from longctx.parallel import layout as layout_lib
 from longctx.plan import aot, attention_work, auto, hardware, memory_model, planner, step_time
 from tests import child_env
+from tests.validate_commands import ScriptServer
 
 ROOT = child_env.ROOT
 GIB = 2 ** 30
@@ -225,12 +225,11 @@ def test_calibration_constants_are_what_the_fit_gives(tmp_path):
     """benchmarks/calibrate_planner.py fits the constants longctx holds, and reports the error on
     the held-out points."""
     out = tmp_path / "calibration.json"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "calibrate_planner.py"),
-                             "--json", str(out), "--md", str(tmp_path / "calibration.md")],
-                            cwd=ROOT, env=child_env.script_env(), capture_output=True, text=True,
-                            # a guard against a hang, not a speed test: the fit takes about ten
-                            # CPU seconds (each point counted once, step_time.terms)
-                            timeout=1200)
+    result = ScriptServer.run([sys.executable, os.path.join(ROOT, "benchmarks", "calibrate_planner.py"),
+                               "--json", str(out), "--md", str(tmp_path / "calibration.md")],
+                              cwd=ROOT, env=child_env.script_env(), # a guard against a hang, not a speed test: the fit takes about ten
+                              # CPU seconds (each point counted once, step_time.terms)
+                              timeout=1200)
     assert result.returncode == 0, result.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["step_time"]["constants"] == step_time.CONSTANTS
@@ -386,8 +385,8 @@ def test_a_long_plan_says_how_far_it_is():
 
 
 def _plan(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), *args], cwd=ROOT,
-                          env=child_env.script_env(), capture_output=True, text=True, timeout=300)
+    return ScriptServer.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), *args], cwd=ROOT,
+                            env=child_env.script_env(), timeout=300)
 
 
 def test_plan_prints_a_ranked_table_and_json():
@@ -409,10 +408,10 @@ def test_plan_prints_a_ranked_table_and_json():
 
 
 def test_train_with_auto_on_cpu_is_one_line_before_anything_runs(tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"),
-                             "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'run'}",
-                             "--config.attention.block_size=auto"], cwd=ROOT, env=child_env.script_env(),
-                            capture_output=True, text=True, timeout=300)
+    result = ScriptServer.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+                               "--config=configs/base.py:tiny", f"--workdir={tmp_path / 'run'}",
+                               "--config.attention.block_size=auto"], cwd=ROOT, env=child_env.script_env(),
+                              timeout=300)
     assert result.returncode == 2  # the flag parses (the key takes an int or auto); the chip is unknown
     lines = [line for line in result.stderr.splitlines() if line.startswith("longctx: ")]
     assert len(lines) == 1 and "attention.block_size=auto needs the step-time model's figures" in lines[0], result.stderr

@@ -24,6 +24,7 @@ import pytest
 from longctx import errors
 from longctx.train import lease
 from tests import ROOT, child_env, child_output
+from tests.validate_commands import ScriptServer
 
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 LOCAL = os.path.join(ROOT, "launch", "local.py")
@@ -479,9 +480,8 @@ def test_a_second_trainer_on_a_workdir_is_refused(tmp_path):
         while not a_says("process(es)") and a.poll() is None:  # A has started (and is compiling)
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        b = subprocess.run([sys.executable, TRAIN, f"--workdir={workdir}", *SMALL_RUN, "--config.seed=7",
-                            "--config.train.num_steps=3"], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                           timeout=300)
+        b = ScriptServer.run([sys.executable, TRAIN, f"--workdir={workdir}", *SMALL_RUN, "--config.seed=7",
+                              "--config.train.num_steps=3"], cwd=ROOT, env=_env(), timeout=300)
         assert b.returncode == 2, b.stdout + b.stderr
         lines = b.stderr.strip().splitlines()
         assert len(lines) == 1, b.stderr
@@ -514,9 +514,9 @@ def test_every_process_of_a_multiprocess_run_refuses_together(tmp_path):
     workdir = str(tmp_path / "run")
     holder = _start_holder(workdir)
     try:
-        r = subprocess.run([sys.executable, LOCAL, "--num-processes", "2", "--devices-per-process", "4", "--",
-                            sys.executable, TRAIN, f"--workdir={workdir}", *SMALL_RUN, "--config.train.num_steps=2"],
-                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        r = ScriptServer.run([sys.executable, LOCAL, "--num-processes", "2", "--devices-per-process", "4", "--",
+                              sys.executable, TRAIN, f"--workdir={workdir}", *SMALL_RUN, "--config.train.num_steps=2"],
+                             cwd=ROOT, env=_env(), timeout=300)
     finally:
         holder.kill()
         holder.wait()
@@ -530,8 +530,8 @@ def test_every_process_of_a_multiprocess_run_refuses_together(tmp_path):
 
 def test_an_empty_workdir_flag_is_refused_not_taken_as_the_current_directory(tmp_path):
     config = f"--config={os.path.join(ROOT, 'configs', 'base.py')}:tiny"
-    r = subprocess.run([sys.executable, TRAIN, "--workdir=", config, *SMALL_RUN[1:], "--config.train.num_steps=1"],
-                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    r = ScriptServer.run([sys.executable, TRAIN, "--workdir=", config, *SMALL_RUN[1:], "--config.train.num_steps=1"],
+                         cwd=tmp_path, env=_env(), timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip() == "longctx: --workdir is empty: name a directory, e.g. --workdir=runs/demo."
     assert os.listdir(tmp_path) == []
@@ -543,8 +543,8 @@ def test_validate_only_refuses_a_workdir_a_live_run_holds(tmp_path):
     workdir = str(tmp_path / "run")
     holder = _start_holder(workdir)
     try:
-        r = subprocess.run([sys.executable, TRAIN, f"--workdir={workdir}", *SMALL_RUN, "--validate_only"],
-                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        r = ScriptServer.run([sys.executable, TRAIN, f"--workdir={workdir}", *SMALL_RUN, "--validate_only"],
+                             cwd=ROOT, env=_env(), timeout=300)
     finally:
         holder.kill()
         holder.wait()

@@ -31,6 +31,7 @@ from longctx.train import optimizer as train_optimizer
 from longctx.train import state as train_state
 from longctx.train import steps as train_steps
 from tests import ROOT
+from tests.validate_commands import ScriptServer
 
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 
@@ -139,8 +140,8 @@ def test_disk_full_during_a_save_is_one_line_and_the_next_start_resumes(small_di
     workdir = str(small_disk / "run")
     config = _config(6, every_steps=2, log_every=1)
     env = {k: v for k, v in os.environ.items() if k not in ("LONGCTX_DEBUG", "XLA_FLAGS")}
-    proc = subprocess.run([sys.executable, TRAIN, f"--workdir={workdir}", *_overrides(config)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    proc = ScriptServer.run([sys.executable, TRAIN, f"--workdir={workdir}", *_overrides(config)],
+                            timeout=300, env=env, cwd=ROOT)
     # stderr holds tqdm's progress bar (carriage-return updates) and the one line, nothing else
     # (by timing, dozens of "Event loop is closed" tracebacks could come with it).
     lines = [line.split("\r")[-1] for line in proc.stderr.splitlines()]

@@ -3,7 +3,6 @@ the way named as a file; check_named: an empty --workdir is refused."""
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from longctx.errors import ConfigError
 from longctx.train import workdir
 from tests import ROOT
+from tests.validate_commands import ScriptServer
 
 
 def test_probe_names_are_unique_per_process_even_with_one_pid(monkeypatch):
@@ -71,8 +71,8 @@ def test_scripts_refuse_an_empty_workdir(tmp_path, script, flags):
     root = ROOT
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     flags = [f.replace("configs/", os.path.join(root, "configs") + "/") for f in flags]
-    r = subprocess.run([sys.executable, os.path.join(root, "scripts", script), "--workdir=", *flags],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = ScriptServer.run([sys.executable, os.path.join(root, "scripts", script), "--workdir=", *flags],
+                         cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip().splitlines()[-1] == "longctx: --workdir is empty: name a directory, e.g. --workdir=runs/demo."
     assert os.listdir(tmp_path) == []
