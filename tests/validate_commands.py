@@ -127,9 +127,9 @@ _READ_AT_IMPORT = ("JAX_", "PYTHON", "XLA_PYTHON")
 
 
 class ScriptServer:
-    """subprocess.run(argv, capture_output=True, text=True, cwd=, env=, timeout=, check=) for a `python
-    SCRIPT.py ARGS` command, in a child forked from a server that imported the heavy modules once
-    (`--serve`): about three CPU seconds less a command. A test process starts a server at its
+    """subprocess.run(argv, capture_output=True, text=True, cwd=, env=, timeout=, check=) for a
+    `python SCRIPT.py ARGS` command, in a child forked from a server that imported the heavy
+    modules once (`--serve`): about three CPU seconds less a command. A test process starts a server at its
     first command, one for each setting of what python and jax read at start-up
     (_READ_AT_IMPORT), with that command's environment. A command that is not `python SCRIPT.py`
     runs as subprocess.run would run it."""
@@ -137,7 +137,8 @@ class ScriptServer:
     _servers: dict = {}  # import-time settings -> (server, its stderr)
 
     @classmethod
-    def run(cls, argv, *, cwd=None, env=None, timeout=None, check=False) -> subprocess.CompletedProcess:
+    def run(cls, argv, *, cwd=None, env=None, timeout=None,
+            check=False) -> subprocess.CompletedProcess:
         argv = [str(a) for a in argv]
         env = dict(os.environ if env is None else env)
         cwd = os.path.abspath(cwd or os.getcwd())
@@ -169,7 +170,8 @@ class ScriptServer:
             server = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--serve"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
-                env={k: v for k, v in env.items() if k not in ("LONGCTX_VALIDATE_ONLY", "LONGCTX_DEBUG")})
+                env={k: v for k, v in env.items()
+                     if k not in ("LONGCTX_VALIDATE_ONLY", "LONGCTX_DEBUG")})
             atexit.register(_stop, server)
             cls._servers[key] = (server, log)
         return cls._servers[key]
@@ -190,12 +192,11 @@ def run_scripts(commands: list[list[str]], cwd: str | None = None, env: dict | N
     ([SCRIPT, ARGS...], run from `cwd`, default the checkout), through this file in one child
     process (one import of jax for them all). LONGCTX_VALIDATE_ONLY and LONGCTX_DEBUG are not
     passed on: a command is validate-only when it says --validate_only."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in (os.environ if env is None else env).items()
            if k not in ("LONGCTX_VALIDATE_ONLY", "LONGCTX_DEBUG")}
     done = subprocess.run([sys.executable, os.path.abspath(__file__)],
                           input=json.dumps([{"argv": [sys.executable, *c]} for c in commands]),
-                          capture_output=True, text=True, cwd=cwd or root, env={**env, "PYTHONPATH": root},
+                          capture_output=True, text=True, cwd=cwd or ROOT, env={**env, "PYTHONPATH": ROOT},
                           timeout=900)
     if done.returncode:
         raise RuntimeError(f"{__file__} failed: {done.stderr[-3000:]}")
