@@ -132,7 +132,8 @@ class ScriptServer:
     modules once (`--serve`): about three CPU seconds less a command. A test process starts a server at its
     first command, one for each setting of what python and jax read at start-up
     (_READ_AT_IMPORT), with that command's environment. A command that is not `python SCRIPT.py`
-    runs as subprocess.run would run it."""
+    runs as subprocess.run would run it. What the heavy modules print as they import goes to the
+    server's log, not to the command's stderr: a test of that output starts a process of its own."""
 
     _servers: dict = {}  # import-time settings -> (server, its stderr)
 
