@@ -53,7 +53,7 @@ import itertools
 import numpy as np
 
 NAME = "per_document"
-CANDIDATES = 24          # spread sets tried per row beyond the fewest possible
+CANDIDATES = 48          # spread sets tried per row beyond the fewest possible
 MIN_SPREAD_BLOCKS = 8    # documents of fewer blocks are never spread (their chunks would be empty)
 RESIDUES = 8             # starting shards tried per group spacing of a spread document
 STEP_COST = 1.0          # blocks a ring step costs beyond its blocks (ops/auto_layout.py's rule)
