@@ -33,10 +33,11 @@ the fewest possible (those longer than a shard) up to CANDIDATES more, and the c
 kept. A row whose documents all stay whole runs on ring step 0 alone.
 
 Masks stay exact: each token keeps its position in its document (RoPE's), and its segment id
-becomes 1 + its document's offset in a numbering of the row's own (the documents in the order
-the shards hold them, each where its first piece that is not whole blocks of it lies; those in
-whole blocks only last), so that `global_positions` = segment id - 1 + position is a position
-in a virtual row where every document is one run of positions: causal, window and chunked
+becomes 1 + its document's offset in a numbering of the row's own (first the documents strictly
+inside a block, block by block, so that each block's are one run of ids; then the others in the
+order the shards hold them, each where its first piece that is not whole blocks of it lies;
+those in whole blocks only last), so that `global_positions` = segment id - 1 + position is a
+position in a virtual row where every document is one run of positions: causal, window and chunked
 masks, functions of positions within a document, are what they were. The numbering follows
 each shard's order, so that a block's id range covers only documents of its shard
 (ops/row_blocks.py's block tests rely on it for speed, never for correctness).
@@ -52,7 +53,7 @@ import itertools
 import numpy as np
 
 NAME = "per_document"
-CANDIDATES = 24          # spread sets tried per row beyond the fewest possible
+CANDIDATES = 48          # spread sets tried per row beyond the fewest possible
 MIN_SPREAD_BLOCKS = 8    # documents of fewer blocks are never spread (their chunks would be empty)
 RESIDUES = 8             # starting shards tried per group spacing of a spread document
 STEP_COST = 1.0          # blocks a ring step costs beyond its blocks (ops/auto_layout.py's rule)
@@ -370,6 +371,111 @@ def _arrange(pieces, d: int, home: dict, shared: set, block: int) -> list:
     return out
 
 
+def _waste(units, at: int, block: int, weight: dict, tails: set) -> int:
+    """What the ring computes beyond the work model for a shard's pieces `units` laid out in this
+    order from `at`, by `weight` (blocks of each document shared with other shards): a shared
+    document's pieces in more blocks than they fill are computed again in each block more,
+    against every block of their document; a block with several documents strictly inside it
+    sums them up as one range, so that the blocks elsewhere of those shared in it (all but a
+    spread document's last piece, first in the range) are computed against it too."""
+    waste, runs, spans, tokens = 0, {}, {}, {}
+    for doc, first, stop, _ in units:
+        b0, b1 = at // block, (at + stop - first - 1) // block
+        spans.setdefault(doc, set()).update(range(b0, b1 + 1))
+        tokens[doc] = tokens.get(doc, 0) + stop - first
+        for b in range(b0, b1 + 1):
+            held = runs.setdefault(b, [])
+            if not held or held[-1] != doc:
+                held.append(doc)
+        at += stop - first
+    for doc, blocks in spans.items():
+        waste += weight.get(doc, 0) * (len(blocks) - -(-tokens[doc] // block))
+    for held in runs.values():
+        inside = [doc for doc in held[1:-1] if doc not in (held[0], held[-1])]
+        if len(inside) > 1:
+            waste += sum(weight.get(doc, 0) for k, doc in enumerate(inside)
+                         if k or doc not in tails)
+    return waste
+
+
+def _settle(pieces, block: int, weight: dict, tails: set, most: int = 12) -> list:
+    """`pieces` (a shard in _arrange's order) with the rest after its whole blocks reordered
+    where that lowers `_waste`: where the shard's whole documents run out, _arrange cuts shared
+    pieces to fill, and a cut one is computed again in each block it reaches. The order is the
+    cheapest by `weight` of the pieces (each document's pieces on the shard one run) across
+    block edges, with at most three in a block (its first, one strictly inside, its last),
+    found over the subsets of pieces placed (shards of at most `most` pieces)."""
+    front = [p for p in pieces if p[3] == _BLOCKS]
+    at = sum(p[2] - p[1] for p in front)
+    start = _waste(pieces[len(front):], at, block, weight, tails)
+    if start == 0:
+        return pieces
+    units = []
+    for doc, first, stop, region in pieces[len(front):]:
+        joined = next((k for k, u in enumerate(units) if u[0] == doc and u[3] == region
+                       and u[2] == first), None)
+        if joined is None:
+            units.append((doc, first, stop, region))
+        else:
+            units[joined] = (doc, units[joined][1], stop, region)
+    n = len(units)
+    if n > most:
+        return pieces
+    sizes = [u[2] - u[1] for u in units]
+    costs = [weight.get(u[0], 0) for u in units]
+    # best[(placed, pieces begun in the current block)] = (cost, last piece, previous state)
+    best = {(0, 0): (0, None, None)}
+    for placed in range(1 << n):
+        end = at + sum(sizes[k] for k in range(n) if placed >> k & 1)
+        for begun in range(4):
+            here = best.get((placed, begun))
+            if here is None:
+                continue
+            for k in range(n):
+                if placed >> k & 1:
+                    continue
+                count = 1 if end % block == 0 else begun + 1
+                if count > 3:
+                    continue
+                stop = end + sizes[k]
+                edges = (stop - 1) // block - end // block
+                after = 0 if stop % block == 0 else (1 if edges else count)
+                key = (placed | 1 << k, after)
+                cost = here[0] + costs[k] * edges
+                if key not in best or cost < best[key][0]:
+                    best[key] = (cost, k, (placed, begun))
+    done = [key for key in best if key[0] == (1 << n) - 1]
+    if not done:
+        return pieces
+    state = min(done, key=lambda key: best[key][0])
+    order = []
+    while best[state][1] is not None:
+        order.append(units[best[state][1]])
+        state = best[state][2]
+    order = order[::-1]
+    return front + order if _waste(order, at, block, weight, tails) < start else pieces
+
+
+def _inside(pieces, block: int) -> list:
+    """The documents strictly inside each block of a shard holding `pieces` in this order (not
+    its first document nor its last), in their order: what row_blocks sums up as one range of
+    ids and positions."""
+    out, runs, at = [], [], 0
+    for doc, first, stop, _ in pieces:
+        while first < stop:
+            take = min(stop - first, block - at % block)
+            if not runs or runs[-1] != doc:
+                runs.append(doc)
+            first += take
+            at += take
+            if at % block == 0:
+                out.append([d for d in runs if d not in (runs[0], runs[-1])])
+                runs = []
+    if runs:
+        out.append([d for d in runs if d not in (runs[0], runs[-1])])
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RowLayout:
     """One row in the per-document layout: `permutation` int64 [S] (x_layout =
@@ -406,7 +512,15 @@ def row_layout(segment_ids, num_shards: int, block: int, positions=None) -> RowL
             cursor += int(spans[doc])
 
     home, shared = _homes(plan.pieces), _shared(plan.pieces)
-    order = [_arrange(plan.pieces[d], d, home, shared, block) for d in range(num_shards)]
+    weight = {doc: -(-int(lengths[doc]) // block) for doc in shared}
+    tails = {doc for doc in plan.spread if sum(p[0] == doc and p[3] != _BLOCKS
+                                               for held in plan.pieces for p in held) == 1}
+    order = [_settle(_arrange(plan.pieces[d], d, home, shared, block), block, weight, tails)
+             for d in range(num_shards)]
+    for pieces in order:  # a block's documents strictly inside it first: their ids one run
+        for inside in _inside(pieces, block):
+            for doc in inside:
+                number(doc)
     for pieces in order:  # in the order the shards hold them, blocks of one document last
         for doc, _, _, region in pieces:
             if region != _BLOCKS:

@@ -122,3 +122,17 @@ def test_the_ring_computes_no_block_for_nothing():
     spec = masks.make_mask_spec(causal=True)
     schedule = tables.document_schedule(spec, "per_document", seq_len, sp, block, ids[None])
     assert schedule.kept_blocks == schedule.computed_blocks.sum()
+
+
+def test_documents_inside_a_block_are_numbered_as_one_run():
+    """Spread documents' last partial blocks and a scattered document's pieces share a shard
+    with no whole document to fill between them, so pieces of one document reach several blocks:
+    the documents strictly inside each block are numbered one after the other and the pieces
+    ordered so that few blocks hold a cut one, and the ring computes only needed blocks."""
+    seq_len, sp, block = 16384, 8, 128
+    lengths = [4675, 87, 144, 1162, 2706, 1946, 3846, 1778]
+    ids = np.repeat(np.arange(1, len(lengths) + 1), lengths).astype(np.int32)
+    ids = np.r_[ids, np.zeros(seq_len - len(ids), np.int32)]
+    spec = masks.make_mask_spec(causal=True)
+    schedule = tables.document_schedule(spec, "per_document", seq_len, sp, block, ids[None])
+    assert schedule.kept_blocks == schedule.computed_blocks.sum()
