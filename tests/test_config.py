@@ -74,18 +74,18 @@ def test_rule_fires_with_its_message(overrides, num_devices, message):
 def test_unknown_override_key_fails_on_the_command_line(tmp_path):
     """An unknown key is refused by the locked config, before any jax work."""
     result = ScriptServer.run(
-          [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={tmp_path}",
-           "--config.model.num_layerz=4"],
-          timeout=120)
+        [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={tmp_path}",
+         "--config.model.num_layerz=4"],
+        timeout=120)
     assert result.returncode != 0
     assert "num_layerz" in result.stderr
 
 
 def test_bad_mesh_fails_before_compilation(tmp_path):
     result = ScriptServer.run(
-          [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={tmp_path}",
-           "--config.mesh.sp=3"],
-          timeout=120)
+        [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={tmp_path}",
+         "--config.mesh.sp=3"],
+        timeout=120)
     assert result.returncode != 0
     assert "longctx: mesh:" in result.stderr
     assert not (tmp_path / "checkpoints").exists()
@@ -95,7 +95,7 @@ def test_unwritable_workdir_fails_before_compilation(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     result = ScriptServer.run(
-          [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={blocker}/run"],
-          timeout=120)
+        [sys.executable, "scripts/train.py", "--config=configs/base.py:tiny", f"--workdir={blocker}/run"],
+        timeout=120)
     assert result.returncode != 0
     assert "is not writable" in result.stderr

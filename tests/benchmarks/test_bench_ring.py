@@ -16,10 +16,10 @@ from tests.validate_commands import ScriptServer
 def test_bench_ring_quick(tmp_path):
     out_json, out_md = tmp_path / "bench_ring.json", tmp_path / "benchmarks.md"
     p = ScriptServer.run(
-          [sys.executable, "benchmarks/bench_ring.py", "--quick", "--cases", "docs9",
-           "--seq-lens", "1024", "--layouts", "zigzag", "--repeats", "3",
-           "--json", str(out_json), "--md", str(out_md)],
-          cwd=REPO, env=dict(os.environ), timeout=900)
+        [sys.executable, "benchmarks/bench_ring.py", "--quick", "--cases", "docs9",
+         "--seq-lens", "1024", "--layouts", "zigzag", "--repeats", "3",
+         "--json", str(out_json), "--md", str(out_md)],
+        cwd=REPO, env=dict(os.environ), timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads(out_json.read_text())
     # One case: documents time every variant, with and without skipping (the causal case's

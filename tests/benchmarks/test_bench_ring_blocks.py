@@ -15,10 +15,10 @@ from tests.validate_commands import ScriptServer
 def test_bench_ring_blocks_small(tmp_path):
     out_json, out_md = tmp_path / "blocks.json", tmp_path / "benchmarks.md"
     p = ScriptServer.run(
-          [sys.executable, "benchmarks/bench_ring_blocks.py", "--blocks", "256,128", "--cases",
-           "docs_s32", "--seq-len", "2048", "--impls", "xla", "--layouts", "contiguous",
-           "--repeats", "1", "--json", str(out_json), "--md", str(out_md)],
-          cwd=REPO, env=dict(os.environ), timeout=600)
+        [sys.executable, "benchmarks/bench_ring_blocks.py", "--blocks", "256,128", "--cases",
+         "docs_s32", "--seq-len", "2048", "--impls", "xla", "--layouts", "contiguous",
+         "--repeats", "1", "--json", str(out_json), "--md", str(out_md)],
+        cwd=REPO, env=dict(os.environ), timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads(out_json.read_text())["rows"]
     assert [(r["case"], r["block"], r["checked"]) for r in rows] == [("docs_s32", 256, True),

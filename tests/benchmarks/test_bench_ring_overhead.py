@@ -18,9 +18,9 @@ from tests.validate_commands import ScriptServer
 def test_bench_ring_overhead_small(tmp_path):
     out_json, out_md = tmp_path / "overhead.json", tmp_path / "benchmarks.md"
     p = ScriptServer.run(
-          [sys.executable, "benchmarks/bench_ring_overhead.py", "--impls", "xla", "--sps", "2",
-           "--seq-len", "2048", "--repeats", "1", "--json", str(out_json), "--md", str(out_md)],
-          cwd=REPO, env=dict(os.environ), timeout=600)
+        [sys.executable, "benchmarks/bench_ring_overhead.py", "--impls", "xla", "--sps", "2",
+         "--seq-len", "2048", "--repeats", "1", "--json", str(out_json), "--md", str(out_md)],
+        cwd=REPO, env=dict(os.environ), timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (row,) = json.loads(out_json.read_text())["rows"]
     assert (row["impl"], row["sp"], row["seq_len"]) == ("xla", 2, 2048)
