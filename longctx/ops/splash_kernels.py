@@ -219,6 +219,10 @@ def _forward_kernel(data_next, block_mask, grid_width, q_blocks, q_ref, k_ref, v
     masking = any(r is not None for r in (kv_pos_ref, kv_seg_ref))
 
     def visit(masked):
+        # Only partial blocks run masked when there are segment ids: no full one to fold in.
+        counts = (_interval_counts(q_lo_ref[...], q_hi_ref[...], False)
+                  if masked and kv_seg_ref is not None and kv_pos_ref is not None else None)
+
         def body(c, _):
             keys = pl.ds(c * bkv_compute, bkv_compute)
             s = lax.dot_general(q_ref[...], k_ref[keys, :], NT, preferred_element_type=jnp.float32)
@@ -246,9 +250,6 @@ def _forward_kernel(data_next, block_mask, grid_width, q_blocks, q_ref, k_ref, v
                                  preferred_element_type=jnp.float32)
             acc_ref[...] = _lanes(alpha, head_dim) * acc_ref[...] + pv
 
-        # Only partial blocks run masked when there are segment ids: no full one to fold in.
-        counts = (_interval_counts(q_lo_ref[...], q_hi_ref[...], False)
-                  if masked and kv_seg_ref is not None and kv_pos_ref is not None else None)
         lax.fori_loop(0, k_ref.shape[0] // bkv_compute, body, None, unroll=True)
 
     if kv_seg_ref is None:  # one body: a full block's mask is or'ed away (module docstring)
@@ -453,6 +454,8 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
         q, do = q_ref[...], do_ref[...]
         lse, di = lse_ref[:1, :], di_ref[:1, :]                             # [1, bq]
         dq_share[...] = jnp.zeros_like(dq_share)
+        counts = (_interval_counts(q_lo_ref[:1, :], q_hi_ref[:1, :], cls == FULL)
+                  if kv_seg_ref is not None and kv_pos_ref is not None else None)
 
         def body(c, _):
             keys = pl.ds(c * bkv_compute, bkv_compute)
@@ -483,8 +486,6 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
             dk_acc[keys, :] += lax.dot_general(ds, q, NN, preferred_element_type=jnp.float32)
             dq_share[...] += lax.dot_general(ds.T, k, NN, preferred_element_type=jnp.float32)
 
-        counts = (_interval_counts(q_lo_ref[:1, :], q_hi_ref[:1, :], cls == FULL)
-                  if kv_seg_ref is not None and kv_pos_ref is not None else None)
         lax.fori_loop(0, bkv // bkv_compute, body, None, unroll=True)
         dq.finish(slot, address, b, h, block, dq_share[...])
 
