@@ -10,7 +10,7 @@ this one after the heavy modules (jax, flax, orbax, grain, longctx) are imported
 costs its own work, not three seconds of imports: the child sets sys.argv and sys.path as
 `python SCRIPT ARGS` would, runs the script as __main__ and exits with its status, after what a
 Python process runs at exit. Nothing in this process has started a jax backend, so forking is safe.
-stdout: a JSON list of {"returncode", "stdout", "stderr"}, one per command, in order.
+stdout: a JSON list of {"returncode", "stdout", "stderr", "timed_out"}, one per command, in order.
 """
 
 from __future__ import annotations
@@ -74,51 +74,47 @@ def _child(argv: list[str], env: dict, out_fd: int, err_fd: int, replace_env=Fal
             os._exit(status)
 
 
-def run(argv: list[str], env: dict) -> dict:
+def run(argv: list[str], env: dict, cwd: str | None = None, timeout: float | None = None,
+        replace_env: bool = False) -> dict:
+    """{"returncode", "stdout", "stderr", "timed_out"} of `python SCRIPT ARGS` in a forked child:
+    `env` set for it (its whole environment with `replace_env`), from `cwd`, killed after
+    `timeout` seconds."""
     if len(argv) < 2 or argv[0] != sys.executable or not argv[1].endswith(".py"):
         raise ValueError(f"not a `{sys.executable} SCRIPT.py ...` command: {argv}")
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         pid = os.fork()
         if pid == 0:
-            _child(argv, env, out.fileno(), err.fileno())
-        _, status = os.waitpid(pid, 0)
+            if cwd is not None:
+                os.chdir(cwd)
+            _child(argv, env, out.fileno(), err.fileno(), replace_env=replace_env)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        timed_out = False
+        while True:
+            done, status = os.waitpid(pid, 0 if deadline is None else os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                _, status = os.waitpid(pid, 0)
+                timed_out = True
+                break
+            time.sleep(0.01)
         out.seek(0)
         err.seek(0)
         return {"returncode": os.waitstatus_to_exitcode(status),
                 "stdout": out.read().decode(errors="replace"),
-                "stderr": err.read().decode(errors="replace")}
+                "stderr": err.read().decode(errors="replace"), "timed_out": timed_out}
 
 
 def _serve(reply) -> None:
-    """--serve: each stdin line {"argv", "env", "cwd", "timeout"} runs as `run` does (the
-    command's whole environment is `env`), from `cwd`, killed after `timeout` seconds; each line
-    to `reply` (the server's stdout) is its {"returncode", "stdout", "stderr", "timed_out"}."""
+    """--serve: each stdin line {"argv", "env", "cwd", "timeout"} runs as `run` runs it (the
+    command's whole environment is `env`); each line to `reply` (the server's stdout) is its
+    result."""
     for line in sys.stdin:
         c = json.loads(line)
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            pid = os.fork()
-            if pid == 0:
-                os.chdir(c["cwd"])
-                _child(c["argv"], c["env"], out.fileno(), err.fileno(), replace_env=True)
-            deadline = None if c["timeout"] is None else time.monotonic() + c["timeout"]
-            timed_out = False
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    os.kill(pid, signal.SIGKILL)
-                    _, status = os.waitpid(pid, 0)
-                    timed_out = True
-                    break
-                time.sleep(0.01)
-            out.seek(0)
-            err.seek(0)
-            reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status),
-                                    "stdout": out.read().decode(errors="replace"),
-                                    "stderr": err.read().decode(errors="replace"),
-                                    "timed_out": timed_out}) + "\n")
-            reply.flush()
+        reply.write(json.dumps(run(c["argv"], c["env"], c["cwd"], c["timeout"], replace_env=True))
+                    + "\n")
+        reply.flush()
 
 
 # Read when python or jax starts (jax's flags take their defaults from the environment at import):
@@ -189,7 +185,7 @@ def _stop(server: subprocess.Popen) -> None:
 
 
 def run_scripts(commands: list[list[str]], cwd: str | None = None, env: dict | None = None) -> list[dict]:
-    """For a test: [{"returncode", "stdout", "stderr"}] of each `python SCRIPT ARGS` in `commands`
+    """For a test: `run`'s result of each `python SCRIPT ARGS` in `commands`
     ([SCRIPT, ARGS...], run from `cwd`, default the checkout), through this file in one child
     process (one import of jax for them all). LONGCTX_VALIDATE_ONLY and LONGCTX_DEBUG are not
     passed on: a command is validate-only when it says --validate_only."""
