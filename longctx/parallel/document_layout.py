@@ -371,6 +371,24 @@ def _arrange(pieces, d: int, home: dict, shared: set, block: int) -> list:
     return out
 
 
+def _block_runs(pieces, block: int, at: int = 0) -> dict:
+    """{block: the documents in it, in order, once per run} of `pieces` laid out from token `at`."""
+    runs = {}
+    for doc, first, stop, _ in pieces:
+        for b in range(at // block, (at + stop - first - 1) // block + 1):
+            held = runs.setdefault(b, [])
+            if not held or held[-1] != doc:
+                held.append(doc)
+        at += stop - first
+    return runs
+
+
+def _strictly_inside(held: list) -> list:
+    """The documents of a block's run `held` that are neither its first nor its last: what
+    row_blocks sums up as one range of ids and positions."""
+    return [doc for doc in held if doc not in (held[0], held[-1])]
+
+
 def _waste(units, at: int, block: int, weight: dict, tails: set) -> int:
     """What the ring computes beyond the work model for a shard's pieces `units` laid out in this
     order from `at`, by `weight` (blocks of each document shared with other shards): a shared
@@ -378,20 +396,16 @@ def _waste(units, at: int, block: int, weight: dict, tails: set) -> int:
     against every block of their document; a block with several documents strictly inside it
     sums them up as one range, so that the blocks elsewhere of those shared in it (all but a
     spread document's last piece, first in the range) are computed against it too."""
-    waste, runs, spans, tokens = 0, {}, {}, {}
+    runs = _block_runs(units, block, at)
+    spans, tokens = {}, {}
     for doc, first, stop, _ in units:
-        b0, b1 = at // block, (at + stop - first - 1) // block
-        spans.setdefault(doc, set()).update(range(b0, b1 + 1))
         tokens[doc] = tokens.get(doc, 0) + stop - first
-        for b in range(b0, b1 + 1):
-            held = runs.setdefault(b, [])
-            if not held or held[-1] != doc:
-                held.append(doc)
-        at += stop - first
-    for doc, blocks in spans.items():
-        waste += weight.get(doc, 0) * (len(blocks) - -(-tokens[doc] // block))
+    for b, held in runs.items():
+        for doc in held:
+            spans.setdefault(doc, set()).add(b)
+    waste = sum(weight.get(doc, 0) * (len(blocks) - -(-tokens[doc] // block)) for doc, blocks in spans.items())
     for held in runs.values():
-        inside = [doc for doc in held[1:-1] if doc not in (held[0], held[-1])]
+        inside = _strictly_inside(held)
         if len(inside) > 1:
             waste += sum(weight.get(doc, 0) for k, doc in enumerate(inside)
                          if k or doc not in tails)
@@ -456,26 +470,6 @@ def _settle(pieces, block: int, weight: dict, tails: set, most: int = 12) -> lis
     return front + order if _waste(order, at, block, weight, tails) < start else pieces
 
 
-def _inside(pieces, block: int) -> list:
-    """The documents strictly inside each block of a shard holding `pieces` in this order (not
-    its first document nor its last), in their order: what row_blocks sums up as one range of
-    ids and positions."""
-    out, runs, at = [], [], 0
-    for doc, first, stop, _ in pieces:
-        while first < stop:
-            take = min(stop - first, block - at % block)
-            if not runs or runs[-1] != doc:
-                runs.append(doc)
-            first += take
-            at += take
-            if at % block == 0:
-                out.append([d for d in runs if d not in (runs[0], runs[-1])])
-                runs = []
-    if runs:
-        out.append([d for d in runs if d not in (runs[0], runs[-1])])
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class RowLayout:
     """One row in the per-document layout: `permutation` int64 [S] (x_layout =
@@ -518,8 +512,8 @@ def row_layout(segment_ids, num_shards: int, block: int, positions=None) -> RowL
     order = [_settle(_arrange(plan.pieces[d], d, home, shared, block), block, weight, tails)
              for d in range(num_shards)]
     for pieces in order:  # a block's documents strictly inside it first: their ids one run
-        for inside in _inside(pieces, block):
-            for doc in inside:
+        for held in _block_runs(pieces, block).values():
+            for doc in _strictly_inside(held):
                 number(doc)
     for pieces in order:  # in the order the shards hold them, blocks of one document last
         for doc, _, _, region in pieces:
