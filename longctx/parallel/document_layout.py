@@ -17,10 +17,11 @@ Why whole blocks: the ring computes a block whole or not at all, so a chunk that
 block makes that block hold two chunks, needed at both chunks' steps; with every spread piece
 a run of whole blocks at the front of its shard, the blocks the ring computes are the blocks
 the documents need (on the embedded corpus at 131,072 tokens, sp 8, block 512: within 2% of the
-natural order's). The rest of a shard follows, then padding: its whole documents and the
-pieces that are not whole blocks (a spread document's last partial block, a scattered
-document's pieces), each piece of a document with pieces on other shards starting a block or
-ending on a block edge, whole documents cut at an edge to make room (`_arrange`: the ring sums
+natural order's). The rest of a shard follows: its whole documents and the pieces that are
+not whole blocks (a spread document's last partial block, a scattered document's pieces), each
+piece of a document with pieces on other shards starting a block or ending on a block edge,
+whole documents cut at an edge to make room, and where they run out the shard's padding
+(padding is no document to the ring's block tests), the rest of it last (`_arrange`: the ring sums
 up a block by its first document, its last and the range of ids between; a document of
 another shard between two others would make that range cover documents that live elsewhere,
 and every device would compute their blocks against it at every step).
@@ -61,6 +62,8 @@ STEP_COST = 1.0          # blocks a ring step costs beyond its blocks (ops/auto_
 # What a piece of a shard is: whole blocks of a spread or scattered document (at the front of
 # the shard), the rest of one (its partial block, pieces of a scattered one), a whole document.
 _BLOCKS, _PARTIAL, _WHOLE = 0, 1, 2
+# The document of a piece of padding: _arrange lays the shard's padding where it saves a cut.
+_PADDING = -1
 
 
 def documents(segment_ids) -> tuple[np.ndarray, np.ndarray]:
@@ -317,7 +320,7 @@ def _shared(pieces) -> set:
     return {doc for doc, where in shards.items() if len(where) > 1}
 
 
-def _arrange(pieces, d: int, home: dict, shared: set, block: int) -> list:
+def _arrange(pieces, d: int, home: dict, shared: set, block: int, padding: int = 0) -> list:
     """Shard d's pieces in layout order: its whole blocks of single documents, then the rest,
     where every piece of a document `shared` with other shards starts a block or ends on a
     block edge, the shard's whole documents filling between (cut at the edges where needed: the
@@ -327,19 +330,28 @@ def _arrange(pieces, d: int, home: dict, shared: set, block: int) -> list:
     in between that live elsewhere, and the ring would compute their blocks against the block
     at every step; one of the shard's own there only makes its blocks elsewhere compute the
     block (their positions follow its other documents'). So foreign pieces take the edges
-    first, and where whole documents run out, the shard's own shared pieces fill instead."""
+    first, and where whole documents run out, `padding` tokens of the shard fill (pieces of
+    _PADDING, none of them cut a piece of a document), then the shard's own shared pieces; the
+    padding left over ends the shard."""
     out = [p for p in pieces if p[3] == _BLOCKS]
     at = sum(p[2] - p[1] for p in out)
     rest = [p for p in pieces if p[3] != _BLOCKS]
     pending = ([p for p in rest if home[p[0]] != d] +                    # foreign: edges first
                [p for p in rest if home[p[0]] == d and p[0] in shared])  # the shard's own shared
     stream = [p for p in rest if p[0] not in shared][::-1]
+    pad = padding
 
-    def fill(upto):  # whole documents (then own shared pieces) up to `upto`, the last cut there
-        nonlocal at
+    def fill(upto):  # whole documents, padding, own shared pieces up to `upto`, the last cut there
+        nonlocal at, pad
         while at < upto:
             if stream:
                 doc, first, stop, region = stream.pop()
+            elif pad:
+                take = min(pad, upto - at)
+                out.append((_PADDING, padding - pad, padding - pad + take, _WHOLE))
+                pad -= take
+                at += take
+                continue
             elif pending and home[pending[-1][0]] == d:
                 doc, first, stop, region = pending.pop()
             else:
@@ -367,7 +379,7 @@ def _arrange(pieces, d: int, home: dict, shared: set, block: int) -> list:
                 fill(edge - length)
                 if pending:
                     put(pending.pop(0))
-    fill(at + sum(p[2] - p[1] for p in stream))
+    fill(at + sum(p[2] - p[1] for p in stream) + pad)
     return out
 
 
@@ -375,6 +387,9 @@ def _block_runs(pieces, block: int, at: int = 0) -> dict:
     """{block: the documents in it, in order, once per run} of `pieces` laid out from token `at`."""
     runs = {}
     for doc, first, stop, _ in pieces:
+        if doc == _PADDING:
+            at += stop - first
+            continue
         for b in range(at // block, (at + stop - first - 1) // block + 1):
             held = runs.setdefault(b, [])
             if not held or held[-1] != doc:
@@ -509,7 +524,9 @@ def row_layout(segment_ids, num_shards: int, block: int, positions=None) -> RowL
     weight = {doc: -(-int(lengths[doc]) // block) for doc in shared}
     tails = {doc for doc in plan.spread if sum(p[0] == doc and p[3] != _BLOCKS
                                                for held in plan.pieces for p in held) == 1}
-    order = [_settle(_arrange(plan.pieces[d], d, home, shared, block), block, weight, tails)
+    shard_len = seq_len // num_shards
+    spare = [shard_len - sum(p[2] - p[1] for p in held) for held in plan.pieces]  # each shard's padding
+    order = [_settle(_arrange(plan.pieces[d], d, home, shared, block, spare[d]), block, weight, tails)
              for d in range(num_shards)]
     for pieces in order:  # a block's documents strictly inside it first: their ids one run
         for held in _block_runs(pieces, block).values():
@@ -517,15 +534,15 @@ def row_layout(segment_ids, num_shards: int, block: int, positions=None) -> RowL
                 number(doc)
     for pieces in order:  # in the order the shards hold them, blocks of one document last
         for doc, _, _, region in pieces:
-            if region != _BLOCKS:
+            if region != _BLOCKS and doc != _PADDING:
                 number(doc)
     for pieces in order:
         for doc, _, _, _ in pieces:
-            number(doc)
+            if doc != _PADDING:
+                number(doc)
     if cursor >= 2 ** 30:
         raise ValueError(f"positions up to {cursor:,} in a row: global positions must stay below "
                          "2**30 (int32 on device)")
-    shard_len = seq_len // num_shards
     padding = np.flatnonzero(ids <= 0)
     perm = np.empty(seq_len, np.int64)
     new_ids = np.zeros(seq_len, np.int32)
@@ -534,12 +551,15 @@ def row_layout(segment_ids, num_shards: int, block: int, positions=None) -> RowL
         slot = d * shard_len
         for doc, first, stop, _ in order[d]:
             n = stop - first
-            perm[slot:slot + n] = starts[doc] + np.arange(first, stop)
-            new_ids[slot:slot + n] = offset[doc] + 1
+            if doc == _PADDING:
+                perm[slot:slot + n] = padding[used:used + n]
+                used += n
+            else:
+                perm[slot:slot + n] = starts[doc] + np.arange(first, stop)
+                new_ids[slot:slot + n] = offset[doc] + 1
             slot += n
-        fill = (d + 1) * shard_len - slot
-        perm[slot:slot + fill] = padding[used:used + fill]
-        used += fill
+        if slot != (d + 1) * shard_len:
+            raise AssertionError(f"shard {d} laid out {slot - d * shard_len} of {shard_len} tokens")
     return RowLayout(perm, new_ids)
 
 

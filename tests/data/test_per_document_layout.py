@@ -136,3 +136,20 @@ def test_documents_inside_a_block_are_numbered_as_one_run():
     spec = masks.make_mask_spec(causal=True)
     schedule = tables.document_schedule(spec, "per_document", seq_len, sp, block, ids[None])
     assert schedule.kept_blocks == schedule.computed_blocks.sum()
+
+
+def test_padding_fills_between_shared_pieces():
+    """A row with padding (1,460 tokens) whose shards hold the last partial blocks of spread
+    documents: a shard lays its padding between pieces where it keeps a shared piece from being
+    cut across a block edge (padding is no document to the ring's block tests), so it is not
+    all at the shard's end, and the ring computes only needed blocks (14 more with the padding
+    at the ends)."""
+    seq_len, sp, block = 16384, 8, 128
+    lengths = [1714, 1846, 939, 2594, 619, 2218, 339, 1837, 813, 919, 1086]
+    ids = np.repeat(np.arange(1, len(lengths) + 1), lengths).astype(np.int32)
+    ids = np.r_[ids, np.zeros(seq_len - len(ids), np.int32)]
+    spec = masks.make_mask_spec(causal=True)
+    schedule = tables.document_schedule(spec, "per_document", seq_len, sp, block, ids[None])
+    assert schedule.kept_blocks == schedule.computed_blocks.sum()
+    shards = document_layout.row_layout(ids, sp, block).segment_ids.reshape(sp, -1)
+    assert any(((shard[:-1] == 0) & (shard[1:] > 0)).any() for shard in shards)
