@@ -255,8 +255,14 @@ def _scatter(plan: _Plan, doc: int, length: int, block: int, offset: int = 0) ->
 
 
 def _finish(plan: _Plan, docs, lengths, block: int) -> _Plan:
-    """`plan` with documents `docs` (longest first) placed whole, each on the shard with room
-    whose step-0 work is least, and those that fit no shard scattered."""
+    """`plan` with documents `docs` (longest first) placed whole, and those that fit no shard
+    scattered. A document goes first to a shard whose gaps it fits: the room that shard's spread
+    documents' last partial blocks leave to their blocks' ends. `_arrange` fills those gaps with
+    the shard's whole documents, so that each partial block starts or ends on a block edge;
+    where a shard has too few, it cuts a shared piece instead, and the ring computes a cut piece
+    again in every block it reaches. Among the shards whose gaps it fits (or, where it fits none,
+    among all with room), the one whose step-0 work is least."""
+    gaps = np.array([sum(block - (p[2] - p[1]) for p in held if p[3] == _PARTIAL) for held in plan.pieces])
     misfits = []
     for doc in docs:
         length = int(lengths[doc])
@@ -264,7 +270,11 @@ def _finish(plan: _Plan, docs, lengths, block: int) -> _Plan:
         if len(fits) == 0:
             misfits.append(int(doc))
             continue
-        _place_whole(plan, int(doc), length, int(fits[np.argmin(plan.work[fits, 0])]), block)
+        filling = fits[gaps[fits] >= length]
+        among = filling if len(filling) else fits
+        d = int(among[np.argmin(plan.work[among, 0])])
+        gaps[d] -= length
+        _place_whole(plan, int(doc), length, d, block)
     for doc in misfits:
         _scatter(plan, doc, int(lengths[doc]), block)
     return plan

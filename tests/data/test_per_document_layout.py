@@ -153,3 +153,18 @@ def test_padding_fills_between_shared_pieces():
     assert schedule.kept_blocks == schedule.computed_blocks.sum()
     shards = document_layout.row_layout(ids, sp, block).segment_ids.reshape(sp, -1)
     assert any(((shard[:-1] == 0) & (shard[1:] > 0)).any() for shard in shards)
+
+
+def test_whole_documents_fill_the_gaps_of_partial_blocks_first():
+    """A full row (57 tokens of padding): spread documents' last partial blocks leave gaps to
+    their blocks' ends, and a whole document that fits a shard's gaps goes there, so that the
+    shard need not cut a shared piece to fill them: the ring computes only needed blocks (8 more,
+    and a critical path of 181 blocks against 169, with the least step-0 work deciding alone)."""
+    seq_len, sp, block = 16384, 8, 128
+    lengths = [90, 3598, 1184, 1148, 2161, 116, 648, 3419, 186, 282, 1585, 1032, 233, 645]
+    ids = np.repeat(np.arange(1, len(lengths) + 1), lengths).astype(np.int32)
+    ids = np.r_[ids, np.zeros(seq_len - len(ids), np.int32)]
+    spec = masks.make_mask_spec(causal=True)
+    schedule = tables.document_schedule(spec, "per_document", seq_len, sp, block, ids[None])
+    assert schedule.kept_blocks == schedule.computed_blocks.sum()
+    assert schedule.computed_blocks.max(axis=0).sum() <= 169
