@@ -8,8 +8,9 @@ document is placed on its own, so that every device does the same work at every 
   2 sp - 1 - d, so that at every ring step every device computes the same blocks of it (equal
   chunks give every (device, step) 2 c^2 blocks); which documents are spread is chosen per row
   by the work model below, not by a length threshold;
-- the others stay whole on one shard, placed largest first on the shard with the least work
-  (their work is all at ring step 0), where they fit;
+- the others stay whole on one shard, placed largest first where they fit: on the shard with
+  the least work (their work is all at ring step 0), among those whose spread documents' last
+  partial blocks leave gaps they fit first (`_finish`);
 - one that fits no shard is scattered: its whole blocks dealt one by one to the shards with
   room, each where it adds least to the busiest device of the steps it touches.
 
