@@ -35,6 +35,8 @@ PRELOAD = ("jax", "numpy", "absl.app", "absl.flags", "ml_collections.config_flag
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A test's own settings, not passed on to what it starts: a command says --validate_only itself.
+_TEST_ONLY = ("LONGCTX_VALIDATE_ONLY", "LONGCTX_DEBUG")
 
 
 def _child(argv: list[str], env: dict, out_fd: int, err_fd: int, replace_env=False) -> None:
@@ -168,7 +170,7 @@ class ScriptServer:
                 [sys.executable, os.path.abspath(__file__), "--serve"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
                 env={k: v for k, v in env.items()
-                     if k not in ("LONGCTX_VALIDATE_ONLY", "LONGCTX_DEBUG")})
+                     if k not in _TEST_ONLY})
             atexit.register(_stop, server)
             cls._servers[key] = (server, log)
         return cls._servers[key]
@@ -190,7 +192,7 @@ def run_scripts(commands: list[list[str]], cwd: str | None = None, env: dict | N
     process (one import of jax for them all). LONGCTX_VALIDATE_ONLY and LONGCTX_DEBUG are not
     passed on: a command is validate-only when it says --validate_only."""
     env = {k: v for k, v in (os.environ if env is None else env).items()
-           if k not in ("LONGCTX_VALIDATE_ONLY", "LONGCTX_DEBUG")}
+           if k not in _TEST_ONLY}
     done = subprocess.run([sys.executable, os.path.abspath(__file__)],
                           input=json.dumps([{"argv": [sys.executable, *c]} for c in commands]),
                           capture_output=True, text=True, cwd=cwd or ROOT, env={**env, "PYTHONPATH": ROOT},
