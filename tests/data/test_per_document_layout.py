@@ -29,6 +29,19 @@ def _rows(seed, count, seq_len, lengths=(5, 40, 300, 900, 3000)):
     return np.stack(out)
 
 
+def _packed(lengths, seq_len):
+    """One natural-order row of segment ids [seq_len]: documents 1, 2, ... of `lengths` in
+    order, padding after them."""
+    ids = np.repeat(np.arange(1, len(lengths) + 1), lengths).astype(np.int32)
+    return np.r_[ids, np.zeros(seq_len - len(ids), np.int32)]
+
+
+def _causal_schedule(ids, sp, block):
+    """The ring's schedule of one row in the per-document layout, causal, needed blocks counted."""
+    spec = masks.make_mask_spec(causal=True)
+    return tables.document_schedule(spec, "per_document", len(ids), sp, block, ids[None])
+
+
 @pytest.mark.parametrize("seq_len,sp,block", [(4096, 4, 128), (8192, 8, 128), (2048, 2, 256)])
 def test_a_row_laid_out_keeps_its_documents(seq_len, sp, block):
     for seed, ids in enumerate(_rows(0, 6, seq_len)):
@@ -118,9 +131,7 @@ def test_the_ring_computes_no_block_for_nothing():
     too: each shard's pieces are ordered and numbered so that no block's range of ids covers a
     document that lives elsewhere, and every block the ring computes holds a needed pair."""
     seq_len, sp, block = 8192, 4, 128
-    ids = np.repeat(np.arange(1, 7), [3637, 1969, 316, 240, 217, 1813]).astype(np.int32)
-    spec = masks.make_mask_spec(causal=True)
-    schedule = tables.document_schedule(spec, "per_document", seq_len, sp, block, ids[None])
+    schedule = _causal_schedule(_packed([3637, 1969, 316, 240, 217, 1813], seq_len), sp, block)
     assert schedule.kept_blocks == schedule.computed_blocks.sum()
 
 
@@ -131,10 +142,8 @@ def test_documents_inside_a_block_are_numbered_as_one_run():
     ordered so that few blocks hold a cut one, and the ring computes only needed blocks."""
     seq_len, sp, block = 16384, 8, 128
     lengths = [4675, 87, 144, 1162, 2706, 1946, 3846, 1778]
-    ids = np.repeat(np.arange(1, len(lengths) + 1), lengths).astype(np.int32)
-    ids = np.r_[ids, np.zeros(seq_len - len(ids), np.int32)]
-    spec = masks.make_mask_spec(causal=True)
-    schedule = tables.document_schedule(spec, "per_document", seq_len, sp, block, ids[None])
+    ids = _packed(lengths, seq_len)
+    schedule = _causal_schedule(ids, sp, block)
     assert schedule.kept_blocks == schedule.computed_blocks.sum()
 
 
@@ -146,10 +155,8 @@ def test_padding_fills_between_shared_pieces():
     at the ends)."""
     seq_len, sp, block = 16384, 8, 128
     lengths = [1714, 1846, 939, 2594, 619, 2218, 339, 1837, 813, 919, 1086]
-    ids = np.repeat(np.arange(1, len(lengths) + 1), lengths).astype(np.int32)
-    ids = np.r_[ids, np.zeros(seq_len - len(ids), np.int32)]
-    spec = masks.make_mask_spec(causal=True)
-    schedule = tables.document_schedule(spec, "per_document", seq_len, sp, block, ids[None])
+    ids = _packed(lengths, seq_len)
+    schedule = _causal_schedule(ids, sp, block)
     assert schedule.kept_blocks == schedule.computed_blocks.sum()
     shards = document_layout.row_layout(ids, sp, block).segment_ids.reshape(sp, -1)
     assert any(((shard[:-1] == 0) & (shard[1:] > 0)).any() for shard in shards)
@@ -162,9 +169,7 @@ def test_whole_documents_fill_the_gaps_of_partial_blocks_first():
     and a critical path of 181 blocks against 169, with the least step-0 work deciding alone)."""
     seq_len, sp, block = 16384, 8, 128
     lengths = [90, 3598, 1184, 1148, 2161, 116, 648, 3419, 186, 282, 1585, 1032, 233, 645]
-    ids = np.repeat(np.arange(1, len(lengths) + 1), lengths).astype(np.int32)
-    ids = np.r_[ids, np.zeros(seq_len - len(ids), np.int32)]
-    spec = masks.make_mask_spec(causal=True)
-    schedule = tables.document_schedule(spec, "per_document", seq_len, sp, block, ids[None])
+    ids = _packed(lengths, seq_len)
+    schedule = _causal_schedule(ids, sp, block)
     assert schedule.kept_blocks == schedule.computed_blocks.sum()
     assert schedule.computed_blocks.max(axis=0).sum() <= 169
