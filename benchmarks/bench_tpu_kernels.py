@@ -329,20 +329,23 @@ def markdown(data) -> str:
     for heads, kv_heads, head_dim in sorted({_shape(r) for r in rows}):
         shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
         lines += ["", f"## {heads} query heads over {kv_heads} K/V heads, head_dim {head_dim}", "",
-                  "Side by side: longctx and stock splash in the same run, at the same block; "
-                  "stock at the faster of the scoped VMEM limits that run measured (longctx sets "
-                  "its own).", ""]
+                  "Side by side: longctx, stock splash and tokamax splash in the same run, at "
+                  "the same block; stock and tokamax each at the faster of the scoped VMEM "
+                  "limits that run measured (longctx sets its own).", ""]
         table = []
         for r in sorted((r for r in rows if r["impl"] == "longctx" and "fwdbwd_ms" in r
                          and all(r[k] == v for k, v in shape.items())),
                         key=lambda r: (r["S"], MASKS.index(r["mask"]), r["block"])):
-            stock = _best(rows, impl="stock", run=r["run"], S=r["S"], mask=r["mask"],
-                          block=r["block"], **shape)
-            if stock is not None:
-                table.append([f"{r['S']:,}", label(r["mask"]), r["block"], stock["fwdbwd_ms"],
-                              stock["vmem"], r["fwdbwd_ms"], _ratio(r, stock), r["run"]])
-        lines.append(bc.table(["S", "mask", "block", "stock ms", "stock VMEM", "longctx ms",
-                               "longctx / stock", "run"], table))
+            peers = [_best(rows, impl=impl, run=r["run"], S=r["S"], mask=r["mask"],
+                           block=r["block"], **shape) for impl in ("stock", "tokamax")]
+            if any(peers):
+                cells = [c for peer in peers for c in (
+                    ("—", "—") if peer is None else (peer["fwdbwd_ms"], peer["vmem"]))]
+                table.append([f"{r['S']:,}", label(r["mask"]), r["block"], *cells, r["fwdbwd_ms"],
+                              *(_ratio(r, peer) for peer in peers), r["run"]])
+        lines.append(bc.table(["S", "mask", "block", "stock ms", "stock VMEM", "tokamax ms",
+                               "tokamax VMEM", "longctx ms", "longctx / stock",
+                               "longctx / tokamax", "run"], table))
         lines += ["", "Each at its best over the blocks and VMEM limits measured (rows of "
                       "different runs compared: see each row's run).", ""]
         table = []

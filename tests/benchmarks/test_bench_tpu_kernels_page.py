@@ -28,19 +28,30 @@ def test_each_head_shape_is_its_own_section_and_comparison():
             _row("longctx", 256, 1024, 100.0), _row("stock", 256, 1024, 200.0)]
     page = _bench().markdown(dict(rows=rows, commands=[], device="TPU v5 lite"))
     narrow, wide = page.split("head_dim 64")[1].split("head_dim 256")
-    assert "| 32,768 | causal | 1024 | 50.0 | default | 60.0 | 1.20 | r |" in narrow
-    assert "| 32,768 | causal | 1024 | 200.0 | default | 100.0 | 0.50 | r |" in wide.split("## longctx by block")[0]
+    assert "| 32,768 | causal | 1024 | 50.0 | default | — | — | 60.0 | 1.20 | — | r |" in narrow
+    assert ("| 32,768 | causal | 1024 | 200.0 | default | — | — | 100.0 | 0.50 | — | r |"
+            in wide.split("## longctx by block")[0])
     assert "| 32,768 | causal | 8/8 x 64 | 20.0 / 60.0 |" in page
     assert "| 32,768 | causal | 8/8 x 256 | 33.3 / 100.0 |" in page
 
 
-def test_side_by_side_takes_stock_at_the_faster_limit_of_the_same_run():
+def test_side_by_side_takes_each_peer_at_the_faster_limit_of_the_same_run():
     rows = [_row("longctx", 128, 2048, 60.0), _row("stock", 128, 2048, 50.0, vmem="raised"),
             _row("stock", 128, 2048, 70.0, vmem="default"),
-            dict(_row("stock", 128, 2048, 10.0, vmem="raised"), run="another run")]
+            dict(_row("stock", 128, 2048, 10.0, vmem="raised"), run="another run"),
+            _row("tokamax", 128, 2048, 80.0, vmem="raised"), _row("tokamax", 128, 2048, 75.0),
+            dict(_row("tokamax", 128, 2048, 5.0), run="another run")]
     page = _bench().markdown(dict(rows=rows, commands=[], device="TPU v5 lite"))
     side_by_side = page.split("Each at its best")[0]
-    assert "| 32,768 | causal | 2048 | 50.0 | raised | 60.0 | 1.20 | r |" in side_by_side
+    assert "| 32,768 | causal | 2048 | 50.0 | raised | 75.0 | default | 60.0 | 1.20 | 0.80 | r |" in side_by_side
+
+
+def test_a_longctx_row_with_tokamax_alone_beside_it_is_side_by_side():
+    rows = [_row("longctx", 128, 1024, 60.0), _row("tokamax", 128, 1024, 120.0),
+            dict(_row("stock", 128, 1024, 50.0), run="another run")]
+    page = _bench().markdown(dict(rows=rows, commands=[], device="TPU v5 lite"))
+    side_by_side = page.split("Each at its best")[0]
+    assert "| 32,768 | causal | 1024 | — | — | 120.0 | default | 60.0 | — | 0.50 | r |" in side_by_side
 
 
 def test_a_run_measured_again_in_full_leaves_the_list_of_commands(tmp_path):
