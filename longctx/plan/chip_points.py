@@ -96,7 +96,8 @@ def kernel_seconds(row: KernelRow, segment_ids: np.ndarray | None = None,
 
 # ----------------------------------------------------------------------------- train steps
 
-TPU_MD = "docs/tpu.md (one TPU v5e chip, 2026-12-06)"
+TPU_MD = "docs/tpu.md (one TPU v5e chip, {day})"
+FIRST_RUNS, ACCUMULATION_RUNS = TPU_MD.format(day="2026-12-06"), TPU_MD.format(day="2026-12-07")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,7 @@ class ChipStep:
     overrides: dict
     measured_seconds: float
     topology: str = "v5e:1x1"
-    source: str = TPU_MD
+    source: str = FIRST_RUNS
     fit: bool = False
 
 
@@ -131,6 +132,13 @@ STEPS = [
     ChipStep("causal 16K, 4 rows, grad_accum_steps=4",
              _causal(**{"data.seq_len": 16_384, "data.global_batch_size": 4,
                         "train.grad_accum_steps": 4}), 2.518),
+    ChipStep("causal 32K, blocks of 2,048, recompute_qkv",
+             _causal(2048, **{"attention.residuals": "recompute_qkv"}), 1.602,
+             source=ACCUMULATION_RUNS),
+    ChipStep("causal 32K, blocks of 2,048, recompute_qkv, 4 rows, grad_accum_steps=4",
+             _causal(2048, **{"attention.residuals": "recompute_qkv", "data.global_batch_size": 4,
+                              "train.grad_accum_steps": 4}), 6.335,
+             source=ACCUMULATION_RUNS),
 ]
 
 
