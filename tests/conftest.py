@@ -60,8 +60,9 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 # XLA:CPU's older elemental emitters instead of its fusion emitters, for the same reason: they
 # compile the suite's programs faster (tests/train/test_train.py with test_model_numerics.py: 76 ->
-# 62 s; three of test_context_parallel.py's cases: 16 -> 11 s), with the same IEEE semantics. A
-# choice the caller made in XLA_FLAGS is kept.
+# 62 s; three of test_context_parallel.py's cases: 16 -> 11 s), and the suite's bitwise tests
+# (resume, sharding, accumulation) pass under them as under the fusion emitters. A choice the
+# caller made in XLA_FLAGS is kept.
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ["XLA_FLAGS"] + " --xla_cpu_use_fusion_emitters=false").strip()
 
@@ -79,22 +80,24 @@ if not CHIP_TIER:
 
 
 # The files that take the most time, longest first (their share of a whole run's test time on
-# 2026-12-07: 7.6% down to 1.3%). `make test` hands files to its two workers whole, in the order
-# of the collection (--no-loadscope-reorder), and these go first, so that the run ends on short
-# files: xdist's own order, files with the most tests first, left the one-test training files of
-# a minute or more to the end, where one worker ran them while the other had nothing left. A
-# file missing here, or one that has grown, only runs later; nothing depends on the order.
+# 2026-12-07, compiled as above: 11.0% down to 1.2%). `make test` hands files to its two workers
+# whole, in the order of the collection (--no-loadscope-reorder), and these go first, so that the
+# run ends on short files: xdist's own order, files with the most tests first, left the one-test
+# training files of a minute or more to the end, where one worker ran them while the other had
+# nothing left. A file missing here, or one that has grown, only runs later; nothing depends on
+# the order.
 LONGEST_FILES = (
-    "ops/test_ring_attention.py", "benchmarks/test_scripts_scale.py", "ops/test_context_parallel.py",
-    "plan/test_planner.py", "train/test_lease.py", "model/test_attention_residuals.py",
-    "ops/test_splash_kernels.py", "train/test_train_safety.py", "interop/test_families.py",
-    "ops/test_cp_tpu_aot.py", "evals/test_ablate.py", "test_cli_errors.py", "train/test_checkpoint.py",
-    "evals/test_needle.py", "model/test_model_numerics.py", "train/test_train.py",
-    "train/test_mixture_resume.py", "model/test_block_options.py", "ops/test_per_document.py",
-    "plan/test_strategy_memory.py", "train/test_stop_signals.py", "data/test_mixture_training.py",
-    "train/test_grad_accum.py", "interop/test_hf.py", "train/test_cp_training.py",
-    "plan/test_memory_breakdown.py", "train/test_multiprocess.py", "data/test_data_multiprocess.py",
-    "plan/test_fit_remedy.py", "train/test_train_tpu_aot.py")
+    "ops/test_ring_attention.py", "benchmarks/test_scripts_scale.py", "train/test_checkpoint.py",
+    "train/test_train_safety.py", "evals/test_needle.py", "ops/test_context_parallel.py",
+    "train/test_train.py", "model/test_attention_residuals.py", "plan/test_planner.py",
+    "ops/test_splash_kernels.py", "ops/test_cp_tpu_aot.py", "train/test_multiprocess.py",
+    "interop/test_families.py", "ops/test_per_document.py", "evals/test_ablate.py",
+    "train/test_stop_signals.py", "plan/test_memory_breakdown.py",
+    "data/test_data_multiprocess.py", "evals/test_ruler_learned.py", "test_cli_errors.py",
+    "train/test_mixture_resume.py", "plan/test_strategy_memory.py", "model/test_block_options.py",
+    "model/test_hybrid.py", "train/test_cp_training.py", "model/test_model.py",
+    "evals/test_ruler_run.py", "train/test_lease.py", "plan/test_fit_remedy.py",
+    "data/test_mixture_training.py")
 
 
 def _file_rank(item) -> int:
