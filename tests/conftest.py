@@ -54,17 +54,15 @@ if not CHIP_TIER:
 # steps, took 38 s at level 0 against 26 at level 1, so it asks for level 1 itself
 # (tests/evals/test_needle.py, through compiler_options). Without fast-math (off on
 # XLA's CPU backend) LLVM keeps IEEE semantics at every level, so results do not change (the
-# bitwise resume, sharding and bf16 tests pass under it). A level the caller set in XLA_FLAGS is kept.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-
+# bitwise resume, sharding and bf16 tests pass under it).
 # XLA:CPU's older elemental emitters instead of its fusion emitters, for the same reason: they
 # compile the suite's programs faster (tests/train/test_train.py with test_model_numerics.py: 76 ->
 # 62 s; three of test_context_parallel.py's cases: 16 -> 11 s), and the suite's bitwise tests
-# (resume, sharding, accumulation) pass under them as under the fusion emitters. A choice the
-# caller made in XLA_FLAGS is kept.
-if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ["XLA_FLAGS"] + " --xla_cpu_use_fusion_emitters=false").strip()
+# (resume, sharding, accumulation) pass under them as under the fusion emitters. Either flag the
+# caller set in XLA_FLAGS is kept.
+os.environ["XLA_FLAGS"] = devices.with_default_flags(
+    os.environ.get("XLA_FLAGS", ""),
+    {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": "false"})
 
 # XLA:CPU's collective timeouts raised as every script raises them (longctx.parallel.devices): the
 # 8 virtual devices are 8 threads, and with both cores busy (two xdist workers and their children)

@@ -80,12 +80,18 @@ def configure_cpu_devices(default: int = 8) -> int:
     return count
 
 
-def with_cpu_collective_timeouts(xla_flags: str) -> str:
-    """`xla_flags` (an XLA_FLAGS value) with CPU_COLLECTIVE_TIMEOUTS added; a timeout already set
-    there is kept as the user set it. XLA reads XLA_FLAGS when its first backend starts."""
-    added = [f"--{name}={seconds}" for name, seconds in CPU_COLLECTIVE_TIMEOUTS.items()
+def with_default_flags(xla_flags: str, defaults: dict) -> str:
+    """`xla_flags` (an XLA_FLAGS value) with each flag of `defaults` ({name: value}) added that
+    it does not set; a flag already set there is kept as the user set it. XLA reads XLA_FLAGS
+    when its first backend starts."""
+    added = [f"--{name}={value}" for name, value in defaults.items()
              if not re.search(rf"--{name}\b", xla_flags)]
     return " ".join([xla_flags.strip(), *added]).strip()
+
+
+def with_cpu_collective_timeouts(xla_flags: str) -> str:
+    """`xla_flags` with CPU_COLLECTIVE_TIMEOUTS added where it sets none (`with_default_flags`)."""
+    return with_default_flags(xla_flags, CPU_COLLECTIVE_TIMEOUTS)
 
 
 def has_accelerator() -> bool:

@@ -69,6 +69,15 @@ def test_both_timeouts_are_added_past_xla_s_default_and_the_user_s_flags_are_kep
     assert devices.with_cpu_collective_timeouts(flags) == flags
 
 
+def test_a_default_flag_is_added_only_where_xla_flags_do_not_set_it():
+    defaults = {"xla_cpu_use_fusion_emitters": "false", "xla_backend_optimization_level": 0}
+    assert devices.with_default_flags("", defaults) == ("--xla_cpu_use_fusion_emitters=false "
+                                                        "--xla_backend_optimization_level=0")
+    user = "--xla_backend_optimization_level=3 --xla_cpu_use_fusion_emitters_extra=1"
+    # the user's level stays; a longer flag name that starts with a default's is not that flag
+    assert devices.with_default_flags(user, defaults) == f"{user} --xla_cpu_use_fusion_emitters=false"
+
+
 def test_every_place_that_sets_up_cpu_devices_raises_them():
     user = "--xla_dump_to=/tmp/x"
     # this test process (tests/conftest.py), and through it every script a test starts
