@@ -9,14 +9,23 @@ docs/tpu_kernels.md):
   - Masks from positions. A block's mask is computed in the kernel from each query's allowed
     key interval [lo, hi] and each key's global position (ops/masks.MaskSpec.bounds), and from
     segment ids with documents, so any mask of ops/masks.py under any layout needs no table of
-    partial-block patterns. A block the tables mark full has its mask or'ed to all-true, in the
-    same body as a partial block, as splash does: a second, unmasked copy of the body (each
-    copy unrolled over the block's sub-tiles) took the backward at blocks of 2,048 from 33 to
-    74 ms at 32K causal on a v5e (the kernel's code, not its arithmetic), and saved nothing
-    measurable at 1,024. The forward with documents is the exception: there a full block
-    (one document fills it whole) runs an unmasked copy and skips the segment compare, which
-    took a row that one document fills from 19.9 to 18.3 ms at 32K on a v5e (blocks of 2,048,
-    the two kernels back to back on one chip), no other row moving.
+    partial-block patterns. Which blocks skip the mask's work (a block the tables mark full has
+    no element to mask), each as measured on a v5e (blocks of 2,048, scoped VMEM raised,
+    forward + backward unless named):
+      - The backward runs a full block unmasked, its sub-tiles unrolled, and a partial one
+        masked in a rolled loop over its sub-tiles: 51.2 to 50.2 ms at 32K causal, 189.4 to
+        185.0 ms at 64K (82.5% to 84.5% of peak). Both copies unrolled instead doubled the
+        code, and took the backward from 33 to 74 ms at 32K.
+      - The forward has one body, a full block's mask or'ed to all-true, as splash does: the
+        same split there took the forward from 16.4 to 17.3 ms at 32K causal, and was no
+        better with the partial blocks rolled.
+      - With documents and positions the backward keeps one body too, the full block folded
+        into the counts of `_mask`. The forward with documents runs a full block (one document
+        fills it whole) as an unmasked copy, skipping the segment compare: 19.9 to 18.3 ms for
+        a row that one document fills at 32K, no other row moving.
+    Logits stay natural: a base-2 exponent (queries scaled by log2(e), tokamax's default) took
+    the forward of full attention from 28.8 to 28.0 ms at 32K but causal's from 16.3 to 17.1,
+    and adds a rounding of the queries where the softmax scale is a power of two.
   - One fused backward pass over every kv block, dQ accumulated in place. Splash's fused
     backward writes a dQ per kv block ([kv blocks, heads, L, head_dim]) and sums them after.
     Here each live (kv block, q block) step reads the q block's float32 dQ from HBM, adds its
@@ -457,18 +466,18 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
         counts = (_interval_counts(q_lo_ref[:1, :], q_hi_ref[:1, :], cls == FULL)
                   if kv_seg_ref is not None and kv_pos_ref is not None else None)
 
-        def body(c, _):
+        def body(c, _, masked):
             keys = pl.ds(c * bkv_compute, bkv_compute)
             k, v = k_ref[keys, :], v_ref[keys, :]
             s_raw = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32)  # [kc, bq]
             s = _soft_cap(s_raw, soft_cap)
-            if masking:
+            if masked:
                 shape = s.shape
                 row = lambda r: None if r is None else jnp.broadcast_to(r[:1, :], shape)  # noqa: E731
                 col = lambda r: None if r is None else _lanes(r[keys, :], bq)  # noqa: E731
-                if counts is None:
+                if counts is None:  # a partial block (full ones run unmasked, below)
                     allowed = _mask(row(q_lo_ref), row(q_hi_ref), col(kv_pos_ref),
-                                    row(q_seg_ref), col(kv_seg_ref), shape) | (cls == FULL)
+                                    row(q_seg_ref), col(kv_seg_ref), shape)
                 else:  # the full block or'ed into the counts and the segment test
                     allowed = _mask(row(q_lo_ref), None, col(kv_pos_ref), row(q_seg_ref),
                                     col(kv_seg_ref), shape,
@@ -486,7 +495,14 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
             dk_acc[keys, :] += lax.dot_general(ds, q, NN, preferred_element_type=jnp.float32)
             dq_share[...] += lax.dot_general(ds.T, k, NN, preferred_element_type=jnp.float32)
 
-        lax.fori_loop(0, bkv // bkv_compute, body, None, unroll=True)
+        sub_tiles = bkv // bkv_compute
+        if masking and counts is None:  # full blocks unmasked and unrolled, partial ones rolled
+            pl.when(cls == FULL)(lambda: lax.fori_loop(
+                0, sub_tiles, functools.partial(body, masked=False), None, unroll=True))
+            pl.when(cls == PARTIAL)(lambda: lax.fori_loop(
+                0, sub_tiles, functools.partial(body, masked=True), None))
+        else:
+            lax.fori_loop(0, sub_tiles, functools.partial(body, masked=masking), None, unroll=True)
         dq.finish(slot, address, b, h, block, dq_share[...])
 
     @pl.when(last_of_group)
