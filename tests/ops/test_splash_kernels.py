@@ -5,7 +5,8 @@
    against each query's allowed interval, segment ids, padding), full blocks left unmasked,
    GQA, soft cap, per-row tables, blocks computed in sub-tiles; out, lse, dq, dk and dv exact.
 2. The backward's dQ read-modify-write in HBM, under Pallas's TPU interpreter with race
-   detection and DMAs executed only when waited for: no read passes a write to its block.
+   detection and DMAs executed only when waited for: no read passes a write to its block, and
+   a step whose first sub-tile pair is skipped still waits for its read.
 3. The forward's grid ends after the last q block with a live block.
 4. The bf16 ring is no less accurate than plain single-device splash on the same inputs.
 """
@@ -134,21 +135,35 @@ def test_kernels_match_the_dense_reference(spec, documents, soft_cap, compute):
         np.testing.assert_allclose(g, w, err_msg=name, **GRAD_TOL)
 
 
-@pytest.mark.parametrize("spec,documents,heads,kv_heads", [
-    (masks.make_mask_spec(causal=True), True, 4, 2),
-    (masks.make_mask_spec(causal=True, sliding_window=(100, 0)), False, 1, 1),
-], ids=["documents-gqa", "band-one-head"])
-def test_dq_accumulation_is_race_free(spec, documents, heads, kv_heads):
+def _first_pair_dead(allowed, block, compute):
+    """Whether some partial block's first (keys, queries) sub-tile pair has no allowed pair:
+    the backward skips that pair and must still wait for its dQ read."""
+    b, L, _ = allowed.shape
+    cut = allowed.reshape(b, L // block, block, L // block, block)
+    partial = cut.any(axis=(2, 4)) & ~cut.all(axis=(2, 4))
+    first = cut[:, :, :compute, :, :compute].any(axis=(2, 4))
+    return bool((partial & ~first).any())
+
+
+@pytest.mark.parametrize("spec,documents,heads,kv_heads,block,compute", [
+    (masks.make_mask_spec(causal=True), True, 4, 2, 128, 128),
+    (masks.make_mask_spec(causal=True, sliding_window=(100, 0)), False, 1, 1, 128, 128),
+    (masks.make_mask_spec(causal=True, sliding_window=(100, 0)), False, 1, 1, 256, 128),
+], ids=["documents-gqa", "band-one-head", "band-sub-tile-pairs"])
+def test_dq_accumulation_is_race_free(spec, documents, heads, kv_heads, block, compute):
     """The backward under the TPU interpreter with race detection, DMAs run only when waited
     for: a read of a q block's dQ started before the last write to it landed would read a stale
     dQ (and be reported). Documents make the tables differ per row and leave dead entries, and
     two heads per kv head visit each q block in turn; a band one block wide on one head makes
-    consecutive live steps (the last of kv block j, the first of j + 1) the same q block."""
+    consecutive live steps (the last of kv block j, the first of j + 1) the same q block; with
+    sub-tiles, a partial block whose first (keys, queries) pair is skipped still waits for its
+    read before writing dQ back."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
-    block = 128
     operands, masks_in, allowed = _case(1, 2, 4 * block, spec, documents, heads, kv_heads)
     classes = _classes(allowed, block)
-    got = _run(operands, masks_in, classes, None, block, block,
+    if compute < block:
+        assert _first_pair_dead(allowed, block, compute)
+    got = _run(operands, masks_in, classes, None, block, compute,
                interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait"))
     assert not interpreter.races.races_found
     want = _dense(operands, allowed, None)
