@@ -206,6 +206,11 @@ def _lanes(x, width):
     return jnp.tile(x, (1, pl.cdiv(width, LANES)))[:, :width]
 
 
+def _slice(index, size):
+    """The `index`-th sub-tile of `size` rows or columns of a block."""
+    return pl.ds(pl.multiple_of(index * size, size), size)
+
+
 def _soft_cap(s, soft_cap):
     return s if soft_cap is None else jnp.tanh(s / soft_cap) * soft_cap
 
@@ -518,36 +523,35 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
         every_query = pl.ds(0, bq)
 
         def sub_tile(c, masked):
-            tile(pl.ds(pl.multiple_of(c * bkv_compute, bkv_compute), bkv_compute), every_query,
-                 masked, first=c == 0)
+            tile(_slice(c, bkv_compute), every_query, masked, first=c == 0)
 
         def whole(masked):  # the block's sub-tiles unrolled
             lax.fori_loop(0, sub_tiles, lambda c, _: sub_tile(c, masked), None, unroll=True)
 
-        if kv_seg_ref is None and kv_pos_ref is not None:
-            # A partial block as (keys, queries) sub-tile pairs, in a rolled loop, a pair whose
-            # keys lie outside every one of its queries' intervals skipped: the masked half of a
-            # causal diagonal block, 6 of its 16 pairs at 2,048.
+        def partial_block():  # rolled
+            if kv_pos_ref is None:  # documents of a full mask: the sub-tiles, every query
+                lax.fori_loop(0, sub_tiles, lambda c, _: sub_tile(c, True), None)
+                return
+            # (keys, queries) sub-tile pairs, a pair whose keys lie outside every one of its
+            # queries' intervals skipped: the masked half of a causal diagonal block, 6 of its
+            # 16 pairs at 2,048.
             bq_compute = bkv_compute if bq % bkv_compute == 0 else bq
             q_tiles = bq // bq_compute
 
             def pair(t, _):
                 c, r = lax.div(t, q_tiles), lax.rem(t, q_tiles)
-                keys = pl.ds(pl.multiple_of(c * bkv_compute, bkv_compute), bkv_compute)
-                queries = pl.ds(pl.multiple_of(r * bq_compute, bq_compute), bq_compute)
+                keys, queries = _slice(c, bkv_compute), _slice(r, bq_compute)
                 positions = kv_pos_ref[keys, :]
                 live = ((jnp.max(positions) >= jnp.min(q_lo_ref[:1, queries]))
                         & (jnp.min(positions) <= jnp.max(q_hi_ref[:1, queries])))
                 pl.when(live)(lambda: tile(keys, queries, True, first=t == 0))
                 pl.when((t == 0) & jnp.logical_not(live))(lambda: dq.wait_read(slot))
 
+            lax.fori_loop(0, sub_tiles * q_tiles, pair, None)
+
+        if counts is None and (kv_pos_ref is not None or kv_seg_ref is not None):  # a mask
             pl.when(cls == FULL)(lambda: whole(False))
-            pl.when(cls == PARTIAL)(
-                lambda: lax.fori_loop(0, sub_tiles * q_tiles, pair, None))
-        elif kv_seg_ref is not None and kv_pos_ref is None:  # documents of a full mask
-            pl.when(cls == FULL)(lambda: whole(False))
-            pl.when(cls == PARTIAL)(
-                lambda: lax.fori_loop(0, sub_tiles, lambda c, _: sub_tile(c, True), None))
+            pl.when(cls == PARTIAL)(partial_block)
         else:  # no mask; or documents with positions, one body (module docstring)
             whole(counts is not None)
         dq.finish(slot, address, b, h, block)
