@@ -77,8 +77,8 @@ from longctx.plan import collectives, hardware, links
 # is a measured chip's own figure, used on that chip in place of the shared one (chip_constant).
 CONSTANTS = {"matmul": 0.45, "attention": 1.0, "block_overhead": 340000000.0, "call_overhead": 7.5e-08,
              "collective_latency": 0.00016, "score_element_tpu7x": 3.7e-13, "dead_step": 61000000.0,
-             "attention_v5e": 0.83, "block_overhead_v5e": 94000000.0, "score_element_v5e": 3.6e-12,
-             "matmul_v5e": 0.74}
+             "attention_v5e": 0.86, "block_overhead_v5e": 100000000.0, "score_element_v5e": 3.5e-12,
+             "matmul_v5e": 0.73}
 
 # The model's mean absolute error on the published runs held out of the fit (docs/
 # planner_calibration.md, rounded): predicted steps closer than this are a tie (planner.break_ties).
