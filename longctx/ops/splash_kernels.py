@@ -33,12 +33,14 @@ docs/tpu_kernels.md):
   - One fused backward pass over every kv block, dQ accumulated in place. Splash's fused
     backward writes a dQ per kv block ([kv blocks, heads, L, head_dim]) and sums them after.
     Here each live (kv block, q block) step reads the q block's float32 dQ from HBM, adds its
-    sub-tiles' shares and writes it back, with asynchronous copies into two alternating
-    buffers, ordered so that no read can pass a write to the same block (`_DqAccumulator`).
-    The backward's traffic and memory then follow the live blocks, as the forward's do. Its
-    cost shows with full attention, every block live: the backward kernel takes 61.7 ms at 32K
-    on a v5e against splash's 57.7 plus 1.7 for its sum (profiled; the forwards take 26.9 and
-    27.0), and the read-modify-write is what differs between them.
+    sub-tiles' shares and writes it back, with asynchronous copies into three buffers in turn,
+    each read started by the step before, ordered so that no read can pass a write to the same
+    block (`_DqAccumulator`). The backward's traffic and memory then follow the live blocks, as
+    the forward's do, and at 131,072 tokens (or 65,536 with 32 query heads) it fits a v5e's
+    HBM where splash's per-kv-block dQ does not. With the read started in its own step, full
+    attention's backward kernel took 61.7 ms at 32K on a v5e against splash's 57.7 plus 1.7
+    for its sum (profiled; the forwards 26.9 and 27.0): Mosaic's schedule issued the read 79
+    bundles before its wait.
   - Results in float32: a ring step's out, dQ, dK and dV are partials that the ring sums over
     steps, so each is rounded to the input dtype once, at the end, as on one device.
   - The grid's table axis is sized at run time: it ends at the last live entry of the busiest
@@ -139,7 +141,8 @@ def vmem_bytes(bq: int, bkv: int, bkv_compute: int, head_dim: int, itemsize: int
     backward = (2 * (2 * bq + 2 * bkv) * head_dim * itemsize       # q, do, k, v
                 + 2 * 2 * SUBLANES * bq * 4                         # lse, di
                 + 2 * 2 * bkv * head_dim * 4                        # dk, dv
-                + 2 * bkv * head_dim * 4 + 2 * bq * head_dim * 4    # dk, dv, dq scratch
+                + 2 * bkv * head_dim * 4                            # dk, dv scratch
+                + _DqAccumulator.SLOTS * bq * head_dim * 4          # dq buffers
                 + 2 * (positions + segments) * bkv // max(bq, 1) + 6 * tile)
     return max(forward, backward)
 
@@ -384,18 +387,32 @@ def _cols(x):
 class _DqAccumulator:
     """dQ[b, h, q block] += a block's share, in HBM, from inside the backward's grid.
 
-    A live step starts reading its q block's dQ into one of two VMEM buffers (alternating), adds
-    each sub-tile's share into that buffer as it is computed (the first add waits for the read,
-    which the first sub-tile's matmuls hide), and starts writing it back; nothing waits for the
-    write until the buffer comes round again. No read passes a write to the same block: the
-    write from two live steps back used this step's buffer and is waited for before it is
-    reused, any older one was waited for then, and the previous step's write is waited for when
-    it went to the same block. State lives in SMEM across grid steps: the previous step's block
-    address, a pending flag per write buffer and the live-step count."""
+    A live step reads its q block's float32 dQ into one of three VMEM buffers (in turn), adds
+    each sub-tile's share into it as it is computed (the first add waits for the read) and
+    starts writing it back; nothing waits for the write until its buffer comes round again.
+    The read is started one grid step early, by the step before, where that step is live and
+    its next grid step is live with another block (`prefetch`): Mosaic's scheduler moves a DMA
+    start down to the first wait for it, so a read started in its own step stalls that step
+    for the whole copy (in the v5e schedule of full attention at 32K, the start 79 bundles
+    before the wait, the first sub-tile's matmuls before both). No read starts while a write
+    to the same block may be in flight: before a read into a buffer, every pending write of
+    that buffer or to that block is waited for. Three buffers, so that the one a step
+    prefetches into was written two live steps before it, long landed (with two, it would be
+    the write the step before had just started).
+
+    State in SMEM across grid steps: the live-step count, whether the next step's read has
+    been started, and per buffer a pending-write flag and the block it writes."""
+
+    SLOTS = 3
+    _COUNT, _PREFETCHED = 0, 1  # then per slot: pending flag, address
+    STATE = 2 + 2 * SLOTS
 
     def __init__(self, dq_hbm, buffers, semaphores, state):
         self.dq, self.buffers, self.sems, self.state = dq_hbm, buffers, semaphores, state
         self.bq = buffers.shape[1]
+
+    def _pending(self, slot):
+        return 2 + 2 * slot
 
     def _write(self, slot, b, h, block):
         return pltpu.make_async_copy(self.buffers.at[slot],
@@ -406,11 +423,18 @@ class _DqAccumulator:
         return pltpu.make_async_copy(self.dq.at[b, h, pl.ds(block * self.bq, self.bq)],
                                      self.buffers.at[slot], self.sems.at[0, slot])
 
-    def _wait_write(self, slot):
-        @pl.when(self.state[1 + slot] == 1)
+    def _wait_write_if(self, slot, condition):
+        @pl.when(condition & (self.state[self._pending(slot)] == 1))
         def _():
             self._write(slot, 0, 0, 0).wait()
-            self.state[1 + slot] = 0
+            self.state[self._pending(slot)] = 0
+
+    def _start_read(self, slot, address, b, h, block):
+        """Starts reading `block` into `slot`, after every write that could land later."""
+        for other in range(self.SLOTS):
+            self._wait_write_if(other, (other == slot)
+                                | (self.state[self._pending(other) + 1] == address))
+        self._read(slot, b, h, block).start()
 
     def wait_read(self, slot):
         """Waits for the step's read: once a step, before its first add (or, when a step skips
@@ -418,22 +442,27 @@ class _DqAccumulator:
         self._read(slot, 0, 0, 0).wait()
 
     def reset(self):
-        self.state[0] = -1
-        self.state[1] = 0
-        self.state[2] = 0
-        self.state[3] = 0
+        for index in range(self.STATE):
+            self.state[index] = 0
 
     def start(self, address, b, h, block):
-        """Begins a live step: returns its slot, with the read of the block under way."""
-        slot = lax.rem(self.state[3], 2)
-        self._wait_write(slot)
+        """Begins a live step: returns its slot, with the read of the block under way (started
+        here unless the step before did)."""
+        slot = lax.rem(self.state[self._COUNT], self.SLOTS)
 
-        @pl.when(self.state[0] == address)
+        @pl.when(self.state[self._PREFETCHED] == 0)
         def _():
-            self._wait_write(1 - slot)
+            self._start_read(slot, address, b, h, block)
 
-        self._read(slot, b, h, block).start()
+        self.state[self._PREFETCHED] = 0
         return slot
+
+    def prefetch(self, address, b, h, block):
+        """Starts the next grid step's read (a live step, with another block than this one's):
+        into the slot it will take."""
+        slot = lax.rem(self.state[self._COUNT] + 1, self.SLOTS)
+        self._start_read(slot, address, b, h, block)
+        self.state[self._PREFETCHED] = 1
 
     def add(self, slot, rows, share, first):
         """The step's block, rows `rows` (a pl.ds), += share; `first`: the step's first add,
@@ -446,14 +475,25 @@ class _DqAccumulator:
     def finish(self, slot, address, b, h, block):
         """Ends a live step: its block, every share added, goes back to HBM."""
         self._write(slot, b, h, block).start()
-        self.state[1 + slot] = 1
-        self.state[0] = address
-        self.state[3] = self.state[3] + 1
+        self.state[self._pending(slot)] = 1
+        self.state[self._pending(slot) + 1] = address
+        self.state[self._COUNT] = self.state[self._COUNT] + 1
 
     def drain(self):
         """Waits for every write still in flight (at the grid's last step)."""
-        self._wait_write(0)
-        self._wait_write(1)
+        for slot in range(self.SLOTS):
+            self._wait_write_if(slot, True)
+
+
+def _next_grid_step(b, j, h, i, n_b, n_j, n_h, height):
+    """(exists, b, j, h, i): the backward's grid index after (b, j, h, i), in the grid's order
+    (the table entry i fastest, then the head, the kv block, the batch row); clamped in range
+    where there is none."""
+    i1 = i + 1
+    h1, i1 = jnp.where(i1 == height, h + 1, h), jnp.where(i1 == height, 0, i1)
+    j1, h1 = jnp.where(h1 == n_h, j + 1, j), jnp.where(h1 == n_h, 0, h1)
+    b1, j1 = jnp.where(j1 == n_j, b + 1, b), jnp.where(j1 == n_j, 0, j1)
+    return b1 < n_b, jnp.minimum(b1, n_b - 1), j1, h1, i1
 
 
 def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_lo_ref,
@@ -554,6 +594,15 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
             pl.when(cls == PARTIAL)(partial_block)
         else:  # no mask; or documents with positions, one body (module docstring)
             whole(counts is not None)
+
+        exists, b1, j1, h1, i1 = _next_grid_step(b, j, h, i, n_b, n_j, n_h, grid_height[0])
+        block1, cls1 = _table_entry((data_next, block_mask), b1, h1, i1, j1)
+        address1 = (b1 * n_h + h1) * (dq_hbm.shape[2] // bq) + block1
+
+        @pl.when(exists & (cls1 != EMPTY) & (address1 != address))
+        def _():
+            dq.prefetch(address1, b1, h1, block1)
+
         dq.finish(slot, address, b, h, block)
 
     @pl.when(last_of_group)
@@ -628,9 +677,9 @@ def backward(tables, q, k, v, q_lo, q_hi, kv_pos, q_seg, kv_seg, lse, do, di, *,
                 grid=(batch, kv_len // bkv, heads, height),
                 scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
                                 pltpu.VMEM((bkv, head_dim), jnp.float32),
-                                pltpu.VMEM((2, bq, head_dim), jnp.float32),
-                                pltpu.SemaphoreType.DMA((2, 2)),
-                                pltpu.SMEM((4,), jnp.int32)]),
+                                pltpu.VMEM((_DqAccumulator.SLOTS, bq, head_dim), jnp.float32),
+                                pltpu.SemaphoreType.DMA((2, _DqAccumulator.SLOTS)),
+                                pltpu.SMEM((_DqAccumulator.STATE,), jnp.int32)]),
             # Every axis in order: dQ's read-modify-write spans the whole grid, and dK, dV
             # reduce over the heads and q blocks.
             compiler_params=_compiler_params(("arbitrary",) * 4, device_kind),

@@ -148,7 +148,8 @@ def _first_pair_dead(allowed, block, compute):
     (masks.make_mask_spec(causal=True), True, 4, 2, 128, 128),
     (masks.make_mask_spec(causal=True, sliding_window=(100, 0)), False, 1, 1, 128, 128),
     (masks.make_mask_spec(causal=True, sliding_window=(100, 0)), False, 1, 1, 256, 128),
-], ids=["documents-gqa", "band-one-head", "band-sub-tile-pairs"])
+    (masks.MaskSpec(), False, 2, 1, 128, 128),
+], ids=["documents-gqa", "band-one-head", "band-sub-tile-pairs", "full-two-heads"])
 def test_dq_accumulation_is_race_free(spec, documents, heads, kv_heads, block, compute):
     """The backward under the TPU interpreter with race detection, DMAs run only when waited
     for: a read of a q block's dQ started before the last write to it landed would read a stale
@@ -156,13 +157,36 @@ def test_dq_accumulation_is_race_free(spec, documents, heads, kv_heads, block, c
     two heads per kv head visit each q block in turn; a band one block wide on one head makes
     consecutive live steps (the last of kv block j, the first of j + 1) the same q block; with
     sub-tiles, a partial block whose first (keys, queries) pair is skipped still waits for its
-    read before writing dQ back."""
+    read before writing dQ back; full attention has every step live, each read started by the
+    step before, across heads, kv blocks and batch rows."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
     operands, masks_in, allowed = _case(1, 2, 4 * block, spec, documents, heads, kv_heads)
     classes = _classes(allowed, block)
     if compute < block:
         assert _first_pair_dead(allowed, block, compute)
     got = _run(operands, masks_in, classes, None, block, compute,
+               interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait"))
+    assert not interpreter.races.races_found
+    want = _dense(operands, allowed, None)
+    np.testing.assert_allclose(got[2], want[2], err_msg="dq", **GRAD_TOL)
+
+
+def test_dq_reads_wait_for_every_write_to_their_block():
+    """Live blocks chosen so that the q blocks' dQ addresses run 1, 2, 0, 2, 2, -, 2, 3 over
+    the grid (one head, tables two entries high, kv block 2's second entry dead): the read the
+    third step starts for the fourth waits for the second's write, the fifth step (the same
+    block as the fourth) starts its own read after the fourth's write, and the seventh's waits
+    for the fifth's, which went through another buffer. Under the interpreter's race
+    detection, DMAs run only when waited for."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
+    block, n = 128, 4
+    live = np.zeros((n, n), bool)  # [q block, kv block]
+    for kv, qs in {0: (1, 2), 1: (0, 2), 2: (2,), 3: (2, 3)}.items():
+        live[list(qs), kv] = True
+    allowed = np.kron(live, np.ones((block, block), bool))[None]
+    operands, masks_in, _ = _case(3, 1, n * block, masks.MaskSpec(), False, 1, 1)
+    masks_in = (None,) * 5  # no element mask: the tables alone decide
+    got = _run(operands, masks_in, _classes(allowed, block), None, block, block,
                interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait"))
     assert not interpreter.races.races_found
     want = _dense(operands, allowed, None)
