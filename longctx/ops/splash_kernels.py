@@ -390,29 +390,29 @@ class _DqAccumulator:
     A live step reads its q block's float32 dQ into one of three VMEM buffers (in turn), adds
     each sub-tile's share into it as it is computed (the first add waits for the read) and
     starts writing it back; nothing waits for the write until its buffer comes round again.
-    The read is started one grid step early, by the step before, where that step is live and
-    its next grid step is live with another block (`prefetch`): Mosaic's scheduler moves a DMA
-    start down to the first wait for it, so a read started in its own step stalls that step
-    for the whole copy (in the v5e schedule of full attention at 32K, the start 79 bundles
-    before the wait, the first sub-tile's matmuls before both). No read starts while a write
-    to the same block may be in flight: before a read into a buffer, every pending write of
-    that buffer or to that block is waited for. Three buffers, so that the one a step
-    prefetches into was written two live steps before it, long landed (with two, it would be
-    the write the step before had just started).
+    The read is started by the grid step before, live or dead, at its end (`start_read`):
+    Mosaic's scheduler moves a DMA start down to the first wait for it, so a read started in
+    its own step stalls that step for the whole copy (in the v5e schedule of full attention at
+    32K, the start 79 bundles before the wait, the first sub-tile's matmuls before both). Only
+    the grid's first step reads for itself. No read starts while a write to the same block may
+    be in flight: before a read into a buffer, every pending write of that buffer or to that
+    block is waited for (the step before's own, when both steps hold one block). Three
+    buffers, so that the one a live step reads the next step's block into was written two
+    live steps before, long landed (with two, it would be the write it had just started).
 
-    State in SMEM across grid steps: the live-step count, whether the next step's read has
-    been started, and per buffer a pending-write flag and the block it writes."""
+    State in SMEM across grid steps: the live-step count, and per buffer a pending-write flag
+    and the block it writes."""
 
     SLOTS = 3
-    _COUNT, _PREFETCHED = 0, 1  # then per slot: pending flag, address
-    STATE = 2 + 2 * SLOTS
+    _COUNT = 0  # then per slot: pending flag, address
+    STATE = 1 + 2 * SLOTS
 
     def __init__(self, dq_hbm, buffers, semaphores, state):
         self.dq, self.buffers, self.sems, self.state = dq_hbm, buffers, semaphores, state
         self.bq = buffers.shape[1]
 
     def _pending(self, slot):
-        return 2 + 2 * slot
+        return 1 + 2 * slot
 
     def _write(self, slot, b, h, block):
         return pltpu.make_async_copy(self.buffers.at[slot],
@@ -429,12 +429,6 @@ class _DqAccumulator:
             self._write(slot, 0, 0, 0).wait()
             self.state[self._pending(slot)] = 0
 
-    def _start_read(self, slot, address, b, h, block):
-        """Starts reading `block` into `slot`, after every write that could land later."""
-        for other in range(self.SLOTS):
-            self._wait_write_if(other, (other == slot)
-                                | (self.state[self._pending(other) + 1] == address))
-        self._read(slot, b, h, block).start()
 
     def wait_read(self, slot):
         """Waits for the step's read: once a step, before its first add (or, when a step skips
@@ -445,24 +439,18 @@ class _DqAccumulator:
         for index in range(self.STATE):
             self.state[index] = 0
 
-    def start(self, address, b, h, block):
-        """Begins a live step: returns its slot, with the read of the block under way (started
-        here unless the step before did)."""
-        slot = lax.rem(self.state[self._COUNT], self.SLOTS)
+    def slot(self):
+        """The buffer of the current live step (of the next one, once this one finished)."""
+        return lax.rem(self.state[self._COUNT], self.SLOTS)
 
-        @pl.when(self.state[self._PREFETCHED] == 0)
-        def _():
-            self._start_read(slot, address, b, h, block)
-
-        self.state[self._PREFETCHED] = 0
-        return slot
-
-    def prefetch(self, address, b, h, block):
-        """Starts the next grid step's read (a live step, with another block than this one's):
-        into the slot it will take."""
-        slot = lax.rem(self.state[self._COUNT] + 1, self.SLOTS)
-        self._start_read(slot, address, b, h, block)
-        self.state[self._PREFETCHED] = 1
+    def start_read(self, address, b, h, block):
+        """Starts reading the block of the next live step into its buffer, after every write
+        that could land later: the write of that buffer and any to that block."""
+        slot = self.slot()
+        for other in range(self.SLOTS):
+            self._wait_write_if(other, (other == slot)
+                                | (self.state[self._pending(other) + 1] == address))
+        self._read(slot, b, h, block).start()
 
     def add(self, slot, rows, share, first):
         """The step's block, rows `rows` (a pl.ds), += share; `first`: the step's first add,
@@ -510,9 +498,13 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
     first_of_group = (i == 0) & (lax.rem(h, per_kv) == 0)
     last_of_group = (i == grid_height[0] - 1) & (lax.rem(h, per_kv) == per_kv - 1)
 
+    q_blocks = dq_hbm.shape[2] // bq
+    address = (b * n_h + h) * q_blocks + block
+
     @pl.when((b == 0) & (j == 0) & (h == 0) & (i == 0))
     def _():
         dq.reset()
+        pl.when(cls != EMPTY)(lambda: dq.start_read(address, b, h, block))
 
     @pl.when(first_of_group)
     def _():
@@ -521,8 +513,7 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
 
     @pl.when(cls != EMPTY)
     def _visit():
-        address = (b * n_h + h) * (dq_hbm.shape[2] // bq) + block
-        slot = dq.start(address, b, h, block)
+        slot = dq.slot()
         counts = (_interval_counts(q_lo_ref[:1, :], q_hi_ref[:1, :], cls == FULL)
                   if kv_seg_ref is not None and kv_pos_ref is not None else None)
 
@@ -594,16 +585,15 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
             pl.when(cls == PARTIAL)(partial_block)
         else:  # no mask; or documents with positions, one body (module docstring)
             whole(counts is not None)
-
-        exists, b1, j1, h1, i1 = _next_grid_step(b, j, h, i, n_b, n_j, n_h, grid_height[0])
-        block1, cls1 = _table_entry((data_next, block_mask), b1, h1, i1, j1)
-        address1 = (b1 * n_h + h1) * (dq_hbm.shape[2] // bq) + block1
-
-        @pl.when(exists & (cls1 != EMPTY) & (address1 != address))
-        def _():
-            dq.prefetch(address1, b1, h1, block1)
-
         dq.finish(slot, address, b, h, block)
+
+    # The next grid step's read, where that step is live, starts here (_DqAccumulator).
+    exists, b1, j1, h1, i1 = _next_grid_step(b, j, h, i, n_b, n_j, n_h, grid_height[0])
+    block1, cls1 = _table_entry((data_next, block_mask), b1, h1, i1, j1)
+
+    @pl.when(exists & (cls1 != EMPTY))
+    def _():
+        dq.start_read((b1 * n_h + h1) * q_blocks + block1, b1, h1, block1)
 
     @pl.when(last_of_group)
     def _():

@@ -157,8 +157,8 @@ def test_dq_accumulation_is_race_free(spec, documents, heads, kv_heads, block, c
     two heads per kv head visit each q block in turn; a band one block wide on one head makes
     consecutive live steps (the last of kv block j, the first of j + 1) the same q block; with
     sub-tiles, a partial block whose first (keys, queries) pair is skipped still waits for its
-    read before writing dQ back; full attention has every step live, each read started by the
-    step before, across heads, kv blocks and batch rows."""
+    read before writing dQ back; full attention has every step live, each starting the next
+    one's read across heads, kv blocks and batch rows."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
     operands, masks_in, allowed = _case(1, 2, 4 * block, spec, documents, heads, kv_heads)
     classes = _classes(allowed, block)
@@ -173,11 +173,11 @@ def test_dq_accumulation_is_race_free(spec, documents, heads, kv_heads, block, c
 
 def test_dq_reads_wait_for_every_write_to_their_block():
     """Live blocks chosen so that the q blocks' dQ addresses run 1, 2, 0, 2, 2, -, 2, 3 over
-    the grid (one head, tables two entries high, kv block 2's second entry dead): the read the
-    third step starts for the fourth waits for the second's write, the fifth step (the same
-    block as the fourth) starts its own read after the fourth's write, and the seventh's waits
-    for the fifth's, which went through another buffer. Under the interpreter's race
-    detection, DMAs run only when waited for."""
+    the grid (one head, tables two entries high, kv block 2's second entry dead). Each step
+    starts the next one's read: the third starts the fourth's after the second's write
+    (another buffer), the fourth the fifth's after its own write (the same block), the dead
+    sixth the seventh's after the fifth's. Under the interpreter's race detection, DMAs run
+    only when waited for."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
     block, n = 128, 4
     live = np.zeros((n, n), bool)  # [q block, kv block]
