@@ -6,7 +6,8 @@
    GQA, soft cap, per-row tables, blocks computed in sub-tiles; out, lse, dq, dk and dv exact.
 2. The backward's dQ read-modify-write in HBM, under Pallas's TPU interpreter with race
    detection and DMAs executed only when waited for: no read passes a write to its block, and
-   a step whose first sub-tile pair is skipped still waits for its read.
+   a step whose first sub-tile pair is skipped still waits for its read; the grid step after
+   each, whose read a step starts, in the grid's order.
 3. The forward's grid ends after the last q block with a live block.
 4. The bf16 ring is no less accurate than plain single-device splash on the same inputs.
 """
@@ -317,3 +318,17 @@ def test_bf16_ring_is_as_accurate_as_single_device_splash(layout):
     ring = _errors(_ring(x[4], layout), x, want)
     for name, r, s in zip(("out", "dq", "dk", "dv"), ring, single):
         assert r <= 1.01 * s, f"{layout} {name}: ring mean error {r:.4g} vs single-device {s:.4g}"
+
+
+def test_next_grid_step_follows_the_backward_grid_order():
+    """_next_grid_step walks (b, j, h, i) in the order Pallas runs the backward's grid, the
+    table entry fastest, and says where the grid ends."""
+    n_b, n_j, n_h, height = 2, 3, 2, 3
+    order = [(b, j, h, i) for b in range(n_b) for j in range(n_j) for h in range(n_h)
+             for i in range(height)]
+    for here, there in zip(order, order[1:] + [None]):
+        exists, b, j, h, i = (int(x) for x in kernels._next_grid_step(
+            *map(jnp.int32, here), n_b, n_j, n_h, jnp.int32(height)))
+        assert bool(exists) == (there is not None)
+        if there is not None:
+            assert (b, j, h, i) == there
