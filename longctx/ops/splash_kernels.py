@@ -400,19 +400,24 @@ class _DqAccumulator:
     buffers, so that the one a live step reads the next step's block into was written two
     live steps before, long landed (with two, it would be the write it had just started).
 
-    State in SMEM across grid steps: the live-step count, and per buffer a pending-write flag
-    and the block it writes."""
+    State in SMEM across grid steps: the live-step count, and per buffer the address of the
+    block its pending write goes to (b, head, q block as one int; -1 with none)."""
 
     SLOTS = 3
-    _COUNT = 0  # then per slot: pending flag, address
-    STATE = 1 + 2 * SLOTS
+    _COUNT = 0  # then per slot: its pending write's address
+    STATE = 1 + SLOTS
+    _NONE = -1
 
     def __init__(self, dq_hbm, buffers, semaphores, state):
         self.dq, self.buffers, self.sems, self.state = dq_hbm, buffers, semaphores, state
         self.bq = buffers.shape[1]
 
-    def _pending(self, slot):
-        return 1 + 2 * slot
+    def _writing(self, slot):
+        return self.state[1 + slot]
+
+    def _address(self, b, h, block):
+        heads, q_blocks = self.dq.shape[1], self.dq.shape[2] // self.bq
+        return (b * heads + h) * q_blocks + block
 
     def _write(self, slot, b, h, block):
         return pltpu.make_async_copy(self.buffers.at[slot],
@@ -424,11 +429,10 @@ class _DqAccumulator:
                                      self.buffers.at[slot], self.sems.at[0, slot])
 
     def _wait_write_if(self, slot, condition):
-        @pl.when(condition & (self.state[self._pending(slot)] == 1))
+        @pl.when(condition & (self._writing(slot) != self._NONE))
         def _():
             self._write(slot, 0, 0, 0).wait()
-            self.state[self._pending(slot)] = 0
-
+            self.state[1 + slot] = self._NONE
 
     def wait_read(self, slot):
         """Waits for the step's read: once a step, before its first add (or, when a step skips
@@ -436,20 +440,20 @@ class _DqAccumulator:
         self._read(slot, 0, 0, 0).wait()
 
     def reset(self):
-        for index in range(self.STATE):
-            self.state[index] = 0
+        self.state[self._COUNT] = 0
+        for slot in range(self.SLOTS):
+            self.state[1 + slot] = self._NONE
 
     def slot(self):
         """The buffer of the current live step (of the next one, once this one finished)."""
         return lax.rem(self.state[self._COUNT], self.SLOTS)
 
-    def start_read(self, address, b, h, block):
+    def start_read(self, b, h, block):
         """Starts reading the block of the next live step into its buffer, after every write
         that could land later: the write of that buffer and any to that block."""
-        slot = self.slot()
+        slot, address = self.slot(), self._address(b, h, block)
         for other in range(self.SLOTS):
-            self._wait_write_if(other, (other == slot)
-                                | (self.state[self._pending(other) + 1] == address))
+            self._wait_write_if(other, (other == slot) | (self._writing(other) == address))
         self._read(slot, b, h, block).start()
 
     def add(self, slot, rows, share, first):
@@ -460,11 +464,10 @@ class _DqAccumulator:
         pl.when(first)(lambda: self.wait_read(slot))
         self.buffers[slot, rows, :] = self.buffers[slot, rows, :] + share
 
-    def finish(self, slot, address, b, h, block):
+    def finish(self, slot, b, h, block):
         """Ends a live step: its block, every share added, goes back to HBM."""
         self._write(slot, b, h, block).start()
-        self.state[self._pending(slot)] = 1
-        self.state[self._pending(slot) + 1] = address
+        self.state[1 + slot] = self._address(b, h, block)
         self.state[self._COUNT] = self.state[self._COUNT] + 1
 
     def drain(self):
@@ -498,13 +501,10 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
     first_of_group = (i == 0) & (lax.rem(h, per_kv) == 0)
     last_of_group = (i == grid_height[0] - 1) & (lax.rem(h, per_kv) == per_kv - 1)
 
-    q_blocks = dq_hbm.shape[2] // bq
-    address = (b * n_h + h) * q_blocks + block
-
     @pl.when((b == 0) & (j == 0) & (h == 0) & (i == 0))
     def _():
         dq.reset()
-        pl.when(cls != EMPTY)(lambda: dq.start_read(address, b, h, block))
+        pl.when(cls != EMPTY)(lambda: dq.start_read(b, h, block))
 
     @pl.when(first_of_group)
     def _():
@@ -585,15 +585,13 @@ def _backward_kernel(data_next, block_mask, grid_height, q_ref, k_ref, v_ref, q_
             pl.when(cls == PARTIAL)(partial_block)
         else:  # no mask; or documents with positions, one body (module docstring)
             whole(counts is not None)
-        dq.finish(slot, address, b, h, block)
+        dq.finish(slot, b, h, block)
 
     # The next grid step's read, where that step is live, starts here (_DqAccumulator).
     exists, b1, j1, h1, i1 = _next_grid_step(b, j, h, i, n_b, n_j, n_h, grid_height[0])
     block1, cls1 = _table_entry((data_next, block_mask), b1, h1, i1, j1)
 
-    @pl.when(exists & (cls1 != EMPTY))
-    def _():
-        dq.start_read((b1 * n_h + h1) * q_blocks + block1, b1, h1, block1)
+    pl.when(exists & (cls1 != EMPTY))(lambda: dq.start_read(b1, h1, block1))
 
     @pl.when(last_of_group)
     def _():
