@@ -22,6 +22,8 @@ On a TPU VM (docs/tpu.md):
 Writes docs/tpu_kernels.json (a later run replaces the rows it measures and keeps the others) and
 docs/tpu_kernels.md, and the chip's longctx timings into longctx/plan/tpu_block_timings.json, from
 which `attention.block_size=auto` takes the fastest block on that chip (plan/measured_blocks.py).
+Each row is written to those files as soon as it is measured, so that a run cut short (a
+`timeout`, the TPU VM's lease) keeps every row it finished.
 Nothing here runs on CPU: the kernels' speed is the chip's.
 """
 from __future__ import annotations
@@ -50,6 +52,8 @@ DOCUMENTS = 32
 MASKS = ("causal", "window", "documents", "one_document", "full")
 KEY = ("impl", "vmem", "mask", "S", "heads", "kv_heads", "head_dim", "block")
 RUN = time.strftime("%Y-%m-%d %H:%M", time.gmtime())  # rows measured in one invocation share it
+# what a measuring process prints for the parent: its chip, then each row as it is measured
+DEVICE, ROW = "DEVICE ", "ROW "
 
 
 def _arguments(argv=None):
@@ -218,6 +222,7 @@ def measure(args, vmem: str) -> list[dict]:
         raise SystemExit(f"{device.device_kind} is not a TPU chip this script knows: run it on a "
                          "TPU host (docs/tpu.md)")
     peak = chip.peak_flops
+    print(f"{DEVICE}{device.device_kind}", flush=True)
     print(f"device {device.device_kind}, scoped VMEM {vmem}, peak {peak / 1e12:.0f} TFLOP/s",
           flush=True)
     first = "default" if args.vmem == "both" else args.vmem  # longctx's one process
@@ -249,7 +254,7 @@ def measure(args, vmem: str) -> list[dict]:
                                    head_dim=args.head_dim, block=block, pairs=pairs)
                         row.update(_one(impl, mask, S, block, seg, (q, k, v, do), flops, peak,
                                         reference, args))
-                        print(json.dumps(row), flush=True)
+                        print(ROW + json.dumps(row), flush=True)
                         rows.append(row)
     return rows
 
@@ -424,10 +429,7 @@ def main(argv=None):
         cli.validated(f"the flags are fine ({len(args.seqs.split(','))} length(s), "
                       f"{len(args.masks.split(','))} mask(s), {len(args.blocks.split(','))} block(s))")
     if args.child:
-        rows = measure(args, args.child)
-        import jax
-        print("ROWS " + json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}),
-              flush=True)
+        measure(args, args.child)
         return
     settings = ["default", "raised"] if args.vmem == "both" else [args.vmem]
     rows, device = [], None
@@ -442,20 +444,39 @@ def main(argv=None):
         child = subprocess.Popen([sys.executable, os.path.abspath(__file__), *child_args,
                                   "--child", vmem, "--run", args.run], env=env,
                                  stdout=subprocess.PIPE, text=True)
-        for line in child.stdout:  # streamed: a run cut short keeps what it printed
-            if line.startswith("ROWS "):
-                got = json.loads(line[5:])
-                rows += got["rows"]
-                device = got["device"]
-            else:
-                print(line, end="", flush=True)
-        child.wait()
-    # the command carries the run stamp its rows name
+        device = collect(child.stdout, rows, device, lambda kind: save(args, rows, kind))
+        if child.wait():
+            kept = (f"the {len(rows)} rows measured before it are in {args.json}" if rows else
+                    "no row was measured")
+            raise SystemExit(f"the measuring process ({vmem} VMEM) stopped with exit status "
+                             f"{child.returncode}, its reason above; {kept}")
+    print(f"wrote {args.json} and {args.md}: {len(rows)} rows measured" if rows else
+          "no row measured: nothing written")
+
+
+def collect(lines, rows, device, saved):
+    """Reads a measuring process's output: its rows appended to `rows` (and printed as JSON
+    lines), `saved(device kind)` called after each; the rest printed as it comes. Returns the
+    device kind it named (else `device`)."""
+    for line in lines:
+        if line.startswith(DEVICE):
+            device = line[len(DEVICE):].strip()
+        elif line.startswith(ROW):
+            rows.append(json.loads(line[len(ROW):]))
+            print(line[len(ROW):], end="", flush=True)
+            saved(device)
+        else:
+            print(line, end="", flush=True)
+    return device
+
+
+def save(args, rows, device) -> None:
+    """The rows measured so far into the page, its JSON and the block table; the command
+    carries the run stamp its rows name."""
     data = _merge(args.json, rows, device, f"[{args.run}] {bc.command_line()}")
     bc.write_json(args.json, data)
     bc.write_markdown(args.md, markdown(data))
     write_block_table(data, args.block_table)
-    print(f"wrote {args.json} and {args.md}: {len(rows)} rows measured")
 
 
 if __name__ == "__main__":

@@ -27,18 +27,23 @@ def command_line() -> str:
     return " ".join([".venv/bin/python", script] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
-def write_json(path: str, obj) -> None:
+def _write(path: str, text: str) -> None:
+    """Writes `path` whole or not at all: a script stopped mid-write (a timeout, a lease ending)
+    leaves the file it had, since a page holds the rows of earlier runs too."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.write("\n")
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
+def write_json(path: str, obj) -> None:
+    _write(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
 
 
 def write_markdown(path: str, markdown: str) -> None:
     """Writes a whole markdown document (ending in one newline)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(markdown.rstrip("\n") + "\n")
+    _write(path, markdown.rstrip("\n") + "\n")
 
 
 def write_section(name: str, markdown: str, path: str = BENCHMARKS_MD) -> None:
@@ -51,9 +56,7 @@ def write_section(name: str, markdown: str, path: str = BENCHMARKS_MD) -> None:
         text = pattern.sub(lambda _: block, text)
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text if text.endswith("\n") else text + "\n")
+    _write(path, text if text.endswith("\n") else text + "\n")
 
 
 def table(headers, rows) -> str:

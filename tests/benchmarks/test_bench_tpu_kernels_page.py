@@ -1,7 +1,9 @@
 """docs/tpu_kernels.md as benchmarks/bench_tpu_kernels.py writes it (rows of different head
 shapes are different kernels, each compared only with its own shape; a run no row names any more
-leaves the page), and the masks its flags accept. Nothing here needs a chip."""
+leaves the page), the masks its flags accept, and each row on the page as soon as it is measured.
+Nothing here needs a chip."""
 import importlib.util
+import json
 import os
 
 import pytest
@@ -80,3 +82,28 @@ def test_an_unknown_mask_is_refused_before_anything_runs(capsys):
         _bench()._arguments(["--masks", "causal,docs"])
     assert exited.value.code == 2
     assert "docs is not a mask this benchmark runs; choose from causal, window, documents" in capsys.readouterr().err
+
+
+def test_each_row_is_written_as_it_arrives_so_a_run_cut_short_keeps_it(tmp_path):
+    bench = _bench()
+    page = str(tmp_path / "kernels.json")
+    args = bench._arguments(["--json", page, "--md", str(tmp_path / "kernels.md"),
+                             "--block-table", str(tmp_path / "blocks.json"), "--run", "r"])
+    first, second = _row("longctx", 128, 1024, 60.0), _row("stock", 128, 1024, 62.0)
+
+    def a_child_stopped_after_two_rows():
+        yield bench.DEVICE + "TPU v5 lite\n"
+        yield "device TPU v5 lite, scoped VMEM default\n"
+        yield bench.ROW + json.dumps(first) + "\n"
+        # the first row is on the page before the child measures the next
+        assert [r["impl"] for r in json.load(open(page))["rows"]] == ["longctx"]
+        yield bench.ROW + json.dumps(second) + "\n"
+
+    rows = []
+    device = bench.collect(a_child_stopped_after_two_rows(), rows, None,
+                           lambda kind: bench.save(args, rows, kind))
+    data = json.load(open(page))
+    assert device == data["device"] == "TPU v5 lite"
+    assert [r["impl"] for r in data["rows"]] == ["longctx", "stock"]
+    assert json.load(open(tmp_path / "blocks.json"))["TPU v5 lite"][0]["block"] == 1024
+    assert sorted(os.listdir(tmp_path)) == ["blocks.json", "kernels.json", "kernels.md"]

@@ -199,6 +199,19 @@ def test_benchmarks_md_sections_are_replaced_not_duplicated(tmp_path):
     assert text.index("BEGIN a") < text.index("BEGIN b")
 
 
+def test_a_page_stopped_mid_write_keeps_what_it_held(tmp_path, monkeypatch):
+    page = str(tmp_path / "p.json")
+    bench_common.write_json(page, {"rows": [1]})
+
+    def stopped(*_):
+        raise KeyboardInterrupt  # as a timeout's signal would land, between write and rename
+
+    monkeypatch.setattr(os, "replace", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        bench_common.write_json(page, {"rows": [1, 2]})
+    assert json.load(open(page)) == {"rows": [1]}
+
+
 def test_largest_square_finds_score_matrices():
     hlo = "x = f32[1,4,2048,2048]{3,2,1,0} y = bf16[2048,512] z = f32[4,2048,64]"
     assert bench_common.largest_square(hlo, 2048) == ["f32[1,4,2048,2048]"]
