@@ -210,9 +210,10 @@ def _reference(mask, S, seg, q, k, v, do):
     return (out, *vjp(f32(do)))
 
 
-def measure(args, vmem: str) -> list[dict]:
-    """The rows this process measures (stock and tokamax at `vmem`; longctx, its limit being its
-    own, only in the first process: the default one under --vmem both)."""
+def measure(args, vmem: str) -> None:
+    """Measures and prints this process's rows, each as it is done (stock and tokamax at `vmem`;
+    longctx, its limit being its own, only in the first process: the default one under --vmem
+    both)."""
     import jax
     import jax.numpy as jnp
     device = jax.devices()[0]
@@ -227,7 +228,7 @@ def measure(args, vmem: str) -> list[dict]:
           flush=True)
     first = "default" if args.vmem == "both" else args.vmem  # longctx's one process
     impls = [i for i in args.impls.split(",") if i != "longctx" or vmem == first]
-    rows, start = [], time.perf_counter()
+    start = time.perf_counter()
     seqs = [int(s) for s in args.seqs.split(",")]
     for heads, kv_heads in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
         for S in seqs:
@@ -247,7 +248,7 @@ def measure(args, vmem: str) -> list[dict]:
                     for block in (int(b) for b in args.blocks.split(",")):
                         if time.perf_counter() - start > args.budget_s:
                             print("budget spent: stopping", flush=True)
-                            return rows
+                            return
                         row = dict(run=args.run, impl=impl,
                                    vmem=vmem if impl != "longctx" else "own",
                                    mask=mask, S=S, heads=heads, kv_heads=kv_heads,
@@ -255,8 +256,6 @@ def measure(args, vmem: str) -> list[dict]:
                         row.update(_one(impl, mask, S, block, seg, (q, k, v, do), flops, peak,
                                         reference, args))
                         print(ROW + json.dumps(row), flush=True)
-                        rows.append(row)
-    return rows
 
 
 def _one(impl, mask, S, block, seg, operands, flops, peak, reference, args) -> dict:
