@@ -403,8 +403,9 @@ class _DqAccumulator:
     block its pending write goes to (b, head, q block as one int; -1 with none)."""
 
     SLOTS = 3
-    _COUNT = 0  # then per slot: its pending write's address
-    STATE = 1 + SLOTS
+    _COUNT = 0    # state[_COUNT]: live steps so far
+    _WRITING = 1  # state[_WRITING + slot]: the address its pending write goes to
+    STATE = _WRITING + SLOTS
     _NONE = -1
 
     def __init__(self, dq_hbm, buffers, semaphores, state):
@@ -412,7 +413,7 @@ class _DqAccumulator:
         self.bq = buffers.shape[1]
 
     def _writing(self, slot):
-        return self.state[1 + slot]
+        return self.state[self._WRITING + slot]
 
     def _address(self, b, h, block):
         heads, q_blocks = self.dq.shape[1], self.dq.shape[2] // self.bq
@@ -431,7 +432,7 @@ class _DqAccumulator:
         @pl.when(condition & (self._writing(slot) != self._NONE))
         def _():
             self._write(slot, 0, 0, 0).wait()
-            self.state[1 + slot] = self._NONE
+            self.state[self._WRITING + slot] = self._NONE
 
     def wait_read(self, slot):
         """Waits for the step's read: once a step, before its first add (or, when a step skips
@@ -441,7 +442,7 @@ class _DqAccumulator:
     def reset(self):
         self.state[self._COUNT] = 0
         for slot in range(self.SLOTS):
-            self.state[1 + slot] = self._NONE
+            self.state[self._WRITING + slot] = self._NONE
 
     def slot(self):
         """The buffer of the current live step (of the next one, once this one finished)."""
@@ -466,7 +467,7 @@ class _DqAccumulator:
     def finish(self, slot, b, h, block):
         """Ends a live step: its block, every share added, goes back to HBM."""
         self._write(slot, b, h, block).start()
-        self.state[1 + slot] = self._address(b, h, block)
+        self.state[self._WRITING + slot] = self._address(b, h, block)
         self.state[self._COUNT] = self.state[self._COUNT] + 1
 
     def drain(self):
