@@ -431,7 +431,7 @@ def main(argv=None):
         measure(args, args.child)
         return
     settings = ["default", "raised"] if args.vmem == "both" else [args.vmem]
-    rows, device = [], None
+    rows = []
     for vmem in settings:
         env = dict(os.environ)
         if vmem == "raised":
@@ -443,7 +443,7 @@ def main(argv=None):
         child = subprocess.Popen([sys.executable, os.path.abspath(__file__), *child_args,
                                   "--child", vmem, "--run", args.run], env=env,
                                  stdout=subprocess.PIPE, text=True)
-        device = collect(child.stdout, rows, device, lambda kind: save(args, rows, kind))
+        record(args, child.stdout, rows)
         if child.wait():
             kept = (f"the {len(rows)} rows measured before it are in {args.json}" if rows else
                     "no row was measured")
@@ -453,20 +453,19 @@ def main(argv=None):
           "no row measured: nothing written")
 
 
-def collect(lines, rows, device, saved):
-    """Reads a measuring process's output: its rows appended to `rows` (and printed as JSON
-    lines), `saved(device kind)` called after each; the rest printed as it comes. Returns the
-    device kind it named (else `device`)."""
+def record(args, lines, rows) -> None:
+    """Reads a measuring process's output as it comes: each row it prints is added to `rows`,
+    printed as a JSON line and written to the page at once; the rest is printed."""
+    device = None
     for line in lines:
         if line.startswith(DEVICE):
             device = line[len(DEVICE):].strip()
         elif line.startswith(ROW):
             rows.append(json.loads(line[len(ROW):]))
             print(line[len(ROW):], end="", flush=True)
-            saved(device)
+            save(args, rows, device)
         else:
             print(line, end="", flush=True)
-    return device
 
 
 def save(args, rows, device) -> None:
