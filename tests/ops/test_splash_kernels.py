@@ -185,7 +185,7 @@ def test_dq_reads_wait_for_every_write_to_their_block():
     for kv, qs in {0: (1, 2), 1: (0, 2), 2: (2,), 3: (2, 3)}.items():
         live[list(qs), kv] = True
     allowed = np.kron(live, np.ones((block, block), bool))[None]
-    operands, masks_in, _ = _case(3, 1, n * block, masks.MaskSpec(), False, 1, 1)
+    operands, _, _ = _case(3, 1, n * block, masks.MaskSpec(), False, 1, 1)
     masks_in = (None,) * 5  # no element mask: the tables alone decide
     got = _run(operands, masks_in, _classes(allowed, block), None, block, block,
                interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait"))
