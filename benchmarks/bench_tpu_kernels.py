@@ -4,7 +4,8 @@ MaxText's tokamax splash, same inputs, same run.
   longctx   ops.ring_attention on a one-device mesh (sp=1, contiguous, impl=splash): the
             kernels of ops/splash_kernels.py with the ring's tables around them
   stock     jax.experimental.pallas.ops.tpu.splash_attention (CausalMask / LocalMask / FullMask;
-            segment ids for documents), fused backward, keys computed 512 at a time
+            segment ids for documents), fused backward, as many keys computed at a time as
+            longctx's kernels (ops.ring.compute_block)
   tokamax   MaxText 0.2.5's kernels.tokamax_splash_attention, the same settings (where it is
             importable: `bash ../shared/tpu/fetch-wheels.sh` puts it on the TPU host's path)
 
@@ -145,13 +146,15 @@ def _attention(impl, mask, S, block, seg, heads, head_dim):
         f = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * (3 + len(documents)),
                           out_specs=spec, check_vma=False)
         return lambda q, k, v: f(q[None], k[None], v[None], *documents)[0]
+    from longctx.ops.ring import compute_block
+    compute = compute_block(block)
     if impl == "stock":
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
         one = _mask(sm, mask, window, S)
-        sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=min(block, 512),
+        sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=compute,
                               block_q_dkv=block, block_kv_dkv=block,
-                              block_kv_dkv_compute=min(block, 512), use_fused_bwd_kernel=True)
+                              block_kv_dkv_compute=compute, use_fused_bwd_kernel=True)
         make = lambda heads: sk.make_splash_mha(sm.MultiHeadMask([one] * heads),  # noqa: E731
                                                 block_sizes=sizes, head_shards=1, q_seq_shards=1)
         segments = None if ids is None else sk.SegmentIds(ids, ids)
@@ -163,9 +166,9 @@ def _attention(impl, mask, S, block, seg, heads, head_dim):
         except ImportError:
             return None
         one = _mask(tm, mask, window, S)
-        config = tk.SplashConfig(block_q=block, block_kv=block, block_kv_compute=min(block, 512),
+        config = tk.SplashConfig(block_q=block, block_kv=block, block_kv_compute=compute,
                                  block_q_dkv=block, block_kv_dkv=block,
-                                 block_kv_dkv_compute=min(block, 512), use_fused_bwd_kernel=True)
+                                 block_kv_dkv_compute=compute, use_fused_bwd_kernel=True)
         make = lambda heads: tk.make_splash_mha(one, config=config, q_seq_shards=1)  # noqa: E731
         segments = None if ids is None else tb.SegmentIds(ids, ids)
     else:

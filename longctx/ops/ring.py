@@ -351,7 +351,7 @@ def _block_sizes(block_sizes, shard_len, impl, layout):
     if block_sizes is None:
         block_sizes = masks.default_block_size(shard_len, layout)
     if isinstance(block_sizes, int) and not isinstance(block_sizes, bool):
-        compute = _compute_block(block_sizes)
+        compute = compute_block(block_sizes)
         sizes = (block_sizes, block_sizes, compute, compute)
     elif isinstance(block_sizes, sk.BlockSizes):
         bs = block_sizes
@@ -388,9 +388,11 @@ def _block_sizes(block_sizes, shard_len, impl, layout):
 COMPUTE_BLOCK = 512
 
 
-def _compute_block(block: int) -> int:
+def compute_block(block: int) -> int:
     """How many keys a kernel multiplies at once inside a block of `block`: up to 512, as splash's
-    own recipes have it. Larger blocks fetch less often; larger score tiles only take VMEM."""
+    own recipes have it. Larger blocks fetch less often; larger score tiles only take VMEM. The
+    chip's benchmark and test tier give stock splash the same, so that the kernels they set side
+    by side compute alike."""
     compute = min(block, COMPUTE_BLOCK)
     return compute if block % compute == 0 else block
 

@@ -621,6 +621,17 @@ def test_bad_input_names_the_argument_and_the_numbers():
                                          use_fused_bwd_kernel=False))
 
 
+@pytest.mark.parametrize("block,compute", [(128, 128), (512, 512), (1024, 512), (2048, 512),
+                                           (384, 384), (640, 640)])
+def test_a_block_computes_up_to_512_keys_at_a_time(block, compute):
+    """The forward and the backward multiply up to 512 keys at once, a whole block where 512 does
+    not divide it (a compute block must divide its block)."""
+    from longctx.ops import ring as ring_lib
+    assert ring_lib.compute_block(block) == compute
+    assert ring_lib._block_sizes(block, 4 * block, "splash", "contiguous") == (
+        block, block, compute, compute)
+
+
 @pytest.mark.parametrize("impl", ["splash"])  # the kernel's local shard_map must survive re-tracing
 def test_under_remat_and_scan_like_the_model(impl):
     """Layers as lax.scan over jax.checkpoint, each calling the ring in a shard_map (re-traced)."""

@@ -22,6 +22,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import Mesh, PartitionSpec as P
 
 from longctx.ops import context_parallel_attention
+from longctx.ops.ring import compute_block
 
 pytestmark = pytest.mark.tpu
 
@@ -107,9 +108,10 @@ def _stock(mask, block, ids, sinks):
     one = {"full": sm.FullMask((S, S)),
            "window": sm.LocalMask((S, S), window_size=(WINDOW, 0), offset=0),
            "chunked": sm.ChunkedCausalMask((S, S), chunk_size=CHUNK)}.get(mask, sm.CausalMask((S, S)))
-    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=min(block, 512),
+    compute = compute_block(block)
+    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=compute,
                           block_q_dkv=block, block_kv_dkv=block,
-                          block_kv_dkv_compute=min(block, 512), use_fused_bwd_kernel=True)
+                          block_kv_dkv_compute=compute, use_fused_bwd_kernel=True)
     kernel = sk.make_splash_mha(sm.MultiHeadMask([one] * HEADS), block_sizes=sizes, head_shards=1,
                                 q_seq_shards=1,
                                 attn_logits_soft_cap=CAP if mask == "soft_cap" else None)
