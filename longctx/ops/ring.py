@@ -391,8 +391,8 @@ COMPUTE_BLOCK = 512
 def compute_block(block: int) -> int:
     """How many keys a kernel multiplies at once inside a block of `block`: up to 512, as splash's
     own recipes have it. Larger blocks fetch less often; larger score tiles only take VMEM. The
-    chip's benchmark and test tier give stock splash the same, so that the kernels they set side
-    by side compute alike."""
+    chip's benchmark (stock and tokamax splash) and test tier (stock) give the kernels they set
+    beside longctx's the same, so that they compute alike."""
     compute = min(block, COMPUTE_BLOCK)
     return compute if block % compute == 0 else block
 
